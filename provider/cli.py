@@ -1,0 +1,105 @@
+"""`provider` command line: start the node, build fixtures, and (later) manage models."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from . import __version__, logs
+from .jobs import JobError
+from .settings import Settings, SettingsError
+
+
+def _add_start(sub) -> None:
+    p = sub.add_parser("start", help="run the node (local API and/or coordinator session)")
+    p.add_argument("--local", action="store_true", help="serve a local OpenAI-compatible API")
+    p.add_argument("--model", help="model directory or Hugging Face repo id (default: the bundled model)")
+    p.add_argument("--port", type=int, help="local API port (default 8080; 0 picks a free one)")
+    p.add_argument("--bind", help="local API address (default 127.0.0.1)")
+    p.add_argument("--no-auth", dest="auth", action="store_const", const=False, help="serve without a bearer token")
+    p.add_argument("--config", type=Path, help="TOML config file (default: $XDG_CONFIG_HOME/provider/config.toml)")
+    p.add_argument("--log-format", choices=["auto", "console", "json"])
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="provider", description="Provider node for decentralized LLM inference.")
+    parser.add_argument("--version", action="version", version=f"provider {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_start(sub)
+    fx = sub.add_parser("fixtures", help="write small deterministic test checkpoints into DIR")
+    fx.add_argument("dir", type=Path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "fixtures":
+        from .models import fixtures
+
+        for path in fixtures.write_all(args.dir):
+            print(path)
+        return 0
+    if args.command == "start":
+        return _start(args)
+    return 2
+
+
+def _start(args: argparse.Namespace) -> int:
+    cli = {"model": args.model, "port": args.port, "bind": args.bind, "auth": args.auth,
+           "log_format": args.log_format, "log_level": args.log_level}
+    try:
+        settings = Settings.load(cli=cli, config_file=args.config)
+    except SettingsError as e:
+        print(f"provider: configuration error: {e}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    if not args.local:
+        print("provider: nothing to run; pass --local (the coordinator session comes with --coordinator)",
+              file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run_local(settings))
+    except (JobError, PermissionError) as e:
+        print(f"provider: cannot start: {getattr(e, 'message', e)}", file=sys.stderr)
+        return 1
+
+
+async def _run_local(settings: Settings) -> int:
+    from .local.server import load_or_mint_token, serve
+    from .models.default import DEFAULT_MODEL_NAME, ensure_default_model
+    from .models.loader import model_id_for
+    from .models.manager import ModelManager
+    from .node import Node
+
+    if settings.model:
+        sources = {model_id_for(settings.model): settings.model}
+    else:
+        sources = {DEFAULT_MODEL_NAME: str(ensure_default_model())}
+    node = Node(settings, ModelManager(sources))
+    node.start()
+    model_id = await asyncio.wrap_future(node.engine.preload(node.models.default_id))
+
+    token, token_path = load_or_mint_token() if settings.auth else (None, None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(url: str) -> None:
+        print(f"provider {__version__}: local OpenAI-compatible API at {url}/v1", flush=True)
+        print(f"  model:      {model_id}", flush=True)
+        if token_path:
+            print(f"  token file: {token_path}  (send: Authorization: Bearer <its contents>)", flush=True)
+        else:
+            print("  auth:       off (--no-auth)", flush=True)
+
+    await serve(node, settings.bind, settings.port, token, stop, on_ready=ready)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""One job's plain decode, advanced one token per `step()` by the engine thread.
+
+Tokens come from mlx-lm's `generate_step` (prefill leaves the last prompt token
+for a width-1 step, as mlx-lm does); text from mlx-lm's streaming detokenizer,
+so multi-byte characters are never split across chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from ..jobs import Cause, Done, Event, Job, JobError, Tokens, Usage
+from ..models.loader import LoadedModel
+from .sampling import sampler_for
+from .stops import StopMatcher
+
+SPECULATION_OFF = {"mode": "off", "reason": "not_configured"}
+
+
+def encode_prompt(job: Job, lm: LoadedModel) -> list[int]:
+    tok = lm.tokenizer
+    if job.messages is not None:
+        if not tok.has_chat_template:
+            raise JobError(
+                Cause.INVALID_REQUEST,
+                f"model {lm.id} has no chat template; send a raw prompt to /v1/completions instead",
+            )
+        try:
+            ids = tok.apply_chat_template(list(job.messages), add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja raises for, e.g., roles that do not alternate
+            raise JobError(Cause.INVALID_REQUEST, f"the chat template of {lm.id} rejected the messages: {e}") from None
+        if isinstance(ids, dict):  # transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        # Same rule as mlx_lm.stream_generate: add BOS unless the prompt already starts with it.
+        add_special = tok.bos_token is None or not job.prompt.startswith(tok.bos_token)
+        ids = tok.encode(job.prompt, add_special_tokens=add_special)
+    if not ids:
+        raise JobError(Cause.INVALID_REQUEST, "the prompt is empty")
+    return list(ids)
+
+
+class Generation:
+    def __init__(self, job: Job, lm: LoadedModel, *, prefill_step_size: int, arrived: float):
+        prompt = encode_prompt(job, lm)
+        room = lm.context_length - len(prompt)
+        if room < 1:
+            raise JobError(
+                Cause.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt is {len(prompt)} tokens but {lm.id} has a context of {lm.context_length}; "
+                "shorten the prompt",
+            )
+        self.job = job
+        self.model_id = lm.id
+        self.prompt_tokens = len(prompt)
+        self.max_tokens = min(job.sampling.max_tokens, room)
+        self.completion_tokens = 0
+        self._seq = 0
+        self._tokens = generate_step(
+            mx.array(prompt),
+            lm.model,
+            max_tokens=self.max_tokens,
+            sampler=sampler_for(job.sampling),
+            prefill_step_size=prefill_step_size,
+        )
+        self._detok = lm.tokenizer.detokenizer
+        self._stops = StopMatcher(job.sampling.stop)
+        self._eos = set(lm.tokenizer.eos_token_ids) | set(job.sampling.stop_token_ids)
+        # The engine loop owns the timestamps (monotonic seconds).
+        self.t_arrived = arrived
+        self.t_started = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.finished = False
+
+    def step(self) -> list[Event]:
+        """Generate one token; return its events (a final `Done` when the job ends)."""
+        try:
+            token, _ = next(self._tokens)
+        except StopIteration:
+            return self.finish("length")
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        self.t_last = now
+        if token in self._eos:
+            return self.finish("stop")
+        self.completion_tokens += 1
+        self._detok.add_token(token)
+        text, hit_stop = self._stops.feed(self._detok.last_segment)
+        events: list[Event] = [self._chunk(text, (token,))]
+        if hit_stop:
+            return events + self.finish("stop", flush=False)
+        if self.completion_tokens >= self.max_tokens:
+            return events + self.finish("length")
+        return events
+
+    def finish(self, reason: str, *, flush: bool = True) -> list[Event]:
+        self.finished = True
+        self._tokens.close()
+        events: list[Event] = []
+        if flush and reason != "cancelled":
+            self._detok.finalize()
+            tail, hit_stop = self._stops.feed(self._detok.last_segment)
+            tail += "" if hit_stop else self._stops.flush()
+            if tail:
+                events.append(self._chunk(tail, ()))
+        usage = Usage(self.prompt_tokens, self.completion_tokens)
+        events.append(Done(self.job.id, reason, usage, self.telemetry(reason)))
+        return events
+
+    def _chunk(self, text: str, ids: tuple[int, ...]) -> Tokens:
+        ev = Tokens(self.job.id, self._seq, text, ids)
+        self._seq += 1
+        return ev
+
+    def telemetry(self, finish_reason: str) -> dict[str, Any]:
+        end = time.perf_counter()
+        first = self.t_first
+        decode_s = (self.t_last - first) if first is not None and self.t_last is not None else 0.0
+        return {
+            "ttft_ms": round((first - self.t_arrived) * 1000, 3) if first is not None else None,
+            "queue_ms": round((self.t_started - self.t_arrived) * 1000, 3),
+            "total_ms": round((end - self.t_arrived) * 1000, 3),
+            "prefill_tokens_per_s": round(self.prompt_tokens / (first - self.t_started), 3) if first else None,
+            # Tokens after the first, over the time since the first: the steady decode rate.
+            "decode_tokens_per_s": round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else None,
+            "peak_memory_bytes": mx.get_peak_memory(),
+            "finish_reason": finish_reason,
+            "speculation": dict(SPECULATION_OFF),
+        }

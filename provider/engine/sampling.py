@@ -1,0 +1,45 @@
+"""Samplers from SamplingParams, built on mlx-lm's sampling functions.
+
+A job with a seed gets its own PRNG key, so its output does not depend on
+what other jobs the engine interleaves with it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+
+from ..jobs import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def sampler_for(params: SamplingParams) -> Sampler:
+    if params.greedy or params.seed is None:
+        return make_sampler(
+            temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
+        )
+    return _seeded_sampler(params)
+
+
+def _seeded_sampler(params: SamplingParams) -> Sampler:
+    key = mx.random.key(params.seed)
+    # Same filter order as mlx_lm.sample_utils.make_sampler.
+    filters = []
+    if 0 < params.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+    if params.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, params.top_k))
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1 / params.temperature), key=sub)
+
+    return sample

@@ -1,0 +1,230 @@
+"""The engine loop: one thread owns MLX and advances every active job one token per pass.
+
+Front ends hand jobs in through a thread-safe inbox and receive events through
+a sink callback (called on this thread; it must not block). Cancels are read
+between decode steps, so a cancelled job stops within one step.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import logs
+from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
+from ..models.loader import warm_up
+from ..models.manager import ModelManager
+from .generation import SPECULATION_OFF, Generation
+
+Sink = Callable[[Event], None]
+log = logs.get("engine")
+
+
+@dataclass
+class _Pending:
+    job: Job
+    sink: Sink
+    arrived: float
+
+
+@dataclass
+class EngineStats:
+    active: int = 0
+    queued: int = 0
+    jobs_completed: int = 0
+    jobs_failed: int = 0
+    jobs_cancelled: int = 0
+    tokens_generated: int = 0
+
+
+class Engine:
+    def __init__(self, models: ModelManager, *, max_concurrent: int, max_queued: int, prefill_step_size: int):
+        self.models = models
+        self._max_concurrent = max_concurrent
+        self._max_queued = max_queued
+        self._prefill_step_size = prefill_step_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[_Pending] = collections.deque()
+        self._active: dict[str, tuple[Generation, Sink]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._draining = threading.Event()
+        self._stop_at: float | None = None
+        self.stats = EngineStats()
+        self.last_tick = time.monotonic()  # fed to the service watchdog
+
+    # --- called from any thread -------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job, sink: Sink) -> None:
+        self._inbox.put(("submit", _Pending(job, sink, time.perf_counter())))
+
+    def cancel(self, job_id: str) -> None:
+        self._inbox.put(("cancel", job_id))
+
+    def preload(self, model_id: str) -> concurrent.futures.Future:
+        """Load a model on the engine thread ahead of the first job; the future holds its id or the JobError."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("preload", (model_id, fut)))
+        return fut
+
+    def drain(self) -> None:
+        """Accept no new jobs; in-flight and queued ones run to the end."""
+        self._draining.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    @property
+    def idle(self) -> bool:
+        return self.stats.active == 0 and self.stats.queued == 0
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread."""
+        self.drain()
+        self._inbox.put(("stop", grace_s))
+        self._thread.join()
+
+    # --- engine thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._pump(block=not self._active and not self._waiting)
+            if self._stop_at is not None and (time.monotonic() >= self._stop_at or self.idle):
+                break
+            self._admit()
+            for job_id, (gen, sink) in list(self._active.items()):
+                try:
+                    events = gen.step()
+                except Exception as e:  # a bug or MLX failure ends this job, not the node
+                    log.exception("job_step_failed", job_id=job_id)
+                    events = [Error(job_id, Cause.INTERNAL, f"generation failed: {type(e).__name__}")]
+                self._deliver(gen.model_id, events, sink)
+            self.last_tick = time.monotonic()
+        for job_id in list(self._active):
+            self._cancel(job_id)
+        while self._waiting:
+            self._cancel(self._waiting[0].job.id)
+
+    def _pump(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            self.last_tick = time.monotonic()
+            return
+        while True:
+            kind, arg = msg
+            if kind == "submit":
+                self._enqueue(arg)
+            elif kind == "cancel":
+                self._cancel(arg)
+            elif kind == "preload":
+                self._preload(*arg)
+            elif kind == "stop":
+                self._stop_at = time.monotonic() + arg
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._update_counts()
+
+    def _preload(self, model_id: str, fut: concurrent.futures.Future) -> None:
+        try:
+            lm = self.models.acquire(model_id)
+        except JobError as e:
+            fut.set_exception(e)
+            return
+        try:
+            warm_up(lm)
+        finally:
+            self.models.release(lm.id)
+        fut.set_result(lm.id)
+
+    def _enqueue(self, p: _Pending) -> None:
+        if self.draining:
+            _safe(p.sink, Error(p.job.id, Cause.DRAINING, "the node is draining and accepts no new jobs; retry elsewhere"))
+        elif len(self._waiting) >= self._max_queued and len(self._active) >= self._max_concurrent:
+            _safe(p.sink, Error(p.job.id, Cause.OVERLOADED, f"the queue is full ({self._max_queued} jobs); retry later"))
+        else:
+            self._waiting.append(p)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self._max_concurrent:
+            p = self._waiting.popleft()
+            try:
+                lm = self.models.acquire(p.job.model)
+            except JobError as e:
+                self._fail(p, e)
+                continue
+            try:
+                gen = Generation(p.job, lm, prefill_step_size=self._prefill_step_size, arrived=p.arrived)
+            except JobError as e:
+                self.models.release(lm.id)
+                self._fail(p, e)
+                continue
+            self._active[p.job.id] = (gen, p.sink)
+            _safe(p.sink, Accepted(p.job.id, lm.id, gen.prompt_tokens))
+            log.info("job_started", job_id=p.job.id, model=lm.id, prompt_tokens=gen.prompt_tokens)
+        self._update_counts()
+
+    def _fail(self, p: _Pending, e: JobError) -> None:
+        self.stats.jobs_failed += 1
+        log.info("job_rejected", job_id=p.job.id, cause=e.cause.value)
+        _safe(p.sink, Error(p.job.id, e.cause, e.message))
+
+    def _cancel(self, job_id: str) -> None:
+        if job_id in self._active:
+            gen, sink = self._active[job_id]
+            self._deliver(gen.model_id, gen.finish("cancelled"), sink)
+            return
+        for p in self._waiting:
+            if p.job.id == job_id:
+                self._waiting.remove(p)
+                done = Done(job_id, "cancelled", Usage(0, 0), {"speculation": dict(SPECULATION_OFF)})
+                self.stats.jobs_cancelled += 1
+                _safe(p.sink, done)
+                break
+        self._update_counts()
+
+    def _deliver(self, model_id: str, events: list[Event], sink: Sink) -> None:
+        for ev in events:
+            _safe(sink, ev)
+            if isinstance(ev, (Done, Error)):
+                self._active.pop(ev.job_id, None)
+                self.models.release(model_id)
+                if isinstance(ev, Error):
+                    self.stats.jobs_failed += 1
+                elif ev.finish_reason == "cancelled":
+                    self.stats.jobs_cancelled += 1
+                else:
+                    self.stats.jobs_completed += 1
+                self.stats.tokens_generated += ev.usage.completion_tokens if isinstance(ev, Done) else 0
+                log.info(
+                    "job_finished",
+                    job_id=ev.job_id,
+                    model=model_id,
+                    finish_reason=getattr(ev, "finish_reason", None),
+                    cause=getattr(ev, "cause", None),
+                    completion_tokens=ev.usage.completion_tokens if isinstance(ev, Done) else None,
+                    ttft_ms=ev.telemetry.get("ttft_ms") if isinstance(ev, Done) else None,
+                    decode_tokens_per_s=ev.telemetry.get("decode_tokens_per_s") if isinstance(ev, Done) else None,
+                )
+                self._update_counts()
+
+    def _update_counts(self) -> None:
+        self.stats.active = len(self._active)
+        self.stats.queued = len(self._waiting)
+
+
+def _safe(sink: Sink, ev: Event) -> None:
+    try:
+        sink(ev)
+    except Exception:  # a broken consumer must not stop the engine
+        log.exception("event_sink_failed", job_id=ev.job_id)

@@ -1,0 +1,118 @@
+"""The one job path: a `Job` goes in, `Event`s come out.
+
+Both front ends (the coordinator session and the local HTTP API) translate
+their requests into a Job and translate Events back; neither touches MLX.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+class Cause(str, enum.Enum):
+    """Closed set of reasons a job fails. Front ends map these to HTTP codes or proto enums."""
+
+    INVALID_REQUEST = "invalid_request"
+    UNKNOWN_MODEL = "unknown_model"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MODEL_LOAD_FAILED = "model_load_failed"
+    INSUFFICIENT_MEMORY = "insufficient_memory"
+    SPECULATION_UNAVAILABLE = "speculation_unavailable"
+    OVERLOADED = "overloaded"
+    DRAINING = "draining"
+    COORDINATOR_LOST = "coordinator_lost"
+    INTERNAL = "internal"
+
+
+class JobError(Exception):
+    """A typed failure of one job. The node keeps serving."""
+
+    def __init__(self, cause: Cause, message: str):
+        super().__init__(message)
+        self.cause = cause
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation request. Exactly one of `prompt` (raw text) or `messages` (chat) is set."""
+
+    id: str
+    model: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    speculation: str = "auto"  # auto | on | off
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise JobError(Cause.INVALID_REQUEST, "a job needs exactly one of prompt or messages")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    job_id: str
+    model: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Tokens:
+    job_id: str
+    seq: int  # 0, 1, 2, ... per job, no gaps
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Done:
+    job_id: str
+    finish_reason: str  # stop | length | cancelled
+    usage: Usage
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Error:
+    job_id: str
+    cause: Cause
+    message: str
+
+
+Event = Union[Accepted, Tokens, Done, Error]
+TERMINAL = (Done, Error)

@@ -1,0 +1,261 @@
+"""OpenAI request bodies -> Job, and Events -> OpenAI response bodies. Pure: no I/O, no MLX."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..jobs import Cause, Done, Job, JobError, SamplingParams
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_STOP_SEQUENCES = 16
+SPECULATION_POLICIES = ("auto", "on", "off")
+
+
+class RequestError(ValueError):
+    """A malformed request: an HTTP status and an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# How each job failure cause reaches an HTTP client.
+CAUSE_STATUS: dict[Cause, tuple[int, str]] = {
+    Cause.INVALID_REQUEST: (400, "invalid_request_error"),
+    Cause.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
+    Cause.UNKNOWN_MODEL: (404, "invalid_request_error"),
+    Cause.SPECULATION_UNAVAILABLE: (400, "invalid_request_error"),
+    Cause.OVERLOADED: (429, "rate_limit_error"),
+    Cause.INSUFFICIENT_MEMORY: (503, "server_error"),
+    Cause.DRAINING: (503, "server_error"),
+    Cause.MODEL_LOAD_FAILED: (500, "server_error"),
+    Cause.COORDINATOR_LOST: (502, "server_error"),
+    Cause.INTERNAL: (500, "server_error"),
+}
+
+
+def error_for(cause: Cause, message: str) -> RequestError:
+    status, type_ = CAUSE_STATUS[cause]
+    code = "model_not_found" if cause is Cause.UNKNOWN_MODEL else cause.value
+    return RequestError(message, status=status, code=code, type_=type_)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens_limit: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    job: Job
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
+    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    return _finish(body, job_id, limits, messages=parsed)
+
+
+def parse_completion(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise RequestError("prompt must be a string (batches of prompts are not supported)", "prompt")
+    if not prompt:
+        raise RequestError("prompt must not be empty", "prompt")
+    return _finish(body, job_id, limits, prompt=prompt)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise RequestError(f"{param} must be an object with role and content", param)
+    role = m.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{param}.role must be one of {', '.join(sorted(ROLES))}", f"{param}.role")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text is served here
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"{param}.content[{j}] must be a text part; images and audio are not supported",
+                                   f"{param}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise RequestError(f"{param}.content must be a string or an array of text parts", f"{param}.content")
+    return {"role": role, "content": content}
+
+
+def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) -> ParsedRequest:
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise RequestError("model must be a string", "model")
+    n = body.get("n", 1)
+    if n != 1:
+        raise RequestError("only n=1 is supported", "n")
+    if body.get("logprobs") not in (None, False, 0):
+        raise RequestError("logprobs are not supported", "logprobs")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object", "stream_options")
+    speculation = body.get("speculation", "auto")
+    if speculation not in SPECULATION_POLICIES:
+        raise RequestError(f"speculation must be one of {', '.join(SPECULATION_POLICIES)}", "speculation")
+    job = Job(
+        id=job_id,
+        model=model,
+        sampling=_sampling(body, limits),
+        speculation=speculation,
+        **prompt,
+    )
+    return ParsedRequest(job, stream, bool(options.get("include_usage", False)))
+
+
+def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    elif not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens_limit:
+        raise RequestError(f"max_tokens must be an integer from 1 to {limits.max_tokens_limit}, got {max_tokens!r}",
+                           "max_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_SEQUENCES:
+        stop = tuple(stop)
+    else:
+        raise RequestError(f"stop must be a string or an array of at most {MAX_STOP_SEQUENCES} strings", "stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise RequestError("stop_token_ids must be an array of non-negative integers", "stop_token_ids")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError("seed must be an integer", "seed")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=_int(body, "top_k", 0, 0, 1 << 20),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=None if seed is None else seed % (1 << 63),
+        stop=stop,
+        stop_token_ids=tuple(stop_ids),
+    )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{key} must be a boolean", key)
+    return v
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f"{key} must be a number", key)
+    if v > hi or v < lo or (low_open and v == lo):
+        raise RequestError(f"{key} must be {'>' if low_open else '>='} {lo} and <= {hi}, got {v}", key)
+    return float(v)
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v) or not lo <= v <= hi:
+        raise RequestError(f"{key} must be an integer from {lo} to {hi}", key)
+    return v
+
+
+# --- responses ------------------------------------------------------------------
+
+
+def _envelope(job_id: str, model: str, obj: str, created: int) -> dict[str, Any]:
+    return {"id": job_id, "object": obj, "created": created, "model": model}
+
+
+def chat_response(job_id: str, model: str, text: str, done: Done, created: int) -> dict[str, Any]:
+    return _envelope(job_id, model, "chat.completion", created) | {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "finish_reason": done.finish_reason, "logprobs": None}],
+        "usage": done.usage.as_dict(),
+        "telemetry": done.telemetry,
+    }
+
+
+def completion_response(job_id: str, model: str, text: str, done: Done, created: int) -> dict[str, Any]:
+    return _envelope(job_id, model, "text_completion", created) | {
+        "choices": [{"index": 0, "text": text, "finish_reason": done.finish_reason, "logprobs": None}],
+        "usage": done.usage.as_dict(),
+        "telemetry": done.telemetry,
+    }
+
+
+def chat_chunk(job_id: str, model: str, created: int, *, text: str | None = None, role: bool = False,
+               finish_reason: str | None = None) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if role:
+        delta["role"] = "assistant"
+    if text is not None:
+        delta["content"] = text
+    return _envelope(job_id, model, "chat.completion.chunk", created) | {
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    }
+
+
+def completion_chunk(job_id: str, model: str, created: int, *, text: str = "",
+                     finish_reason: str | None = None) -> dict[str, Any]:
+    return _envelope(job_id, model, "text_completion", created) | {
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+    }
+
+
+def usage_chunk(job_id: str, model: str, created: int, obj: str, done: Done) -> dict[str, Any]:
+    """The last chunk before [DONE]: no choices, usage and telemetry (as with include_usage)."""
+    return _envelope(job_id, model, obj, created) | {
+        "choices": [], "usage": done.usage.as_dict(), "telemetry": done.telemetry
+    }
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def job_error_to_request_error(e: JobError) -> RequestError:
+    return error_for(e.cause, e.message)

@@ -1,0 +1,201 @@
+"""The local OpenAI-compatible HTTP API (aiohttp). Translates HTTP <-> Job/Event; never touches MLX."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+from .. import logs, paths
+from ..jobs import Accepted, Done, Error, JobError, Tokens
+from ..node import JobStream, Node
+from . import openai_api as api
+
+log = logs.get("local")
+TOKEN_FILE = "local-api-token"
+
+
+def load_or_mint_token(state_dir: Path | None = None) -> tuple[str, Path]:
+    """The bearer token for the local API, minted on first use into a 0600 file."""
+    path = (state_dir or paths.state_dir()) / TOKEN_FILE
+    if path.exists():
+        if not paths.is_private(path):
+            raise PermissionError(f"{path} is readable by other users; run `chmod 600 {path}` or delete it")
+        token = path.read_text().strip()
+        if token:
+            return token, path
+    token = "sk-local-" + secrets.token_urlsafe(32)
+    paths.write_private(path, token.encode())
+    return token, path
+
+
+def _error(e: api.RequestError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+class LocalAPI:
+    def __init__(self, node: Node, token: str | None):
+        self.node = node
+        self.token = token
+        s = node.settings
+        self.limits = api.Limits(s.max_tokens_limit, s.default_max_tokens)
+        self.app = web.Application(client_max_size=s.max_body_bytes, middlewares=[self._errors, self._auth])
+        self.app.add_routes([
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+        ])
+
+    # --- middlewares ----------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except api.RequestError as e:
+            return _error(e)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.node.settings.max_body_bytes
+            return _error(api.RequestError(f"request body exceeds {limit} bytes", status=413, code="body_too_large"))
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return _error(api.RequestError(e.reason, status=e.status, code=str(e.status)))
+            raise
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        if self.token is not None and request.path != "/health":
+            header = request.headers.get("Authorization", "")
+            given = header[7:] if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(given.encode(), self.token.encode()):
+                raise api.RequestError("missing or wrong bearer token; see the token file printed at start-up",
+                                       status=401, code="invalid_api_key", type_="authentication_error")
+        return await handler(request)
+
+    # --- routes --------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        engine = self.node.engine
+        return web.json_response({
+            "status": "draining" if engine.draining else "ok",
+            "models": self.node.models.ids(),
+            "resident_models": self.node.models.resident(),
+            "active_jobs": engine.stats.active,
+            "queued_jobs": engine.stats.queued,
+        })
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = api.now()
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "provider"} for m in self.node.models.ids()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, api.parse_chat, "chatcmpl", chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, api.parse_completion, "cmpl", chat=False)
+
+    async def _serve(self, request: web.Request, parse: Callable, prefix: str, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json(loads=_strict_json)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise api.RequestError(f"the request body is not valid JSON: {e}")
+        try:
+            req = parse(body, self.node.new_job_id(prefix), self.limits)
+            model = self.node.models.canonical_id(req.job.model)
+        except JobError as e:
+            raise api.job_error_to_request_error(e)
+        job = dataclasses.replace(req.job, model=model)
+        async with self.node.run(job) as stream:
+            first = await anext(stream)
+            if isinstance(first, Error):
+                raise api.error_for(first.cause, first.message)
+            assert isinstance(first, Accepted)
+            if req.stream:
+                return await self._stream(request, stream, job.id, model, chat, req.include_usage)
+            return await self._collect(stream, job.id, model, chat)
+
+    async def _collect(self, stream: JobStream, job_id: str, model: str, chat: bool) -> web.Response:
+        parts: list[str] = []
+        async for ev in stream:
+            if isinstance(ev, Tokens):
+                parts.append(ev.text)
+            elif isinstance(ev, Error):
+                raise api.error_for(ev.cause, ev.message)
+            elif isinstance(ev, Done):
+                build = api.chat_response if chat else api.completion_response
+                return web.json_response(build(job_id, model, "".join(parts), ev, api.now()))
+        raise api.RequestError("the job ended without a result", status=500, type_="server_error")
+
+    async def _stream(self, request: web.Request, stream: JobStream, job_id: str, model: str, chat: bool,
+                      include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created = api.now()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(payload: dict[str, Any] | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        if chat:
+            await send(api.chat_chunk(job_id, model, created, role=True, text=""))
+        async for ev in stream:
+            # Coalesce whatever else is already waiting, so a slow client never falls behind per token.
+            batch = [ev, *stream.drain_ready()]
+            text = "".join(e.text for e in batch if isinstance(e, Tokens))
+            if text:
+                chunk = (api.chat_chunk(job_id, model, created, text=text) if chat
+                         else api.completion_chunk(job_id, model, created, text=text))
+                await send(chunk)
+            end = batch[-1]
+            if isinstance(end, Error):
+                await send(api.error_for(end.cause, end.message).body())
+            elif isinstance(end, Done):
+                final = (api.chat_chunk(job_id, model, created, finish_reason=end.finish_reason) if chat
+                         else api.completion_chunk(job_id, model, created, finish_reason=end.finish_reason))
+                # usage + telemetry ride on the finishing chunk for every client, and on an
+                # extra choices-less chunk for clients that asked for include_usage.
+                final |= {"usage": end.usage.as_dict(), "telemetry": end.telemetry}
+                await send(final)
+                if include_usage:
+                    await send(api.usage_chunk(job_id, model, created, obj, end))
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+def _strict_json(text: str) -> Any:
+    # Reject NaN/Infinity, which json.loads accepts by default but JSON does not allow.
+    def bad_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    return json.loads(text, parse_constant=bad_constant)
+
+
+async def serve(node: Node, bind: str, port: int, token: str | None, stop: asyncio.Event,
+                on_ready: Callable[[str], None] | None = None) -> None:
+    """Run the API until `stop` is set, then drain the node and close the listener."""
+    api_ = LocalAPI(node, token)
+    runner = web.AppRunner(api_.app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, bind, port)
+    await site.start()
+    sock = site._server.sockets[0].getsockname()  # the real port when port=0
+    host = f"[{sock[0]}]" if ":" in sock[0] else sock[0]
+    url = f"http://{host}:{sock[1]}"
+    log.info("local_api_listening", url=url, auth=token is not None)
+    if on_ready:
+        on_ready(url)
+    try:
+        await stop.wait()
+    finally:
+        await node.stop(grace_s=node.settings.shutdown_grace_s)
+        await runner.cleanup()

@@ -1,0 +1,95 @@
+"""Resolve a model reference (local directory or Hugging Face repo id) and load it with mlx-lm."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..jobs import Cause, JobError
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class LoadedModel:
+    id: str
+    path: Path
+    model: Any  # mlx.nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    load_seconds: float
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def context_length(self) -> int:
+        return context_length(self.config)
+
+
+def context_length(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return DEFAULT_CONTEXT
+
+
+def model_id_for(source: str) -> str:
+    """The public id of a model: a directory's name, or the repo id as given."""
+    p = Path(source).expanduser()
+    return p.name if p.exists() else source
+
+
+def resolve(source: str, *, allow_download: bool = True) -> Path:
+    """Local directory as is; a repo id from the Hugging Face cache, downloading it if allowed."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise JobError(Cause.MODEL_LOAD_FAILED, f"{p} has no config.json; is it a model directory?")
+        return p
+    if p.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise JobError(Cause.UNKNOWN_MODEL, f"model {source!r} is neither a model directory nor a repo id (org/name)")
+
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(source, local_files_only=True, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception:
+        if not allow_download:
+            raise JobError(Cause.UNKNOWN_MODEL, f"model {source!r} is not in the local Hugging Face cache") from None
+    try:
+        # huggingface_hub shows a progress bar and resumes partial downloads.
+        return Path(snapshot_download(source, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as e:
+        raise JobError(Cause.UNKNOWN_MODEL, f"cannot fetch model {source!r}: {type(e).__name__}: {e}") from None
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read {path / 'config.json'}: {e}") from None
+
+
+def warm_up(lm: LoadedModel) -> None:
+    """Run two decode steps so MLX compiles its kernels before the first real request pays for it."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    for _ in zip(range(2), generate_step(mx.array([0, 1]), lm.model, max_tokens=2)):
+        pass
+
+
+def load(model_id: str, path: Path) -> LoadedModel:
+    """Load weights and tokenizer with mlx-lm. Any failure becomes a typed MODEL_LOAD_FAILED."""
+    from mlx_lm.utils import load as mlx_load
+
+    start = time.perf_counter()
+    try:
+        model, tokenizer, config = mlx_load(str(path), return_config=True)
+    except Exception as e:
+        raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot load {model_id} from {path}: {type(e).__name__}: {e}") from None
+    return LoadedModel(model_id, path, model, tokenizer, config, time.perf_counter() - start)

@@ -1,0 +1,91 @@
+"""The node: the one engine and its models, with an asyncio face for the front ends.
+
+`Node.run(job)` is the single job path the local HTTP API and the coordinator
+session both use: submit a Job, iterate its Events until a terminal one.
+Closing the stream early (client gone, coordinator lost) cancels the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import AsyncIterator
+
+from . import logs
+from .engine.scheduler import Engine
+from .jobs import TERMINAL, Event, Job
+from .models.manager import ModelManager
+from .settings import Settings
+
+log = logs.get("node")
+
+
+class JobStream:
+    """Async iterator over one job's events; `aclose()` cancels the job if it is still running."""
+
+    def __init__(self, engine: Engine, job: Job):
+        self.job = job
+        self._engine = engine
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._finished = False
+        loop = asyncio.get_running_loop()
+        engine.submit(job, lambda ev: loop.call_soon_threadsafe(self._queue.put_nowait, ev))
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._finished:
+            raise StopAsyncIteration
+        ev = await self._queue.get()
+        if isinstance(ev, TERMINAL):
+            self._finished = True
+        return ev
+
+    def drain_ready(self) -> list[Event]:
+        """Events already delivered, without waiting (lets front ends coalesce token chunks)."""
+        out: list[Event] = []
+        while not self._finished and not self._queue.empty():
+            ev = self._queue.get_nowait()
+            out.append(ev)
+            if isinstance(ev, TERMINAL):
+                self._finished = True
+        return out
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine.cancel(self.job.id)
+
+    async def __aenter__(self) -> "JobStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class Node:
+    def __init__(self, settings: Settings, models: ModelManager):
+        self.settings = settings
+        self.models = models
+        self.engine = Engine(
+            models,
+            max_concurrent=settings.max_concurrent_jobs,
+            max_queued=settings.max_queued_jobs,
+            prefill_step_size=settings.prefill_step_size,
+        )
+
+    def start(self) -> None:
+        self.engine.start()
+        log.info("node_started", models=self.models.ids(), default_model=self.models.default_id)
+
+    def run(self, job: Job) -> JobStream:
+        return JobStream(self.engine, job)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await asyncio.to_thread(self.engine.stop, grace_s)
+        log.info("node_stopped")
+
+    @staticmethod
+    def new_job_id(prefix: str = "job") -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:16]}"

@@ -1,0 +1,156 @@
+"""One frozen Settings object: defaults, then the TOML file, then PROVIDER_* env, then CLI flags.
+
+Every value is type- and bounds-checked once at start-up; a bad value raises
+SettingsError naming the key, where it came from, and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import paths
+
+ENV_PREFIX = "PROVIDER_"
+
+
+class SettingsError(ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+def _range(lo: float | None = None, hi: float | None = None) -> dict:
+    return {"lo": lo, "hi": hi}
+
+
+def _choice(*options: str) -> dict:
+    return {"choices": options}
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Model served when a request or job does not name one; empty means the bundled default.
+    model: str = ""
+    # Draft model or Gemma 4 assistant paired with `model` (used by speculation).
+    drafter: str = ""
+    speculation: str = field(default="auto", metadata=_choice("auto", "on", "off"))
+
+    # Local OpenAI-compatible API.
+    bind: str = "127.0.0.1"
+    port: int = field(default=8080, metadata=_range(0, 65535))
+    auth: bool = True
+    max_body_bytes: int = field(default=4 * 2**20, metadata=_range(1024, 256 * 2**20))
+
+    # Coordinator session.
+    coordinator: str = ""
+    coordinator_ca_file: str = ""
+    allow_insecure_coordinator: bool = False
+    heartbeat_interval_s: float = field(default=5.0, metadata=_range(0.1, 300))
+    reconnect_max_delay_s: float = field(default=30.0, metadata=_range(0.05, 3600))
+
+    # Engine.
+    max_concurrent_jobs: int = field(default=4, metadata=_range(1, 256))
+    max_queued_jobs: int = field(default=256, metadata=_range(0, 100_000))
+    max_tokens_limit: int = field(default=32768, metadata=_range(1, 1 << 20))
+    default_max_tokens: int = field(default=1024, metadata=_range(1, 1 << 20))
+    prefill_step_size: int = field(default=2048, metadata=_range(16, 1 << 16))
+    # On SIGTERM/Ctrl-C, in-flight jobs get this long to finish before they are cancelled.
+    shutdown_grace_s: float = field(default=10.0, metadata=_range(0, 3600))
+
+    # Memory budget and resident models.
+    memory_fraction: float = field(default=0.75, metadata=_range(0.05, 0.98))
+    memory_reserve_gb: float = field(default=1.0, metadata=_range(0, 4096))
+    max_resident_models: int = field(default=2, metadata=_range(1, 64))
+    idle_timeout_s: float = field(default=0.0, metadata=_range(0, 7 * 86400))
+
+    # Logs.
+    log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
+    log_format: str = field(default="auto", metadata=_choice("auto", "console", "json"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_bounds(f, getattr(self, f.name), "settings")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise SettingsError(
+                f"default_max_tokens ({self.default_max_tokens}) must not exceed "
+                f"max_tokens_limit ({self.max_tokens_limit})"
+            )
+
+    @classmethod
+    def load(
+        cls,
+        cli: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: Path | None = None,
+    ) -> "Settings":
+        """Layer defaults < TOML file < PROVIDER_* environment < CLI flags (None = not given)."""
+        env = os.environ if env is None else env
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+
+        path = config_file or Path(env.get(ENV_PREFIX + "CONFIG") or paths.config_file())
+        if path.exists():
+            try:
+                data = tomllib.loads(path.read_text())
+            except (OSError, tomllib.TOMLDecodeError) as e:
+                raise SettingsError(f"cannot read config file {path}: {e}") from e
+            for key, raw in data.items():
+                if key not in fields:
+                    raise SettingsError(f"unknown key {key!r} in {path}; known keys: {', '.join(fields)}")
+                values[key] = _coerce(fields[key], raw, f"{path}:{key}")
+
+        for name, f in fields.items():
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = _coerce(f, raw, ENV_PREFIX + name.upper())
+
+        for name, raw in (cli or {}).items():
+            if raw is None:
+                continue
+            if name not in fields:
+                raise SettingsError(f"unknown setting {name!r}")
+            values[name] = _coerce(fields[name], raw, f"--{name.replace('_', '-')}")
+
+        return cls(**values)
+
+
+def _coerce(f: dataclasses.Field, raw: Any, source: str) -> Any:
+    kind = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}[f.type]
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                value = raw
+            elif isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "on"):
+                value = True
+            elif isinstance(raw, str) and raw.lower() in ("0", "false", "no", "off"):
+                value = False
+            else:
+                raise ValueError(raw)
+        elif kind is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(raw)
+            value = int(raw)
+        elif kind is float:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            value = float(raw)
+        else:
+            if not isinstance(raw, str):
+                raise ValueError(raw)
+            value = raw
+    except (TypeError, ValueError):
+        raise SettingsError(f"{f.name} (from {source}): expected {kind.__name__}, got {raw!r}") from None
+    _check_bounds(f, value, source)
+    return value
+
+
+def _check_bounds(f: dataclasses.Field, value: Any, source: str) -> None:
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed: {', '.join(meta['choices'])}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed range is {lo} to {hi}")
