@@ -23,6 +23,7 @@ from .generation import SPECULATION_OFF, Generation
 
 Sink = Callable[[Event], None]
 log = logs.get("engine")
+DRAINING_MESSAGE = "the node is draining and accepts no new jobs; retry elsewhere"
 
 
 @dataclass
@@ -63,6 +64,9 @@ class Engine:
         self._thread.start()
 
     def submit(self, job: Job, sink: Sink) -> None:
+        if self.draining:  # answered here too, since a stopped engine thread no longer reads its inbox
+            _safe(sink, Error(job.id, Cause.DRAINING, DRAINING_MESSAGE))
+            return
         self._inbox.put(("submit", _Pending(job, sink, time.perf_counter())))
 
     def cancel(self, job_id: str) -> None:
@@ -149,8 +153,8 @@ class Engine:
 
     def _enqueue(self, p: _Pending) -> None:
         if self.draining:
-            _safe(p.sink, Error(p.job.id, Cause.DRAINING, "the node is draining and accepts no new jobs; retry elsewhere"))
-        elif len(self._waiting) >= self._max_queued and len(self._active) >= self._max_concurrent:
+            _safe(p.sink, Error(p.job.id, Cause.DRAINING, DRAINING_MESSAGE))
+        elif len(self._waiting) >= self._max_queued + max(0, self._max_concurrent - len(self._active)):
             _safe(p.sink, Error(p.job.id, Cause.OVERLOADED, f"the queue is full ({self._max_queued} jobs); retry later"))
         else:
             self._waiting.append(p)

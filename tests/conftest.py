@@ -1,0 +1,26 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from provider import logs
+from provider.models import fixtures
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(tmp_path_factory) -> Path:
+    """Every fixture checkpoint, built once per test session with the real factory."""
+    root = tmp_path_factory.mktemp("fixtures")
+    fixtures.write_all(root)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _isolated_xdg(tmp_path, monkeypatch):
+    """Keep tokens, keys and caches of every test out of the real home directory."""
+    for var in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    for key in list(os.environ):
+        if key.startswith("PROVIDER_"):
+            monkeypatch.delenv(key)
+    logs.configure("warning", "json")

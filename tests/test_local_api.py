@@ -1,0 +1,177 @@
+"""`provider start --local` as a subprocess, hit by real clients (openai SDK, httpx, curl)."""
+
+import json
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests import reference
+from tests.helpers import LocalServer
+
+MARKER = "zebra-marker-7f3a"  # must never appear in logs
+
+
+@pytest.fixture(scope="module")
+def server(fixtures_dir, tmp_path_factory):
+    srv = LocalServer(fixtures_dir / "gemma4-tiny", tmp_path_factory.mktemp("node"))
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.token, max_retries=0)
+
+
+def test_openai_sdk_chat_non_streaming(client):
+    r = client.chat.completions.create(model="gemma4-tiny", messages=[{"role": "user", "content": MARKER}],
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 0
+    t = r.model_extra["telemetry"]
+    assert t["ttft_ms"] > 0 and t["speculation"] == {"mode": "off", "reason": "not_configured"}
+    assert {"prefill_tokens_per_s", "decode_tokens_per_s"} <= t.keys()
+
+
+def test_openai_sdk_chat_streaming(client):
+    stream = client.chat.completions.create(model="gemma4-tiny", messages=[{"role": "user", "content": MARKER}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].model_extra["telemetry"]["ttft_ms"] > 0
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert last.model_extra["telemetry"]["decode_tokens_per_s"] > 0
+
+
+def test_openai_sdk_completions(client):
+    r = client.completions.create(model="gemma4-tiny", prompt="The cache", max_tokens=6, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 6
+    streamed = client.completions.create(model="gemma4-tiny", prompt="The cache", max_tokens=6, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list()] == ["gemma4-tiny"]
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok" and h["resident_models"] == ["gemma4-tiny"]
+
+
+def test_greedy_over_http_equals_mlx_lm(client, fixtures_dir):
+    path = fixtures_dir / "gemma4-tiny"
+    for content in ["What is a cache?", "def trim(self, n):", "Numbers: 1 2 3"]:
+        messages = [{"role": "user", "content": content}]
+        expected, expected_text = reference.greedy(path, reference.chat_ids(path, messages), 24)
+        r = client.chat.completions.create(model="gemma4-tiny", messages=messages, max_tokens=24, temperature=0)
+        assert r.choices[0].message.content == expected_text
+        assert r.usage.completion_tokens == len(expected)
+
+
+def _post(server, path, content, headers=None):
+    h = {"Content-Type": "application/json"} | server.headers | (headers or {})
+    return httpx.post(server.url + path, content=content, headers=h, timeout=30)
+
+
+GOOD = {"model": "gemma4-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "path, body, status, fragment",
+    [
+        ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+        ("/v1/chat/completions", b'{"messages": NaN}', 400, "not valid JSON"),
+        ("/v1/chat/completions", json.dumps(GOOD | {"messages": "hi"}), 400, "messages must be"),
+        ("/v1/chat/completions", json.dumps(GOOD | {"messages": []}), 400, "non-empty"),
+        ("/v1/chat/completions", json.dumps(GOOD | {"model": "gpt-17"}), 404, "not served here"),
+        ("/v1/chat/completions", json.dumps(GOOD | {"max_tokens": -5}), 400, "max_tokens"),
+        ("/v1/chat/completions", json.dumps(GOOD | {"max_tokens": 10**9}), 400, "max_tokens"),
+        ("/v1/chat/completions", json.dumps(GOOD | {"temperature": "warm"}), 400, "temperature"),
+        ("/v1/completions", json.dumps({"model": "gemma4-tiny", "prompt": "word " * 3000}), 400,
+         "context of 1024"),
+        ("/v1/completions", json.dumps({"prompt": "x" * (5 * 2**20)}), 413, "exceeds"),
+        ("/v1/completions", json.dumps({"prompt": 12}), 400, "prompt must be"),
+    ],
+)
+def test_bad_input_is_a_clear_4xx_and_the_node_keeps_serving(server, path, body, status, fragment):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"]
+    ok = _post(server, "/v1/chat/completions", json.dumps(GOOD))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_auth_is_required(server):
+    r = _post(server, "/v1/chat/completions", json.dumps(GOOD), headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+
+
+def test_token_file_is_private(server):
+    path = server.home / "state" / "provider" / "local-api-token"
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_client_disconnect_cancels_the_job(server):
+    body = json.dumps(GOOD | {"max_tokens": 1000, "stream": True})
+    with httpx.stream("POST", server.url + "/v1/chat/completions", content=body, headers=server.headers) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break  # leave mid-stream
+    for _ in range(100):
+        if httpx.get(server.url + "/health").json()["active_jobs"] == 0:
+            break
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health").json()["active_jobs"] == 0
+    assert '"finish_reason": "cancelled"' in server.logs()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_curl_streams_sse(server):
+    out = subprocess.run(["curl", "-sN", server.url + "/v1/chat/completions", "-H",
+                          f"Authorization: Bearer {server.token}", "-d", json.dumps(GOOD | {"stream": True})],
+                         capture_output=True, text=True, timeout=60).stdout
+    events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "telemetry" in json.loads(events[-2])
+
+
+def test_logs_never_contain_prompt_or_completion_text(server, client):
+    r = client.chat.completions.create(model="gemma4-tiny", messages=[{"role": "user", "content": MARKER * 3}],
+                                       max_tokens=16, temperature=0)
+    completion = r.choices[0].message.content
+    logs = server.logs()
+    assert "job_finished" in logs and MARKER not in logs
+    assert len(completion) < 6 or completion not in logs
+    for line in logs.splitlines():
+        json.loads(line)  # JSON lines when not on a TTY
+
+
+def test_sigterm_stops_cleanly_with_a_request_in_flight(fixtures_dir, tmp_path):
+    srv = LocalServer(fixtures_dir / "qwen3-tiny", tmp_path, "--no-auth")
+    result = {}
+
+    def long_request():
+        body = {"model": "qwen3-tiny", "prompt": "x", "max_tokens": 5000, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            result["lines"] = [line for line in r.iter_lines() if line]
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    assert srv.stop(signal.SIGTERM, timeout=30) == 0
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - started < 30
+    # The in-flight stream was ended properly: a finishing chunk, then [DONE].
+    assert result["lines"][-1] == "data: [DONE]"
+    assert json.loads(result["lines"][-2][6:])["choices"][0]["finish_reason"] in ("cancelled", "length", "stop")

@@ -1,0 +1,68 @@
+"""Request parsing is pure: every bad field is a RequestError naming the parameter."""
+
+import pytest
+
+from provider.local.openai_api import Limits, RequestError, parse_chat, parse_completion
+
+LIMITS = Limits(max_tokens_limit=4096, default_max_tokens=128)
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_defaults_and_fields():
+    r = parse_chat({"model": "m", "messages": MSG, "temperature": 0, "stop": "x", "seed": 3, "stream": True,
+                    "stream_options": {"include_usage": True}, "speculation": "off"}, "j", LIMITS)
+    assert r.stream and r.include_usage
+    assert r.job.sampling.max_tokens == 128 and r.job.sampling.greedy and r.job.sampling.stop == ("x",)
+    assert r.job.speculation == "off" and r.job.messages == ({"role": "user", "content": "hi"},)
+
+
+def test_text_content_parts_are_joined():
+    r = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}]}, "j", LIMITS)
+    assert r.job.messages[0]["content"] == "ab"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ([], None),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": MSG, "max_tokens": -1}, "max_tokens"),
+        ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+        ({"messages": MSG, "max_tokens": 10**12}, "max_tokens"),
+        ({"messages": MSG, "max_tokens": "10"}, "max_tokens"),
+        ({"messages": MSG, "max_tokens": True}, "max_tokens"),
+        ({"messages": MSG, "temperature": "hot"}, "temperature"),
+        ({"messages": MSG, "temperature": 3}, "temperature"),
+        ({"messages": MSG, "top_p": 0}, "top_p"),
+        ({"messages": MSG, "top_k": -2}, "top_k"),
+        ({"messages": MSG, "stop": [1, 2]}, "stop"),
+        ({"messages": MSG, "stop": ["a"] * 17}, "stop"),
+        ({"messages": MSG, "seed": 1.5}, "seed"),
+        ({"messages": MSG, "n": 2}, "n"),
+        ({"messages": MSG, "stream": "yes"}, "stream"),
+        ({"messages": MSG, "model": 7}, "model"),
+        ({"messages": MSG, "speculation": "maybe"}, "speculation"),
+        ({"messages": MSG, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_bad_chat_fields(body, param):
+    with pytest.raises(RequestError) as e:
+        parse_chat(body, "j", LIMITS)
+    assert e.value.status == 400 and e.value.param == param
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("prompt", [None, "", 5, ["a", "b"], [1, 2]])
+def test_bad_prompts(prompt):
+    with pytest.raises(RequestError) as e:
+        parse_completion({"prompt": prompt}, "j", LIMITS)
+    assert e.value.param == "prompt"
+
+
+def test_single_prompt_list_is_accepted():
+    assert parse_completion({"prompt": ["abc"]}, "j", LIMITS).job.prompt == "abc"
