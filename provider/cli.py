@@ -48,6 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def primary_models(settings: Settings) -> list:
+    """The model `start` serves by default: --model / `model`, else the bundled default model."""
+    from .models.default import DEFAULT_MODEL_NAME, ensure_default_model
+    from .models.loader import model_id_for
+    from .settings import ModelSpec
+
+    if settings.model:
+        return [ModelSpec(model_id_for(settings.model), settings.model, drafter=settings.drafter)]
+    if settings.models:
+        return []
+    return [ModelSpec(DEFAULT_MODEL_NAME, str(ensure_default_model()), drafter=settings.drafter)]
+
+
 def _start(args: argparse.Namespace) -> int:
     cli = {"model": args.model, "port": args.port, "bind": args.bind, "auth": args.auth,
            "log_format": args.log_format, "log_level": args.log_level}
@@ -70,18 +83,14 @@ def _start(args: argparse.Namespace) -> int:
 
 async def _run_local(settings: Settings) -> int:
     from .local.server import load_or_mint_token, serve
-    from .models.default import DEFAULT_MODEL_NAME, ensure_default_model
-    from .models.loader import model_id_for
-    from .models.manager import ModelManager
-    from .node import Node
+    from .node import Node, build_models
 
-    if settings.model:
-        sources = {model_id_for(settings.model): settings.model}
-    else:
-        sources = {DEFAULT_MODEL_NAME: str(ensure_default_model())}
-    node = Node(settings, ModelManager(sources))
+    node = Node(settings, build_models(settings, primary_models(settings)))
     node.start()
-    model_id = await asyncio.wrap_future(node.engine.preload(node.models.default_id))
+    model_id = node.models.default_id
+    loaded = node.models.request(model_id)  # load and warm up before saying we are ready
+    if not hasattr(loaded, "id"):
+        await asyncio.wrap_future(loaded)
 
     token, token_path = load_or_mint_token() if settings.auth else (None, None)
     stop = asyncio.Event()

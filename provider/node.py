@@ -14,8 +14,10 @@ from typing import AsyncIterator
 from . import logs
 from .engine.scheduler import Engine
 from .jobs import TERMINAL, Event, Job
+from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
+from .models import store
 from .models.manager import ModelManager
-from .settings import Settings
+from .settings import ModelSpec, Settings
 
 log = logs.get("node")
 
@@ -64,6 +66,25 @@ class JobStream:
         await self.aclose()
 
 
+def decide_node_budget(settings: Settings) -> Budget:
+    return decide_budget(system_facts(), fraction=settings.memory_fraction,
+                         reserve_bytes=int(settings.memory_reserve_gb * GiB),
+                         override_bytes=int(settings.memory_budget_gb * GiB))
+
+
+def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budget | None = None) -> ModelManager:
+    """The model manager for these settings: `primary` first (the default), then everything discovered."""
+    models = store.discover(settings, list(primary))
+    return ModelManager(
+        models,
+        budget or decide_node_budget(settings),
+        max_resident=settings.max_resident_models,
+        idle_timeout=settings.idle_timeout_s,
+        kv_reserve_tokens=settings.kv_reserve_tokens,
+        prefill_step=settings.prefill_step_size,
+    )
+
+
 class Node:
     def __init__(self, settings: Settings, models: ModelManager):
         self.settings = settings
@@ -76,6 +97,7 @@ class Node:
         )
 
     def start(self) -> None:
+        pin_mlx_limits(self.models.budget)
         self.engine.start()
         log.info("node_started", models=self.models.ids(), default_model=self.models.default_id)
 
@@ -84,6 +106,7 @@ class Node:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await asyncio.to_thread(self.engine.stop, grace_s)
+        self.models.close()
         log.info("node_stopped")
 
     @staticmethod

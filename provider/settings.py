@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,34 @@ def _range(lo: float | None = None, hi: float | None = None) -> dict:
 
 def _choice(*options: str) -> dict:
     return {"choices": options}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One `[models.<id>]` table: a model this node serves, optionally pinned and paired."""
+
+    id: str
+    source: str  # directory or Hugging Face repo id
+    sha256: str = ""  # pinned checkpoint hash (`provider models verify` prints it); a mismatch refuses the load
+    drafter: str = ""  # Gemma 4 assistant or same-vocabulary draft model for speculation
+
+    @classmethod
+    def parse(cls, model_id: str, raw: Any, source: str) -> "ModelSpec":
+        where = f"{source}: models.{model_id}"
+        if not isinstance(raw, dict):
+            raise SettingsError(f"{where} must be a table with at least `source`")
+        unknown = set(raw) - {"source", "sha256", "drafter"}
+        if unknown:
+            raise SettingsError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: source, sha256, drafter")
+        if not isinstance(raw.get("source"), str) or not raw["source"]:
+            raise SettingsError(f"{where}.source must be a non-empty string (a directory or repo id)")
+        sha = raw.get("sha256", "")
+        if sha and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+            raise SettingsError(f"{where}.sha256 must be 64 lowercase hex digits")
+        drafter = raw.get("drafter", "")
+        if not isinstance(drafter, str):
+            raise SettingsError(f"{where}.drafter must be a string")
+        return cls(model_id, raw["source"], sha, drafter)
 
 
 @dataclass(frozen=True)
@@ -60,7 +89,13 @@ class Settings:
     # On SIGTERM/Ctrl-C, in-flight jobs get this long to finish before they are cancelled.
     shutdown_grace_s: float = field(default=10.0, metadata=_range(0, 3600))
 
+    # Models this node serves beyond `model` (TOML only: [models.<id>] tables).
+    models: tuple[ModelSpec, ...] = ()
+    models_dir: str = ""  # default: $XDG_CACHE_HOME/provider/models
+
     # Memory budget and resident models.
+    memory_budget_gb: float = field(default=0.0, metadata=_range(0, 1 << 20))  # 0: decide from the platform
+    kv_reserve_tokens: int = field(default=4096, metadata=_range(16, 1 << 22))
     memory_fraction: float = field(default=0.75, metadata=_range(0.05, 0.98))
     memory_reserve_gb: float = field(default=1.0, metadata=_range(0, 4096))
     max_resident_models: int = field(default=2, metadata=_range(1, 64))
@@ -72,7 +107,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check_bounds(f, getattr(self, f.name), "settings")
+            if f.name != "models":
+                _check_bounds(f, getattr(self, f.name), "settings")
         if self.default_max_tokens > self.max_tokens_limit:
             raise SettingsError(
                 f"default_max_tokens ({self.default_max_tokens}) must not exceed "
@@ -100,9 +136,16 @@ class Settings:
             for key, raw in data.items():
                 if key not in fields:
                     raise SettingsError(f"unknown key {key!r} in {path}; known keys: {', '.join(fields)}")
+                if key == "models":
+                    if not isinstance(raw, dict):
+                        raise SettingsError(f"{path}: models must be tables, e.g. [models.my-model]")
+                    values[key] = tuple(ModelSpec.parse(mid, spec, str(path)) for mid, spec in raw.items())
+                    continue
                 values[key] = _coerce(fields[key], raw, f"{path}:{key}")
 
         for name, f in fields.items():
+            if name == "models":
+                continue
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None:
                 values[name] = _coerce(f, raw, ENV_PREFIX + name.upper())
@@ -118,7 +161,7 @@ class Settings:
 
 
 def _coerce(f: dataclasses.Field, raw: Any, source: str) -> Any:
-    kind = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}[f.type]
+    kind = {"str": str, "int": int, "float": float, "bool": bool}[f.type]
     try:
         if kind is bool:
             if isinstance(raw, bool):

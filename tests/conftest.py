@@ -20,6 +20,8 @@ def _isolated_xdg(tmp_path, monkeypatch):
     """Keep tokens, keys and caches of every test out of the real home directory."""
     for var in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for key in list(os.environ):
         if key.startswith("PROVIDER_"):
             monkeypatch.delenv(key)

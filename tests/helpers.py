@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from provider.jobs import Done, Error, Job, SamplingParams, Tokens
+from provider.memory.budget import Budget
 from provider.models.manager import ModelManager
+from provider.models.store import StoredModel
 from provider.node import Node
 from provider.settings import Settings
 
@@ -24,6 +26,7 @@ class LocalServer:
         self.home = home
         self.log_path = home / "server.log"
         self.env = os.environ | {
+            "HF_HUB_OFFLINE": "1",
             "XDG_CONFIG_HOME": str(home / "config"),
             "XDG_STATE_HOME": str(home / "state"),
             "XDG_CACHE_HOME": str(home / "cache"),
@@ -67,8 +70,14 @@ class LocalServer:
             self._stderr.close()
 
 
-def make_node(models: dict[str, Path], **settings) -> Node:
-    node = Node(Settings(**settings), ModelManager({k: str(v) for k, v in models.items()}))
+def make_manager(models: dict[str, Path], budget_bytes: int = 4 << 30, **kw) -> ModelManager:
+    stored = [StoredModel(k, str(v), v if v.is_dir() else None, "configured") for k, v in models.items()]
+    return ModelManager(stored, Budget(budget_bytes, 0, "test"), allow_download=False, **kw)
+
+
+def make_node(models: dict[str, Path], budget_bytes: int = 4 << 30, manager_kw: dict | None = None,
+              **settings) -> Node:
+    node = Node(Settings(**settings), make_manager(models, budget_bytes, **(manager_kw or {})))
     node.start()
     return node
 

@@ -17,7 +17,6 @@ from typing import Callable
 
 from .. import logs
 from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
-from ..models.loader import warm_up
 from ..models.manager import ModelManager
 from .generation import SPECULATION_OFF, Generation
 
@@ -52,6 +51,9 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._active: dict[str, tuple[Generation, Sink]] = {}
+        # Jobs whose model is loading on the loader thread; they hold no decode slot meanwhile.
+        self._loading: list[tuple[_Pending, concurrent.futures.Future]] = []
+        self._next_idle_check = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._draining = threading.Event()
         self._stop_at: float | None = None
@@ -72,11 +74,6 @@ class Engine:
     def cancel(self, job_id: str) -> None:
         self._inbox.put(("cancel", job_id))
 
-    def preload(self, model_id: str) -> concurrent.futures.Future:
-        """Load a model on the engine thread ahead of the first job; the future holds its id or the JobError."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("preload", (model_id, fut)))
-        return fut
 
     def drain(self) -> None:
         """Accept no new jobs; in-flight and queued ones run to the end."""
@@ -88,7 +85,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return self.stats.active == 0 and self.stats.queued == 0
+        return not self._active and not self._waiting and not self._loading
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread."""
@@ -104,6 +101,9 @@ class Engine:
             if self._stop_at is not None and (time.monotonic() >= self._stop_at or self.idle):
                 break
             self._admit()
+            if time.monotonic() >= self._next_idle_check:
+                self.models.unload_idle()
+                self._next_idle_check = time.monotonic() + 1.0
             for job_id, (gen, sink) in list(self._active.items()):
                 try:
                     events = gen.step()
@@ -116,6 +116,8 @@ class Engine:
             self._cancel(job_id)
         while self._waiting:
             self._cancel(self._waiting[0].job.id)
+        while self._loading:
+            self._cancel(self._loading[0][0].job.id)
 
     def _pump(self, block: bool) -> None:
         try:
@@ -129,8 +131,6 @@ class Engine:
                 self._enqueue(arg)
             elif kind == "cancel":
                 self._cancel(arg)
-            elif kind == "preload":
-                self._preload(*arg)
             elif kind == "stop":
                 self._stop_at = time.monotonic() + arg
             try:
@@ -139,44 +139,49 @@ class Engine:
                 break
         self._update_counts()
 
-    def _preload(self, model_id: str, fut: concurrent.futures.Future) -> None:
-        try:
-            lm = self.models.acquire(model_id)
-        except JobError as e:
-            fut.set_exception(e)
-            return
-        try:
-            warm_up(lm)
-        finally:
-            self.models.release(lm.id)
-        fut.set_result(lm.id)
-
     def _enqueue(self, p: _Pending) -> None:
         if self.draining:
             _safe(p.sink, Error(p.job.id, Cause.DRAINING, DRAINING_MESSAGE))
-        elif len(self._waiting) >= self._max_queued + max(0, self._max_concurrent - len(self._active)):
+        elif len(self._waiting) + len(self._loading) >= self._max_queued + max(0, self._max_concurrent - len(self._active)):
             _safe(p.sink, Error(p.job.id, Cause.OVERLOADED, f"the queue is full ({self._max_queued} jobs); retry later"))
         else:
             self._waiting.append(p)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._active) < self._max_concurrent:
+        for p, fut in [x for x in self._loading if x[1].done()]:
+            self._loading.remove((p, fut))
+            error = fut.exception()
+            if error is None:
+                self._waiting.appendleft(p)
+            else:
+                self._fail(p, error if isinstance(error, JobError) else JobError(Cause.MODEL_LOAD_FAILED, str(error)))
+        for _ in range(len(self._waiting)):
+            if len(self._active) >= self._max_concurrent:
+                break
             p = self._waiting.popleft()
             try:
-                lm = self.models.acquire(p.job.model)
+                loaded = self.models.request(p.job.model)
             except JobError as e:
                 self._fail(p, e)
                 continue
-            try:
-                gen = Generation(p.job, lm, prefill_step_size=self._prefill_step_size, arrived=p.arrived)
-            except JobError as e:
-                self.models.release(lm.id)
-                self._fail(p, e)
+            if isinstance(loaded, concurrent.futures.Future):
+                self._loading.append((p, loaded))
+                loaded.add_done_callback(lambda _: self._inbox.put(("wake", None)))
                 continue
-            self._active[p.job.id] = (gen, p.sink)
-            _safe(p.sink, Accepted(p.job.id, lm.id, gen.prompt_tokens))
-            log.info("job_started", job_id=p.job.id, model=lm.id, prompt_tokens=gen.prompt_tokens)
+            self._start(p, loaded.id)
         self._update_counts()
+
+    def _start(self, p: _Pending, model_id: str) -> None:
+        lm = self.models.acquire(model_id)
+        try:
+            gen = Generation(p.job, lm, prefill_step_size=self._prefill_step_size, arrived=p.arrived)
+        except JobError as e:
+            self.models.release(model_id)
+            self._fail(p, e)
+            return
+        self._active[p.job.id] = (gen, p.sink)
+        _safe(p.sink, Accepted(p.job.id, lm.id, gen.prompt_tokens))
+        log.info("job_started", job_id=p.job.id, model=lm.id, prompt_tokens=gen.prompt_tokens)
 
     def _fail(self, p: _Pending, e: JobError) -> None:
         self.stats.jobs_failed += 1
@@ -188,9 +193,13 @@ class Engine:
             gen, sink = self._active[job_id]
             self._deliver(gen.model_id, gen.finish("cancelled"), sink)
             return
-        for p in self._waiting:
+        parked = [p for p, _ in self._loading]
+        for p in [*self._waiting, *parked]:
             if p.job.id == job_id:
-                self._waiting.remove(p)
+                if p in self._waiting:
+                    self._waiting.remove(p)
+                else:
+                    self._loading = [x for x in self._loading if x[0] is not p]
                 done = Done(job_id, "cancelled", Usage(0, 0), {"speculation": dict(SPECULATION_OFF)})
                 self.stats.jobs_cancelled += 1
                 _safe(p.sink, done)
@@ -224,7 +233,7 @@ class Engine:
 
     def _update_counts(self) -> None:
         self.stats.active = len(self._active)
-        self.stats.queued = len(self._waiting)
+        self.stats.queued = len(self._waiting) + len(self._loading)
 
 
 def _safe(sink: Sink, ev: Event) -> None:

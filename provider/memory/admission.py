@@ -1,0 +1,55 @@
+"""Admission and eviction decisions: pure functions over plain numbers, unit-tested without MLX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Resident:
+    id: str
+    bytes: int  # what it holds now (measured weights + reserved KV and activations)
+    busy: bool  # jobs in flight, or still loading: never evicted
+    last_used: float
+
+
+@dataclass(frozen=True)
+class Admission:
+    admit: bool
+    evict: tuple[str, ...]  # idle models to unload first, least recently used first
+    needed: int
+    free: int  # free bytes now, before any eviction
+    budget: int
+    reason: str  # "ok", "insufficient_memory" or "too_many_models"
+
+    def message(self, model_id: str) -> str:
+        mib = 1 << 20
+        return (f"cannot load {model_id}: needs {self.needed / mib:.1f} MiB, {self.free / mib:.1f} MiB free of a "
+                f"{self.budget / mib:.1f} MiB budget, and the other resident models are busy; retry later, "
+                "or raise memory_budget_gb / memory_fraction")
+
+
+def plan_load(needed: int, budget: int, residents: list[Resident], max_resident: int) -> Admission:
+    """Admit a load of `needed` bytes, evicting idle models LRU-first only if that makes it fit."""
+    free = budget - sum(r.bytes for r in residents)
+    idle = sorted((r for r in residents if not r.busy), key=lambda r: r.last_used)
+    evict: list[str] = []
+    room, count = free, len(residents)
+    for r in idle:
+        if room >= needed and count < max_resident:
+            break
+        evict.append(r.id)
+        room += r.bytes
+        count -= 1
+    if room >= needed and count < max_resident:
+        return Admission(True, tuple(evict), needed, free, budget, "ok")
+    reason = "insufficient_memory" if room < needed else "too_many_models"
+    # Evict nothing when the load cannot go ahead: the idle models keep serving.
+    return Admission(False, (), needed, free, budget, reason)
+
+
+def idle_to_unload(residents: list[Resident], now: float, idle_timeout: float) -> list[str]:
+    """Models idle longer than `idle_timeout` seconds (0 disables idle unloading)."""
+    if idle_timeout <= 0:
+        return []
+    return [r.id for r in residents if not r.busy and now - r.last_used >= idle_timeout]

@@ -1,0 +1,69 @@
+"""The working-set budget: how many bytes this node may fill with weights, KV and activations.
+
+`decide_budget` is pure (plain numbers in, a Budget out); `system_facts` reads
+the platform and `pin_mlx_limits` applies the decision to MLX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SystemFacts:
+    total_memory: int  # physical RAM (psutil)
+    available_memory: int  # what the OS says is free now (psutil)
+    recommended_working_set: int | None  # Metal's max_recommended_working_set_size; None elsewhere
+    backend: str  # metal | cpu | cuda
+
+
+@dataclass(frozen=True)
+class Budget:
+    total: int  # bytes the node may use, before the reserve
+    reserve: int  # kept back for the OS, other processes and MLX's own scratch
+    source: str  # where `total` came from
+
+    @property
+    def usable(self) -> int:
+        return max(0, self.total - self.reserve)
+
+    def as_dict(self) -> dict:
+        return {"total_bytes": self.total, "reserve_bytes": self.reserve, "usable_bytes": self.usable,
+                "source": self.source}
+
+
+def decide_budget(facts: SystemFacts, *, fraction: float, reserve_bytes: int, override_bytes: int = 0) -> Budget:
+    """Configured override > Metal's recommended working set > fraction of system memory."""
+    if override_bytes > 0:
+        return Budget(override_bytes, 0, "configured memory_budget_gb")
+    if facts.recommended_working_set:
+        return Budget(facts.recommended_working_set, reserve_bytes, "mlx max_recommended_working_set_size")
+    return Budget(int(facts.total_memory * fraction), reserve_bytes, f"system memory x {fraction:g} (psutil)")
+
+
+def system_facts() -> SystemFacts:
+    import mlx.core as mx
+    import psutil
+
+    vm = psutil.virtual_memory()
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
+    cuda = bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+    return SystemFacts(
+        total_memory=vm.total,
+        available_memory=vm.available,
+        recommended_working_set=info.get("max_recommended_working_set_size"),
+        backend="metal" if metal else "cuda" if cuda else "cpu",
+    )
+
+
+def pin_mlx_limits(budget: Budget) -> None:
+    """Cap MLX at the budget so an over-estimate fails as an allocation error, not as swapping."""
+    import mlx.core as mx
+
+    if budget.usable > 0:
+        mx.set_memory_limit(budget.usable)
+        # Freed buffers MLX keeps for reuse count against the budget too; keep that pool modest.
+        mx.set_cache_limit(min(budget.usable // 8, 2 * GiB))

@@ -1,0 +1,156 @@
+"""What a checkpoint can do, decided from config files and safetensors headers before any weights load."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..memory.estimate import HeaderError, tensor_names, text_config
+from .loader import context_length
+
+ASSISTANT_TYPES = {"gemma4_assistant"}
+GEMMA4_TYPES = {"gemma4", "gemma4_text"}
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+
+
+@dataclass(frozen=True)
+class Pairing:
+    paired: bool
+    reason: str  # "ok" or why not
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    family: str
+    quantization: str | None  # e.g. "4-bit g64"
+    context_length: int
+    sliding_window: int | None
+    kv_shared_layers: int
+    vision: bool
+    is_drafter: bool  # an assistant/drafter checkpoint: never advertised as a servable model
+    native_mtp_heads: bool  # declared in config AND tensors present
+    native_mtp_declared: int
+    mtp_capable: bool = False  # Gemma 4 target with a validly paired assistant
+    draft_compatible: bool = False  # a configured draft model with an identical vocabulary
+    drafter_reason: str = "no_drafter"
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def quantization(config: dict) -> str | None:
+    q = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    if "bits" in q:
+        return f"{q['bits']}-bit g{q.get('group_size', '?')}"
+    return str(q.get("quant_method", "quantized"))
+
+
+def declared_mtp_layers(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in MTP_KEYS:
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return 0
+
+
+def has_mtp_tensors(names: list[str], config: dict) -> bool:
+    layers = text_config(config).get("num_hidden_layers", 0)
+    for name in names:
+        if name.startswith("mtp.") or ".mtp" in name or name.startswith("model.mtp"):
+            return True
+        parts = name.split(".")
+        if "layers" in parts:
+            i = parts.index("layers")
+            if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= layers:
+                return True
+    return False
+
+
+def detect(path: Path, config: dict | None = None) -> Capabilities:
+    config = config if config is not None else read_config(path)
+    tc = text_config(config)
+    declared = declared_mtp_layers(config)
+    native = False
+    if declared:
+        try:
+            native = has_mtp_tensors(list(tensor_names(path)), config)
+        except (HeaderError, OSError):
+            native = False
+    return Capabilities(
+        family=config.get("model_type", "unknown"),
+        quantization=quantization(config),
+        context_length=context_length(config),
+        sliding_window=tc.get("sliding_window") if "sliding_attention" in (tc.get("layer_types") or []) or
+        tc.get("sliding_window_pattern") else None,
+        kv_shared_layers=tc.get("num_kv_shared_layers") or 0,
+        vision=bool(config.get("vision_config")),
+        is_drafter=config.get("model_type") in ASSISTANT_TYPES,
+        native_mtp_heads=native,
+        native_mtp_declared=declared,
+    )
+
+
+def vocab_size(config: dict) -> int | None:
+    return text_config(config).get("vocab_size") or config.get("vocab_size")
+
+
+def same_vocabulary(a: Path, b: Path, config_a: dict, config_b: dict) -> tuple[bool, str]:
+    if vocab_size(config_a) != vocab_size(config_b):
+        return False, f"vocab_size {vocab_size(config_b)} != target {vocab_size(config_a)}"
+    ta, tb = a / "tokenizer.json", b / "tokenizer.json"
+    if ta.exists() and tb.exists():
+        va = json.loads(ta.read_text()).get("model", {}).get("vocab")
+        vb = json.loads(tb.read_text()).get("model", {}).get("vocab")
+        if va != vb:
+            return False, "tokenizer vocabularies differ"
+    return True, "ok"
+
+
+def pair_assistant(target: Path, assistant: Path, target_config: dict | None = None,
+                   assistant_config: dict | None = None) -> Pairing:
+    """Is `assistant` a Gemma 4 MTP drafter for `target`? Reads only config and tokenizer files."""
+    tcfg = target_config if target_config is not None else read_config(target)
+    acfg = assistant_config if assistant_config is not None else read_config(assistant)
+    if tcfg.get("model_type") not in GEMMA4_TYPES:
+        return Pairing(False, "not_mtp_capable: target is not Gemma 4")
+    if acfg.get("model_type") not in ASSISTANT_TYPES:
+        return Pairing(False, f"drafter model_type {acfg.get('model_type')!r} is not gemma4_assistant")
+    hidden = text_config(tcfg).get("hidden_size")
+    if acfg.get("backbone_hidden_size") != hidden:
+        return Pairing(False, f"backbone_hidden_size {acfg.get('backbone_hidden_size')} != target hidden_size {hidden}")
+    ok, why = same_vocabulary(target, assistant, tcfg, acfg)
+    return Pairing(ok, why)
+
+
+def pair_draft_model(target: Path, draft: Path, target_config: dict | None = None,
+                     draft_config: dict | None = None) -> Pairing:
+    """Is `draft` an ordinary LM with the target's exact vocabulary (usable for draft-model speculation)?"""
+    tcfg = target_config if target_config is not None else read_config(target)
+    dcfg = draft_config if draft_config is not None else read_config(draft)
+    if dcfg.get("model_type") in ASSISTANT_TYPES:
+        return Pairing(False, "an MTP assistant is not a standalone draft model")
+    ok, why = same_vocabulary(target, draft, tcfg, dcfg)
+    return Pairing(ok, why)
+
+
+def with_drafter(caps: Capabilities, target: Path, drafter: Path | None, target_config: dict) -> Capabilities:
+    """Fill mtp_capable / draft_compatible for a target given its configured or discovered drafter."""
+    from dataclasses import replace
+
+    if drafter is None:
+        reason = "no_drafter" if caps.family in GEMMA4_TYPES else "not_mtp_capable"
+        return replace(caps, drafter_reason=reason)
+    dcfg = read_config(drafter)
+    if dcfg.get("model_type") in ASSISTANT_TYPES:
+        p = pair_assistant(target, drafter, target_config, dcfg)
+        return replace(caps, mtp_capable=p.paired, drafter_reason=p.reason)
+    p = pair_draft_model(target, drafter, target_config, dcfg)
+    return replace(caps, draft_compatible=p.paired, drafter_reason=p.reason)

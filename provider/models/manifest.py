@@ -1,0 +1,59 @@
+"""SHA-256 manifest of a checkpoint: per-file hashes, computed once and cached by (size, mtime)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .. import paths
+
+CHUNK = 8 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cache_file(model_dir: Path) -> Path:
+    key = hashlib.sha1(str(model_dir.resolve()).encode()).hexdigest()[:20]
+    return paths.cache_dir() / "manifests" / f"{key}.json"
+
+
+def files_of(model_dir: Path) -> list[Path]:
+    # HF cache snapshots are symlinks into blobs/: follow them, hash the content.
+    return sorted(p for p in model_dir.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def manifest(model_dir: Path, *, recompute: bool = False) -> dict[str, str]:
+    """relative path -> sha256 for every file; unchanged files are not re-read unless `recompute`."""
+    cache_path = _cache_file(model_dir)
+    try:
+        cached = {} if recompute else json.loads(cache_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        cached = {}
+    out, entries = {}, {}
+    for f in files_of(model_dir):
+        rel = str(f.relative_to(model_dir))
+        st = f.stat()
+        hit = cached.get(rel)
+        if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
+            digest = hit["sha256"]
+        else:
+            digest = _sha256(f)
+        out[rel] = digest
+        entries[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    if entries != cached:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    return out
+
+
+def model_hash(files: dict[str, str]) -> str:
+    """One SHA-256 for the whole checkpoint: over `sha256sum`-style lines, sorted by path."""
+    lines = "".join(f"{digest}  {rel}\n" for rel, digest in sorted(files.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()

@@ -1,0 +1,102 @@
+"""Where models live: configured sources, the node's models directory, and the Hugging Face cache."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import logs
+from ..settings import ModelSpec, Settings
+from .capability import ASSISTANT_TYPES
+
+log = logs.get("store")
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    id: str
+    source: str  # directory or repo id, as given to the loader
+    path: Path | None  # None while a configured repo id is not downloaded yet
+    origin: str  # configured | models_dir | hf_cache
+    sha256: str | None = None  # pinned checkpoint hash, if any
+    drafter: str | None = None  # configured drafter source, if any
+
+
+def _config(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _is_servable(path: Path) -> bool:
+    cfg = _config(path)
+    return cfg is not None and cfg.get("model_type") not in ASSISTANT_TYPES and any(path.glob("*.safetensors"))
+
+
+def models_dir(settings: Settings) -> Path:
+    from .. import paths
+
+    return Path(settings.models_dir).expanduser() if settings.models_dir else paths.cache_dir() / "models"
+
+
+def hf_cache_models() -> list[tuple[str, Path]]:
+    """(repo id, snapshot path) for complete model snapshots in the Hugging Face cache."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+    except Exception:  # no cache yet, or an unreadable one: nothing to offer
+        return []
+    out = []
+    for repo in info.repos:
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        newest = max(repo.revisions, key=lambda r: r.last_modified)
+        out.append((repo.repo_id, Path(newest.snapshot_path)))
+    return out
+
+
+def discover(settings: Settings, extra: list[ModelSpec] = ()) -> list[StoredModel]:
+    """Every servable model this node knows of; the first of a given id wins (configured first)."""
+    from .loader import model_id_for
+
+    found: dict[str, StoredModel] = {}
+
+    def add(m: StoredModel) -> None:
+        if m.id not in found:
+            found[m.id] = m
+
+    for spec in [*extra, *settings.models]:
+        p = Path(spec.source).expanduser()
+        add(StoredModel(spec.id or model_id_for(spec.source), spec.source, p if p.is_dir() else None, "configured",
+                        spec.sha256 or None, spec.drafter or None))
+    root = models_dir(settings)
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.is_dir() and _is_servable(p):
+                add(StoredModel(p.name, str(p), p, "models_dir"))
+    for repo_id, snap in hf_cache_models():
+        if _is_servable(snap):
+            add(StoredModel(repo_id, repo_id, snap, "hf_cache"))
+    return list(found.values())
+
+
+def find_drafter_for(target: Path, candidates: list[Path]) -> Path | None:
+    """An assistant checkpoint whose backbone size and vocabulary fit `target`, e.g. `<name>-assistant`."""
+    from .capability import pair_assistant
+
+    named = [c for c in candidates if c.name == f"{target.name}-assistant"]
+    for c in named + [c for c in candidates if c not in named]:
+        cfg = _config(c)
+        if cfg and cfg.get("model_type") in ASSISTANT_TYPES and pair_assistant(target, c, None, cfg).paired:
+            return c
+    return None
+
+
+def assistant_dirs(settings: Settings) -> list[Path]:
+    root = models_dir(settings)
+    dirs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    dirs += [snap for _, snap in hf_cache_models()]
+    return [d for d in dirs if (_config(d) or {}).get("model_type") in ASSISTANT_TYPES]
