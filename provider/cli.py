@@ -32,6 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_start(sub)
     fx = sub.add_parser("fixtures", help="write small deterministic test checkpoints into DIR")
     fx.add_argument("dir", type=Path)
+    models = sub.add_parser("models", help="list, download, delete and verify models")
+    models.add_argument("--config", type=Path)
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="models found, their capabilities and estimated footprint")
+    msub.add_parser("pull", help="download a Hugging Face repo into the HF cache").add_argument("repo")
+    rm = msub.add_parser("rm", help="delete a downloaded model")
+    rm.add_argument("model")
+    rm.add_argument("--yes", action="store_true")
+    msub.add_parser("verify", help="recompute and print the SHA-256 manifest").add_argument("model")
+    doc = sub.add_parser("doctor", help="check platform, memory budget, models and coordinator")
+    doc.add_argument("--config", type=Path)
     return parser
 
 
@@ -45,7 +56,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "start":
         return _start(args)
+    if args.command == "doctor":
+        from . import doctor
+
+        return doctor.run(lambda: Settings.load(config_file=args.config))
+    if args.command == "models":
+        return _models(args)
     return 2
+
+
+def _models(args: argparse.Namespace) -> int:
+    from .models import commands
+    from .node import decide_node_budget
+
+    try:
+        settings = Settings.load(config_file=args.config)
+    except SettingsError as e:
+        print(f"provider: configuration error: {e}", file=sys.stderr)
+        return 2
+    if args.models_command == "list":
+        return commands.cmd_list(settings, decide_node_budget(settings).usable)
+    if args.models_command == "pull":
+        return commands.cmd_pull(args.repo)
+    if args.models_command == "rm":
+        return commands.cmd_rm(settings, args.model, args.yes)
+    return commands.cmd_verify(settings, args.model)
 
 
 def primary_models(settings: Settings) -> list:

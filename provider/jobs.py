@@ -23,6 +23,8 @@ class Cause(str, enum.Enum):
     OVERLOADED = "overloaded"
     DRAINING = "draining"
     COORDINATOR_LOST = "coordinator_lost"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    DUPLICATE_JOB = "duplicate_job"
     INTERNAL = "internal"
 
 
@@ -45,6 +47,21 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # The same bounds for every front end; each also checks its own wire types.
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be from 0 to 2"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be > 0 and <= 1"),
+            ("top_k", self.top_k >= 0, "must be >= 0"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be from 0 to 1"),
+            ("stop", len(self.stop) <= 16, "allows at most 16 strings"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise JobError(Cause.INVALID_REQUEST, f"{name} {rule}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -78,7 +78,10 @@ class Settings:
     coordinator_ca_file: str = ""
     allow_insecure_coordinator: bool = False
     heartbeat_interval_s: float = field(default=5.0, metadata=_range(0.1, 300))
+    reconnect_base_delay_s: float = field(default=0.5, metadata=_range(0.01, 60))
     reconnect_max_delay_s: float = field(default=30.0, metadata=_range(0.05, 3600))
+    # A session that stayed up this long counts as healthy and resets the reconnect backoff.
+    healthy_session_s: float = field(default=10.0, metadata=_range(0, 3600))
 
     # Engine.
     max_concurrent_jobs: int = field(default=4, metadata=_range(1, 256))

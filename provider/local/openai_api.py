@@ -37,6 +37,8 @@ CAUSE_STATUS: dict[Cause, tuple[int, str]] = {
     Cause.DRAINING: (503, "server_error"),
     Cause.MODEL_LOAD_FAILED: (500, "server_error"),
     Cause.COORDINATOR_LOST: (502, "server_error"),
+    Cause.DEADLINE_EXCEEDED: (504, "server_error"),
+    Cause.DUPLICATE_JOB: (409, "invalid_request_error"),
     Cause.INTERNAL: (500, "server_error"),
 }
 

@@ -87,6 +87,8 @@ class LocalAPI:
             "status": "draining" if engine.draining else "ok",
             "models": self.node.models.ids(),
             "resident_models": self.node.models.resident(),
+            "resident": self.node.models.snapshot(),
+            "memory": self.node.models.memory(),
             "active_jobs": engine.stats.active,
             "queued_jobs": engine.stats.queued,
         })

@@ -24,9 +24,11 @@ class Admission:
 
     def message(self, model_id: str) -> str:
         mib = 1 << 20
+        why = ("more models are resident than max_resident_models and all are busy" if self.reason == "too_many_models"
+               else "it does not fit even after evicting every idle model")
         return (f"cannot load {model_id}: needs {self.needed / mib:.1f} MiB, {self.free / mib:.1f} MiB free of a "
-                f"{self.budget / mib:.1f} MiB budget, and the other resident models are busy; retry later, "
-                "or raise memory_budget_gb / memory_fraction")
+                f"{self.budget / mib:.1f} MiB budget; {why}. Retry when jobs finish, or raise memory_budget_gb / "
+                "memory_fraction")
 
 
 def plan_load(needed: int, budget: int, residents: list[Resident], max_resident: int) -> Admission:

@@ -1,0 +1,1 @@
+"""The coordinator transport: a gRPC session that turns JobRequests into Jobs and Events into frames."""

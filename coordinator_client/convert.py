@@ -1,0 +1,112 @@
+"""proto <-> Job/Event translation. Pure: no I/O, no MLX."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from provider.jobs import Cause, Done, Error, Job, JobError, SamplingParams, Tokens
+
+from .pb import provider_pb2 as pb
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_JOB_ID = 128
+
+POLICY = {pb.SPECULATION_POLICY_AUTO: "auto", pb.SPECULATION_POLICY_ON: "on", pb.SPECULATION_POLICY_OFF: "off"}
+CAUSE_TO_PB = {
+    Cause.INVALID_REQUEST: pb.ERROR_CAUSE_INVALID_REQUEST,
+    Cause.UNKNOWN_MODEL: pb.ERROR_CAUSE_UNKNOWN_MODEL,
+    Cause.CONTEXT_LENGTH_EXCEEDED: pb.ERROR_CAUSE_CONTEXT_LENGTH_EXCEEDED,
+    Cause.MODEL_LOAD_FAILED: pb.ERROR_CAUSE_MODEL_LOAD_FAILED,
+    Cause.INSUFFICIENT_MEMORY: pb.ERROR_CAUSE_INSUFFICIENT_MEMORY,
+    Cause.SPECULATION_UNAVAILABLE: pb.ERROR_CAUSE_SPECULATION_UNAVAILABLE,
+    Cause.OVERLOADED: pb.ERROR_CAUSE_OVERLOADED,
+    Cause.DRAINING: pb.ERROR_CAUSE_DRAINING,
+    Cause.COORDINATOR_LOST: pb.ERROR_CAUSE_COORDINATOR_LOST,
+    Cause.DEADLINE_EXCEEDED: pb.ERROR_CAUSE_DEADLINE_EXCEEDED,
+    Cause.DUPLICATE_JOB: pb.ERROR_CAUSE_DUPLICATE_JOB,
+    Cause.INTERNAL: pb.ERROR_CAUSE_INTERNAL,
+}
+assert set(CAUSE_TO_PB) == set(Cause), "every cause needs a wire value"
+
+
+def _invalid(message: str) -> JobError:
+    return JobError(Cause.INVALID_REQUEST, message)
+
+
+def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_tokens: int) -> Job:
+    """Validate a JobRequest and build the Job; a bad field raises JobError(INVALID_REQUEST) naming it."""
+    if not req.job_id or len(req.job_id) > MAX_JOB_ID:
+        raise _invalid(f"job_id must be 1 to {MAX_JOB_ID} characters")
+    which = req.WhichOneof("input")
+    if which is None:
+        raise _invalid("the job has neither chat messages nor a prompt")
+    prompt = messages = None
+    if which == "prompt":
+        if not req.prompt:
+            raise _invalid("prompt is empty")
+        prompt = req.prompt
+    else:
+        if not req.chat.messages:
+            raise _invalid("chat.messages is empty")
+        for i, m in enumerate(req.chat.messages):
+            if m.role not in ROLES:
+                raise _invalid(f"chat.messages[{i}].role must be one of {', '.join(sorted(ROLES))}")
+        messages = tuple({"role": m.role, "content": m.content} for m in req.chat.messages)
+    max_tokens = req.max_tokens or default_max_tokens
+    if max_tokens > max_tokens_limit:
+        raise _invalid(f"max_tokens must be from 1 to {max_tokens_limit}, got {max_tokens}")
+    s = req.sampling
+    floats = {name: getattr(s, name) for name in ("temperature", "top_p", "min_p") if s.HasField(name)}
+    for name, value in floats.items():
+        if not math.isfinite(value):
+            raise _invalid(f"{name} must be finite")
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=floats.get("temperature", 1.0),
+        top_p=floats.get("top_p", 1.0),
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        min_p=floats.get("min_p", 0.0),
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+    )
+    if req.speculation not in POLICY:
+        raise _invalid(f"unknown speculation policy {req.speculation}")
+    return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
+               speculation=POLICY[req.speculation])
+
+
+def chunk_frame(job_id: str, seq: int, batch: list[Tokens]) -> pb.ProviderFrame:
+    ids = [t for ev in batch for t in ev.token_ids]
+    return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq, text="".join(ev.text for ev in batch),
+                                                      token_ids=ids))
+
+
+def telemetry_to_pb(t: dict[str, Any]) -> pb.Telemetry:
+    out = pb.Telemetry(queue_ms=t.get("queue_ms") or 0.0, total_ms=t.get("total_ms") or 0.0,
+                       peak_memory_bytes=t.get("peak_memory_bytes") or 0, finish_reason=t.get("finish_reason", ""))
+    for name in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        if t.get(name) is not None:
+            setattr(out, name, t[name])
+    spec = t.get("speculation") or {}
+    out.speculation.CopyFrom(pb.SpeculationTelemetry(**{k: v for k, v in spec.items()
+                                                        if k in pb.SpeculationTelemetry.DESCRIPTOR.fields_by_name}))
+    return out
+
+
+def done_frame(ev: Done) -> pb.ProviderFrame:
+    u = ev.usage
+    return pb.ProviderFrame(job_done=pb.JobDone(
+        job_id=ev.job_id, finish_reason=ev.finish_reason,
+        usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                       total_tokens=u.total_tokens),
+        telemetry=telemetry_to_pb(ev.telemetry)))
+
+
+def error_frame(job_id: str, cause: Cause, message: str) -> pb.ProviderFrame:
+    return pb.ProviderFrame(job_error=pb.JobError(job_id=job_id, cause=CAUSE_TO_PB[cause], message=message))
+
+
+def event_error_frame(ev: Error) -> pb.ProviderFrame:
+    return error_frame(ev.job_id, ev.cause, ev.message)

@@ -1,0 +1,450 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_UNSPECIFIED: _ClassVar[Backend]
+    BACKEND_METAL: _ClassVar[Backend]
+    BACKEND_CPU: _ClassVar[Backend]
+    BACKEND_CUDA: _ClassVar[Backend]
+
+class NodeStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_STATUS_UNSPECIFIED: _ClassVar[NodeStatus]
+    NODE_STATUS_IDLE: _ClassVar[NodeStatus]
+    NODE_STATUS_BUSY: _ClassVar[NodeStatus]
+    NODE_STATUS_DRAINING: _ClassVar[NodeStatus]
+
+class SpeculationPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_POLICY_AUTO: _ClassVar[SpeculationPolicy]
+    SPECULATION_POLICY_ON: _ClassVar[SpeculationPolicy]
+    SPECULATION_POLICY_OFF: _ClassVar[SpeculationPolicy]
+
+class ErrorCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CAUSE_UNSPECIFIED: _ClassVar[ErrorCause]
+    ERROR_CAUSE_INVALID_REQUEST: _ClassVar[ErrorCause]
+    ERROR_CAUSE_UNKNOWN_MODEL: _ClassVar[ErrorCause]
+    ERROR_CAUSE_CONTEXT_LENGTH_EXCEEDED: _ClassVar[ErrorCause]
+    ERROR_CAUSE_MODEL_LOAD_FAILED: _ClassVar[ErrorCause]
+    ERROR_CAUSE_INSUFFICIENT_MEMORY: _ClassVar[ErrorCause]
+    ERROR_CAUSE_SPECULATION_UNAVAILABLE: _ClassVar[ErrorCause]
+    ERROR_CAUSE_OVERLOADED: _ClassVar[ErrorCause]
+    ERROR_CAUSE_DRAINING: _ClassVar[ErrorCause]
+    ERROR_CAUSE_COORDINATOR_LOST: _ClassVar[ErrorCause]
+    ERROR_CAUSE_DEADLINE_EXCEEDED: _ClassVar[ErrorCause]
+    ERROR_CAUSE_DUPLICATE_JOB: _ClassVar[ErrorCause]
+    ERROR_CAUSE_INTERNAL: _ClassVar[ErrorCause]
+BACKEND_UNSPECIFIED: Backend
+BACKEND_METAL: Backend
+BACKEND_CPU: Backend
+BACKEND_CUDA: Backend
+NODE_STATUS_UNSPECIFIED: NodeStatus
+NODE_STATUS_IDLE: NodeStatus
+NODE_STATUS_BUSY: NodeStatus
+NODE_STATUS_DRAINING: NodeStatus
+SPECULATION_POLICY_AUTO: SpeculationPolicy
+SPECULATION_POLICY_ON: SpeculationPolicy
+SPECULATION_POLICY_OFF: SpeculationPolicy
+ERROR_CAUSE_UNSPECIFIED: ErrorCause
+ERROR_CAUSE_INVALID_REQUEST: ErrorCause
+ERROR_CAUSE_UNKNOWN_MODEL: ErrorCause
+ERROR_CAUSE_CONTEXT_LENGTH_EXCEEDED: ErrorCause
+ERROR_CAUSE_MODEL_LOAD_FAILED: ErrorCause
+ERROR_CAUSE_INSUFFICIENT_MEMORY: ErrorCause
+ERROR_CAUSE_SPECULATION_UNAVAILABLE: ErrorCause
+ERROR_CAUSE_OVERLOADED: ErrorCause
+ERROR_CAUSE_DRAINING: ErrorCause
+ERROR_CAUSE_COORDINATOR_LOST: ErrorCause
+ERROR_CAUSE_DEADLINE_EXCEEDED: ErrorCause
+ERROR_CAUSE_DUPLICATE_JOB: ErrorCause
+ERROR_CAUSE_INTERNAL: ErrorCause
+
+class ProviderFrame(_message.Message):
+    __slots__ = ("hello", "heartbeat", "job_accepted", "token_chunk", "job_done", "job_error", "pong", "drained")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PONG_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    heartbeat: Heartbeat
+    job_accepted: JobAccepted
+    token_chunk: TokenChunk
+    job_done: JobDone
+    job_error: JobError
+    pong: Pong
+    drained: Drained
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., job_error: _Optional[_Union[JobError, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., drained: _Optional[_Union[Drained, _Mapping]] = ...) -> None: ...
+
+class CoordinatorFrame(_message.Message):
+    __slots__ = ("challenge", "welcome", "reject", "job_request", "cancel", "drain", "ping", "job_ack")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
+    JOB_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    JOB_ACK_FIELD_NUMBER: _ClassVar[int]
+    challenge: Challenge
+    welcome: Welcome
+    reject: Reject
+    job_request: JobRequest
+    cancel: Cancel
+    drain: Drain
+    ping: Ping
+    job_ack: JobAck
+    def __init__(self, challenge: _Optional[_Union[Challenge, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., job_request: _Optional[_Union[JobRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., job_ack: _Optional[_Union[JobAck, _Mapping]] = ...) -> None: ...
+
+class Challenge(_message.Message):
+    __slots__ = ("nonce", "server_time_ms")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    server_time_ms: int
+    def __init__(self, nonce: _Optional[bytes] = ..., server_time_ms: _Optional[int] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("registration", "signature")
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    registration: bytes
+    signature: bytes
+    def __init__(self, registration: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class Registration(_message.Message):
+    __slots__ = ("node_id", "protocol_version", "software_version", "backend", "hardware", "memory", "models", "max_concurrent_jobs", "public_key", "nonce", "timestamp_ms", "session_epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_JOBS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    protocol_version: int
+    software_version: str
+    backend: Backend
+    hardware: Hardware
+    memory: MemoryStatus
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    max_concurrent_jobs: int
+    public_key: bytes
+    nonce: bytes
+    timestamp_ms: int
+    session_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., max_concurrent_jobs: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., session_epoch: _Optional[int] = ...) -> None: ...
+
+class Hardware(_message.Message):
+    __slots__ = ("machine", "chip", "os", "cpu_cores")
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    OS_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    machine: str
+    chip: str
+    os: str
+    cpu_cores: int
+    def __init__(self, machine: _Optional[str] = ..., chip: _Optional[str] = ..., os: _Optional[str] = ..., cpu_cores: _Optional[int] = ...) -> None: ...
+
+class MemoryStatus(_message.Message):
+    __slots__ = ("total_bytes", "budget_bytes", "free_for_load_bytes", "active_bytes", "budget_source")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_FOR_LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    budget_bytes: int
+    free_for_load_bytes: int
+    active_bytes: int
+    budget_source: str
+    def __init__(self, total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., free_for_load_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., budget_source: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("id", "size_bytes", "sha256", "capabilities", "resident")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    size_bytes: int
+    sha256: str
+    capabilities: Capabilities
+    resident: bool
+    def __init__(self, id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("family", "quantization", "context_length", "mtp_capable", "draft_compatible", "native_mtp_heads", "vision")
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MTP_CAPABLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COMPATIBLE_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_MTP_HEADS_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
+    family: str
+    quantization: str
+    context_length: int
+    mtp_capable: bool
+    draft_compatible: bool
+    native_mtp_heads: bool
+    vision: bool
+    def __init__(self, family: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_capable: _Optional[bool] = ..., draft_compatible: _Optional[bool] = ..., native_mtp_heads: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("session_id", "session_epoch", "heartbeat_interval_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_epoch: int
+    heartbeat_interval_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., session_epoch: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class Reject(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_MODELS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_JOBS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    status: NodeStatus
+    resident_models: _containers.RepeatedScalarFieldContainer[str]
+    active_jobs: int
+    queued_jobs: int
+    memory: MemoryStatus
+    counters: Counters
+    timestamp_ms: int
+    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class Counters(_message.Message):
+    __slots__ = ("jobs_completed", "jobs_failed", "jobs_cancelled", "tokens_generated", "spec_drafted_tokens", "spec_accepted_tokens", "spec_target_forwards")
+    JOBS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    JOBS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    jobs_completed: int
+    jobs_failed: int
+    jobs_cancelled: int
+    tokens_generated: int
+    spec_drafted_tokens: int
+    spec_accepted_tokens: int
+    spec_target_forwards: int
+    def __init__(self, jobs_completed: _Optional[int] = ..., jobs_failed: _Optional[int] = ..., jobs_cancelled: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_target_forwards: _Optional[int] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    def __init__(self, id: _Optional[int] = ...) -> None: ...
+
+class Pong(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    def __init__(self, id: _Optional[int] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class JobRequest(_message.Message):
+    __slots__ = ("job_id", "model", "chat", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model: str
+    chat: ChatMessages
+    prompt: str
+    sampling: SamplingParams
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    speculation: SpeculationPolicy
+    deadline_ms: int
+    model_sha256: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ...) -> None: ...
+
+class JobAccepted(_message.Message):
+    __slots__ = ("job_id", "model", "prompt_tokens")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model: str
+    prompt_tokens: int
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("job_id", "seq", "text", "token_ids")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    seq: int
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class SpeculationTelemetry(_message.Message):
+    __slots__ = ("mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_target_forward", "draft_ms", "verify_ms")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_TARGET_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    reason: str
+    k: int
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    target_forwards: int
+    tokens_per_target_forward: float
+    draft_ms: float
+    verify_ms: float
+    def __init__(self, mode: _Optional[str] = ..., reason: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., target_forwards: _Optional[int] = ..., tokens_per_target_forward: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+
+class Telemetry(_message.Message):
+    __slots__ = ("ttft_ms", "queue_ms", "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes", "finish_reason", "speculation")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    queue_ms: float
+    total_ms: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    peak_memory_bytes: int
+    finish_reason: str
+    speculation: SpeculationTelemetry
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ...) -> None: ...
+
+class JobDone(_message.Message):
+    __slots__ = ("job_id", "finish_reason", "usage", "telemetry")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    finish_reason: str
+    usage: Usage
+    telemetry: Telemetry
+    def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
+
+class JobError(_message.Message):
+    __slots__ = ("job_id", "cause", "message")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    cause: ErrorCause
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., cause: _Optional[_Union[ErrorCause, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobAck(_message.Message):
+    __slots__ = ("job_ids",)
+    JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    job_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Drain(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Drained(_message.Message):
+    __slots__ = ("jobs_finished",)
+    JOBS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    jobs_finished: int
+    def __init__(self, jobs_finished: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,222 @@
+"""A reference coordinator: the other side of the contract, for tests, benchmarks and local development.
+
+A real grpc.aio server on loopback. It challenges each provider with a fresh
+nonce, verifies the signed registration (signature, nonce, clock skew, epoch),
+replaces an older session of the same node, dispatches jobs, acknowledges
+outcomes, and records every frame. Its records live in this object, so a
+`kill()` followed by `restart()` models a coordinator process that restarts
+with its job store intact.
+
+    python -m coordinator_client.reference_coordinator --port 50051
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import grpc
+
+from .identity import InvalidSignature, verify_hello
+from .pb import provider_pb2 as pb
+
+MAX_SKEW_MS = 60_000
+SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 1),
+]
+
+
+@dataclass
+class NodeSession:
+    session_id: str
+    node_id: str
+    epoch: int
+    registration: pb.Registration
+    outgoing: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    heartbeats: list[pb.Heartbeat] = field(default_factory=list)
+
+
+def _serialize(frame) -> bytes:
+    # Bytes pass through untouched, so tests can put garbled frames on the wire.
+    return frame if isinstance(frame, bytes) else frame.SerializeToString()
+
+
+class ReferenceCoordinator:
+    def __init__(self, port: int = 0, heartbeat_interval_ms: int = 500, ack_outcomes: bool = True):
+        self.port = port
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.ack_outcomes = ack_outcomes
+        self._server: grpc.aio.Server | None = None
+        self.sessions: dict[str, NodeSession] = {}  # node_id -> current session
+        self.epochs: dict[str, int] = {}  # node_id -> highest epoch seen
+        self.frames: list[tuple[str, str, pb.ProviderFrame]] = []  # (session id, kind, frame)
+        self.outcomes: dict[str, list[pb.ProviderFrame]] = defaultdict(list)  # job id -> JobDone/JobError frames
+        self.chunks: dict[str, list[pb.TokenChunk]] = defaultdict(list)
+        self.accepted: dict[str, pb.JobAccepted] = {}
+        self.rejections: list[str] = []
+        self.drained: list[pb.Drained] = []
+        self._outcome_waiters: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._session_changed = asyncio.Condition()
+        self._issued_nonces: set[bytes] = set()
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> int:
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        handler = grpc.stream_stream_rpc_method_handler(
+            self._connect, request_deserializer=pb.ProviderFrame.FromString, response_serializer=_serialize)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("provider.v1.Coordinator", {"Connect": handler}),))
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self._server.start()
+        return self.port
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    async def kill(self) -> None:
+        """Stop abruptly: every stream is cut, nothing is drained."""
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            self._server = None
+        for s in self.sessions.values():
+            s.ended.set()
+        self.sessions.clear()
+
+    async def restart(self) -> None:
+        await self.kill()
+        await self.start()
+
+    # --- what tests drive -----------------------------------------------------------
+
+    async def wait_for_node(self, timeout: float = 60, after: str | None = None) -> NodeSession:
+        """The current session of the (only) node; with `after`, one newer than that session id."""
+        async with self._session_changed:
+            await asyncio.wait_for(self._session_changed.wait_for(
+                lambda: any(s.session_id != after for s in self.sessions.values())), timeout)
+            return next(s for s in self.sessions.values() if s.session_id != after)
+
+    def send(self, session: NodeSession, frame: pb.CoordinatorFrame | bytes) -> None:
+        session.outgoing.put_nowait(frame)
+
+    def dispatch(self, session: NodeSession, request: pb.JobRequest) -> str:
+        self.send(session, pb.CoordinatorFrame(job_request=request))
+        return request.job_id
+
+    async def outcome(self, job_id: str, timeout: float = 120) -> pb.ProviderFrame:
+        await asyncio.wait_for(self._outcome_waiters[job_id].wait(), timeout)
+        return self.outcomes[job_id][0]
+
+    def text(self, job_id: str) -> str:
+        return "".join(c.text for c in self.chunks[job_id])
+
+    def token_ids(self, job_id: str) -> list[int]:
+        return [t for c in self.chunks[job_id] for t in c.token_ids]
+
+    # --- the RPC ---------------------------------------------------------------------
+
+    async def _connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        nonce = secrets.token_bytes(32)
+        self._issued_nonces.add(nonce)
+        await context.write(pb.CoordinatorFrame(challenge=pb.Challenge(nonce=nonce,
+                                                                       server_time_ms=int(time.time() * 1000))))
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        reason = self._check_hello(first, nonce)
+        if isinstance(reason, str):
+            self.rejections.append(reason)
+            await context.write(pb.CoordinatorFrame(reject=pb.Reject(reason=reason)))
+            return
+        reg: pb.Registration = reason
+        session = NodeSession(f"s-{uuid.uuid4().hex[:12]}", reg.node_id, reg.session_epoch, reg)
+        old = self.sessions.get(reg.node_id)
+        if old is not None:
+            old.ended.set()  # a rejoin replaces the ghost session
+        async with self._session_changed:
+            self.sessions[reg.node_id] = session
+            self._session_changed.notify_all()
+        await context.write(pb.CoordinatorFrame(welcome=pb.Welcome(
+            session_id=session.session_id, session_epoch=reg.session_epoch,
+            heartbeat_interval_ms=self.heartbeat_interval_ms)))
+        reader = asyncio.create_task(self._read(context, session))
+        try:
+            while not session.ended.is_set():
+                get = asyncio.create_task(session.outgoing.get())
+                ended = asyncio.create_task(session.ended.wait())
+                done, pending = await asyncio.wait({get, ended, reader}, return_when=asyncio.FIRST_COMPLETED)
+                for p in pending - {reader}:
+                    p.cancel()
+                if get in done:
+                    await context.write(get.result())
+                if reader in done:
+                    break
+        finally:
+            reader.cancel()
+            if self.sessions.get(reg.node_id) is session:
+                del self.sessions[reg.node_id]
+
+    def _check_hello(self, frame: pb.ProviderFrame, nonce: bytes) -> pb.Registration | str:
+        if frame.WhichOneof("frame") != "hello":
+            return "expected hello"
+        try:
+            reg = verify_hello(frame.hello)
+        except InvalidSignature:
+            return "bad signature"
+        except Exception as e:  # unparseable registration, wrong key size, node id not derived from the key
+            return f"bad registration: {e}"
+        if reg.nonce != nonce or nonce not in self._issued_nonces:
+            return "stale or foreign nonce"
+        self._issued_nonces.discard(nonce)
+        if abs(reg.timestamp_ms - time.time() * 1000) > MAX_SKEW_MS:
+            return "timestamp outside the allowed clock skew"
+        if reg.session_epoch <= self.epochs.get(reg.node_id, 0):
+            return "session epoch is not newer than the current one"
+        self.epochs[reg.node_id] = reg.session_epoch
+        return reg
+
+    async def _read(self, context, session: NodeSession) -> None:
+        while True:
+            frame = await context.read()
+            if frame is grpc.aio.EOF:
+                return
+            kind = frame.WhichOneof("frame")
+            self.frames.append((session.session_id, kind, frame))
+            if kind == "heartbeat":
+                session.heartbeats.append(frame.heartbeat)
+            elif kind == "job_accepted":
+                self.accepted[frame.job_accepted.job_id] = frame.job_accepted
+            elif kind == "token_chunk":
+                self.chunks[frame.token_chunk.job_id].append(frame.token_chunk)
+            elif kind in ("job_done", "job_error"):
+                job_id = getattr(frame, kind).job_id
+                self.outcomes[job_id].append(frame)
+                self._outcome_waiters[job_id].set()
+                if self.ack_outcomes:
+                    session.outgoing.put_nowait(pb.CoordinatorFrame(job_ack=pb.JobAck(job_ids=[job_id])))
+            elif kind == "drained":
+                self.drained.append(frame.drained)
+
+
+async def _main(port: int) -> None:
+    coord = ReferenceCoordinator(port)
+    await coord.start()
+    print(f"reference coordinator listening on {coord.url}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", "50051")))
+    asyncio.run(_main(ap.parse_args().port))

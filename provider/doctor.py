@@ -1,0 +1,90 @@
+"""`provider doctor`: what this machine can serve, and what blocks it. Exit 1 when serving is blocked."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+import socket
+from urllib.parse import urlparse
+
+from .memory.budget import decide_budget, system_facts
+from .models import commands, store
+from .settings import Settings, SettingsError
+
+MiB = 1 << 20
+
+
+def _version(pkg: str) -> str:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def coordinator_reachable(url: str, timeout: float = 3.0) -> tuple[bool, str]:
+    u = urlparse(url if "://" in url else f"grpc://{url}")
+    port = u.port or (443 if u.scheme in ("https", "grpcs") else 80)
+    try:
+        with socket.create_connection((u.hostname, port), timeout=timeout):
+            return True, f"TCP connect to {u.hostname}:{port} ok"
+    except OSError as e:
+        return False, f"cannot reach {u.hostname}:{port}: {e}"
+
+
+def run(settings_loader) -> int:
+    problems: list[str] = []
+    print("platform")
+    print(f"  os         {platform.system()} {platform.release()} {platform.machine()}")
+    print(f"  python     {platform.python_version()}")
+    try:
+        settings = settings_loader()
+    except SettingsError as e:
+        print(f"config\n  ERROR      {e}")
+        return 1
+    facts = system_facts()
+    print(f"  mlx        {_version('mlx')} (backend: {facts.backend})")
+    print(f"  mlx-lm     {_version('mlx-lm')}")
+    gib = 1 << 30
+    budget = decide_budget(facts, fraction=settings.memory_fraction, reserve_bytes=int(settings.memory_reserve_gb * gib),
+                           override_bytes=int(settings.memory_budget_gb * gib))
+    print("memory")
+    print(f"  system     {facts.total_memory / gib:.1f} GiB total, {facts.available_memory / gib:.1f} GiB available")
+    print(f"  budget     {budget.total / gib:.2f} GiB from {budget.source}")
+    print(f"  reserve    {budget.reserve / gib:.2f} GiB  ->  usable {budget.usable / gib:.2f} GiB")
+    if budget.usable <= 0:
+        problems.append("the memory budget leaves nothing usable; lower memory_reserve_gb")
+
+    print("models")
+    from .cli import primary_models
+
+    found = store.discover(settings, primary_models(settings))
+    fitting = 0
+    for m in found:
+        r = commands.describe(settings, m, budget.usable)
+        spec = " mtp-capable" if r.get("mtp_capable") else " draft-compatible" if r.get("draft_compatible") else ""
+        if "footprint_mib" in r:
+            print(f"  {r['id']:28} {r['family']:12} footprint {r['footprint_mib']:>9} MiB  {r['status']}{spec}"
+                  f"  (speculation: {r['speculation_reason']})")
+        else:
+            print(f"  {r['id']:28} {r['status']}")
+        fitting += bool(r.get("fits"))
+    if not found:
+        problems.append("no models found; `provider models pull ORG/NAME` or set `model`")
+    elif not fitting:
+        problems.append("no model fits the memory budget")
+
+    print("coordinator")
+    if settings.coordinator:
+        ok, detail = coordinator_reachable(settings.coordinator)
+        print(f"  {settings.coordinator}: {detail}")
+        if not ok:
+            problems.append(f"coordinator {settings.coordinator} is unreachable")
+    else:
+        print("  not configured (local mode only)")
+
+    print("verdict")
+    for p in problems:
+        print(f"  BLOCKING   {p}")
+    if not problems:
+        print("  ok: this node can serve")
+    return 1 if problems else 0

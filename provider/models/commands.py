@@ -1,0 +1,109 @@
+"""`provider models list | pull | rm | verify`."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from ..jobs import JobError
+from ..settings import Settings
+from . import capability, loader, manifest, store
+from .manager import estimate_footprint
+
+MiB = 1 << 20
+
+
+def _find(settings: Settings, model_id: str) -> store.StoredModel:
+    for m in store.discover(settings):
+        if m.id == model_id or m.source == model_id:
+            return m
+    raise SystemExit(f"provider: no model {model_id!r} here; see `provider models list`")
+
+
+def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
+    """One row of `models list` / `doctor`: capabilities, estimated footprint, whether it fits."""
+    row = {"id": m.id, "origin": m.origin, "path": str(m.path) if m.path else None}
+    if m.path is None:
+        return row | {"status": "not downloaded"}
+    try:
+        config = loader.read_config(m.path)
+        caps = capability.detect(m.path, config)
+        drafter = Path(m.drafter).expanduser() if m.drafter else store.find_drafter_for(
+            m.path, store.assistant_dirs(settings))
+        caps = capability.with_drafter(caps, m.path, drafter, config)
+        fp = estimate_footprint(m.path, config, kv_tokens=settings.kv_reserve_tokens,
+                                prefill_step=settings.prefill_step_size)
+    except Exception as e:  # a broken checkpoint is reported, not fatal to the listing
+        return row | {"status": f"unreadable: {getattr(e, 'message', e)}"}
+    return row | {
+        "status": "ok" if fp.total <= usable else "too large for the budget",
+        "family": caps.family, "quantization": caps.quantization, "context": caps.context_length,
+        "weights_mib": round(fp.weights / MiB, 1), "footprint_mib": round(fp.total / MiB, 1),
+        "fits": fp.total <= usable, "mtp_capable": caps.mtp_capable, "draft_compatible": caps.draft_compatible,
+        "native_mtp_heads": caps.native_mtp_heads, "drafter": str(drafter) if drafter else None,
+        "speculation_reason": caps.drafter_reason,
+    }
+
+
+def cmd_list(settings: Settings, usable: int) -> int:
+    rows = [describe(settings, m, usable) for m in store.discover(settings)]
+    if not rows:
+        print("no models found; `provider models pull ORG/NAME` downloads one")
+        return 0
+    print(f"{'id':32} {'origin':10} {'family':12} {'quant':10} {'ctx':>7} {'weights':>9} {'footprint':>10}  status")
+    for r in rows:
+        print(f"{r['id'][:32]:32} {r['origin']:10} {str(r.get('family', '-')):12} {str(r.get('quantization') or '-'):10}"
+              f" {str(r.get('context', '-')):>7} {str(r.get('weights_mib', '-')) + ' MiB':>9}"
+              f" {str(r.get('footprint_mib', '-')) + ' MiB':>10}  {r['status']}"
+              + ("  [mtp]" if r.get("mtp_capable") else "") + ("  [draft]" if r.get("draft_compatible") else ""))
+    return 0
+
+
+def cmd_pull(repo_id: str) -> int:
+    try:
+        path = loader.resolve(repo_id, allow_download=True)  # huggingface_hub: progress bar, resumable
+    except JobError as e:
+        print(f"provider: {e.message}", file=sys.stderr)
+        return 1
+    print(f"{repo_id}: {path}")
+    print(f"sha256 {manifest.model_hash(manifest.manifest(path))}")
+    return 0
+
+
+def cmd_rm(settings: Settings, model_id: str, yes: bool) -> int:
+    m = _find(settings, model_id)
+    if m.origin == "configured":
+        print(f"provider: {m.id} is configured in the config file; remove it there", file=sys.stderr)
+        return 1
+    if not yes:
+        print(f"would delete {m.path}; pass --yes to confirm")
+        return 1
+    if m.origin == "hf_cache":
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+        revs = [r.commit_hash for repo in info.repos if repo.repo_id == m.id for r in repo.revisions]
+        info.delete_revisions(*revs).execute()
+    else:
+        shutil.rmtree(m.path)
+    print(f"deleted {m.id}")
+    return 0
+
+
+def cmd_verify(settings: Settings, model_id: str) -> int:
+    m = _find(settings, model_id)
+    if m.path is None:
+        print(f"provider: {m.id} is not downloaded", file=sys.stderr)
+        return 1
+    files = manifest.manifest(m.path, recompute=True)
+    digest = manifest.model_hash(files)
+    for rel, sha in sorted(files.items()):
+        print(f"{sha}  {rel}")
+    print(f"model sha256 {digest}")
+    if m.sha256 and m.sha256 != digest:
+        print(f"MISMATCH: pinned {m.sha256}", file=sys.stderr)
+        return 1
+    if m.sha256:
+        print("matches the pinned hash")
+    return 0
