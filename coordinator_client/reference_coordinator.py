@@ -60,6 +60,7 @@ class ReferenceCoordinator:
         self.frames: list[tuple[str, str, pb.ProviderFrame]] = []  # (session id, kind, frame)
         self.outcomes: dict[str, list[pb.ProviderFrame]] = defaultdict(list)  # job id -> JobDone/JobError frames
         self.chunks: dict[str, list[pb.TokenChunk]] = defaultdict(list)
+        self.chunk_arrivals: dict[str, list[float]] = defaultdict(list)  # perf_counter() per chunk
         self.accepted: dict[str, pb.JobAccepted] = {}
         self.rejections: list[str] = []
         self.drained: list[pb.Drained] = []
@@ -149,19 +150,20 @@ class ReferenceCoordinator:
             session_id=session.session_id, session_epoch=reg.session_epoch,
             heartbeat_interval_ms=self.heartbeat_interval_ms)))
         reader = asyncio.create_task(self._read(context, session))
+        ended = asyncio.create_task(session.ended.wait())
+        get = None
         try:
             while not session.ended.is_set():
                 get = asyncio.create_task(session.outgoing.get())
-                ended = asyncio.create_task(session.ended.wait())
-                done, pending = await asyncio.wait({get, ended, reader}, return_when=asyncio.FIRST_COMPLETED)
-                for p in pending - {reader}:
-                    p.cancel()
+                done, _ = await asyncio.wait({get, ended, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if get in done:
                     await context.write(get.result())
-                if reader in done:
+                else:
                     break
         finally:
-            reader.cancel()
+            for t in (reader, ended, get):
+                if t is not None:
+                    t.cancel()
             if self.sessions.get(reg.node_id) is session:
                 del self.sessions[reg.node_id]
 
@@ -197,6 +199,7 @@ class ReferenceCoordinator:
                 self.accepted[frame.job_accepted.job_id] = frame.job_accepted
             elif kind == "token_chunk":
                 self.chunks[frame.token_chunk.job_id].append(frame.token_chunk)
+                self.chunk_arrivals[frame.token_chunk.job_id].append(time.perf_counter())
             elif kind in ("job_done", "job_error"):
                 job_id = getattr(frame, kind).job_id
                 self.outcomes[job_id].append(frame)

@@ -43,8 +43,8 @@ def model_infos(node: Node) -> list[pb.ModelInfo]:
         info = pb.ModelInfo(id=model_id, sha256=stored.sha256 or "", resident=model_id in resident)
         if stored.path is not None:
             try:
-                size, caps = _model_facts(stored.path, (stored.path / "config.json").stat().st_mtime_ns)
-                info.size_bytes, info.capabilities.CopyFrom(caps)
+                info.size_bytes, caps = _model_facts(stored.path, (stored.path / "config.json").stat().st_mtime_ns)
+                info.capabilities.CopyFrom(caps)
             except (OSError, ValueError, estimate.HeaderError):
                 pass  # advertised without details; a job for it will report the load error
         out.append(info)

@@ -91,8 +91,11 @@ class CoordinatorSession:
                 log.error("coordinator_rejected", reason=str(e))
             except grpc.aio.AioRpcError as e:
                 log.warning("coordinator_stream_lost", code=e.code().name)
-            except (asyncio.TimeoutError, OSError, ConnectionError) as e:
+            except (asyncio.TimeoutError, asyncio.InvalidStateError, OSError, ConnectionError) as e:
+                # InvalidStateError: a write raced the stream's death.
                 log.warning("coordinator_unreachable", error=type(e).__name__)
+            except Exception:  # a bug in one session must not end the daemon's reconnect loop
+                log.exception("coordinator_session_failed")
             if stop.is_set():
                 break
             if healthy:

@@ -16,6 +16,7 @@ from .settings import Settings, SettingsError
 def _add_start(sub) -> None:
     p = sub.add_parser("start", help="run the node (local API and/or coordinator session)")
     p.add_argument("--local", action="store_true", help="serve a local OpenAI-compatible API")
+    p.add_argument("--coordinator", help="coordinator URL (grpcs://host:port; grpc:// only on loopback)")
     p.add_argument("--model", help="model directory or Hugging Face repo id (default: the bundled model)")
     p.add_argument("--port", type=int, help="local API port (default 8080; 0 picks a free one)")
     p.add_argument("--bind", help="local API address (default 127.0.0.1)")
@@ -98,50 +99,77 @@ def primary_models(settings: Settings) -> list:
 
 def _start(args: argparse.Namespace) -> int:
     cli = {"model": args.model, "port": args.port, "bind": args.bind, "auth": args.auth,
-           "log_format": args.log_format, "log_level": args.log_level}
+           "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator}
     try:
         settings = Settings.load(cli=cli, config_file=args.config)
     except SettingsError as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
-    if not args.local:
-        print("provider: nothing to run; pass --local (the coordinator session comes with --coordinator)",
+    if not args.local and not settings.coordinator:
+        print("provider: nothing to run; pass --local, --coordinator URL, or set `coordinator` in the config",
               file=sys.stderr)
         return 2
+    from coordinator_client.channel import ChannelError
+    from coordinator_client.identity import IdentityError
+
     try:
-        return asyncio.run(_run_local(settings))
-    except (JobError, PermissionError) as e:
+        return asyncio.run(_run(settings, local=args.local))
+    except (JobError, PermissionError, IdentityError, ChannelError) as e:
         print(f"provider: cannot start: {getattr(e, 'message', e)}", file=sys.stderr)
         return 1
 
 
-async def _run_local(settings: Settings) -> int:
-    from .local.server import load_or_mint_token, serve
+async def _run(settings: Settings, *, local: bool) -> int:
+    """Run the node with its front ends until SIGINT/SIGTERM, then drain: engine first, listeners last."""
+    from .local.server import load_or_mint_token, start_local_api
     from .node import Node, build_models
+    from . import service
+
+    session = identity = None
+    if settings.coordinator:  # check the URL, then the key, before loading anything
+        from coordinator_client.channel import plan_channel
+        from coordinator_client.identity import Identity
+        from coordinator_client.session import CoordinatorSession
+
+        plan_channel(settings.coordinator, allow_insecure=settings.allow_insecure_coordinator)
+        identity = Identity.load_or_create()
+    token, token_path = load_or_mint_token() if local and settings.auth else (None, None)
 
     node = Node(settings, build_models(settings, primary_models(settings)))
+    if identity is not None:
+        session = CoordinatorSession(node, settings, identity)
     node.start()
     model_id = node.models.default_id
     loaded = node.models.request(model_id)  # load and warm up before saying we are ready
     if not hasattr(loaded, "id"):
         await asyncio.wrap_future(loaded)
 
-    token, token_path = load_or_mint_token() if settings.auth else (None, None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    print(f"provider {__version__}: serving {model_id}", flush=True)
+    runner = None
+    if local:
+        runner, url = await start_local_api(node, settings.bind, settings.port, token)
+        print(f"  local OpenAI-compatible API at {url}/v1", flush=True)
+        print(f"  token file: {token_path}  (send: Authorization: Bearer <its contents>)" if token_path
+              else "  auth: off (--no-auth)", flush=True)
+    session_task = None
+    if session is not None:
+        session_task = asyncio.create_task(session.run(stop))
+        print(f"  coordinator: {settings.coordinator} as {identity.node_id}", flush=True)
+    watchdog = asyncio.create_task(service.notify_loop(node, stop))
 
-    def ready(url: str) -> None:
-        print(f"provider {__version__}: local OpenAI-compatible API at {url}/v1", flush=True)
-        print(f"  model:      {model_id}", flush=True)
-        if token_path:
-            print(f"  token file: {token_path}  (send: Authorization: Bearer <its contents>)", flush=True)
-        else:
-            print("  auth:       off (--no-auth)", flush=True)
-
-    await serve(node, settings.bind, settings.port, token, stop, on_ready=ready)
+    await stop.wait()
+    service.notify("STOPPING=1")
+    await node.stop(grace_s=settings.shutdown_grace_s)
+    if session_task is not None:
+        await session_task
+    if runner is not None:
+        await runner.cleanup()
+    watchdog.cancel()
     return 0
 
 

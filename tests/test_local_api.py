@@ -123,7 +123,8 @@ def test_token_file_is_private(server):
 
 
 def test_client_disconnect_cancels_the_job(server):
-    body = json.dumps(GOOD | {"max_tokens": 1000, "stream": True})
+    # Greedy, so the job cannot end on its own (a sampled EOS) before the client leaves.
+    body = json.dumps(GOOD | {"max_tokens": 1000, "stream": True, "temperature": 0})
     with httpx.stream("POST", server.url + "/v1/chat/completions", content=body, headers=server.headers) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:

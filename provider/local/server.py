@@ -182,11 +182,10 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=bad_constant)
 
 
-async def serve(node: Node, bind: str, port: int, token: str | None, stop: asyncio.Event,
-                on_ready: Callable[[str], None] | None = None) -> None:
-    """Run the API until `stop` is set, then drain the node and close the listener."""
-    api_ = LocalAPI(node, token)
-    runner = web.AppRunner(api_.app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
+async def start_local_api(node: Node, bind: str, port: int, token: str | None) -> tuple[web.AppRunner, str]:
+    """Start listening; return the runner (call `cleanup()` after the node stopped) and the base URL."""
+    runner = web.AppRunner(LocalAPI(node, token).app, handler_cancellation=True, shutdown_timeout=5.0,
+                           access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, bind, port)
     await site.start()
@@ -194,10 +193,4 @@ async def serve(node: Node, bind: str, port: int, token: str | None, stop: async
     host = f"[{sock[0]}]" if ":" in sock[0] else sock[0]
     url = f"http://{host}:{sock[1]}"
     log.info("local_api_listening", url=url, auth=token is not None)
-    if on_ready:
-        on_ready(url)
-    try:
-        await stop.wait()
-    finally:
-        await node.stop(grace_s=node.settings.shutdown_grace_s)
-        await runner.cleanup()
+    return runner, url
