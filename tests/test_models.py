@@ -134,7 +134,7 @@ def test_estimated_weights_within_15_percent_of_measured(fixtures_dir):
         snap = mgr.snapshot()[0]
         est = estimate_footprint(fixtures_dir / name, read_config(fixtures_dir / name), kv_tokens=256,
                                  prefill_step=64).weights
-        measured = snap["measured_weight_bytes"]
+        measured = snap["load_active_delta_bytes"]  # mx.get_active_memory() growth across the load
         print(f"{name}: estimated weights {est} B, measured active memory after load {measured} B, "
               f"ratio {measured / est:.3f}")
         assert abs(measured - est) <= 0.15 * measured

@@ -74,6 +74,12 @@ def read_config(path: Path) -> dict:
         raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read {path / 'config.json'}: {e}") from None
 
 
+def parameter_bytes(lm: LoadedModel) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
+
+
 def warm_up(lm: LoadedModel) -> None:
     """Run two decode steps so MLX compiles its kernels before the first real request pays for it."""
     import mlx.core as mx

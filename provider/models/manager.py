@@ -64,6 +64,7 @@ class _Entry:
     footprint: Footprint | None = None
     lm: LoadedModel | None = None
     measured_weights: int | None = None
+    active_delta: int | None = None  # raw mx.get_active_memory() growth across the load
     in_use: int = 0
     last_used: float = 0.0
 
@@ -129,7 +130,8 @@ class ModelManager:
         with self._lock:
             now = time.monotonic()
             return [{"id": mid, "state": "ready" if e.ready else "loading", "bytes": e.bytes,
-                     "measured_weight_bytes": e.measured_weights, "active_jobs": e.in_use,
+                     "measured_weight_bytes": e.measured_weights, "load_active_delta_bytes": e.active_delta,
+                     "active_jobs": e.in_use,
                      "idle_s": round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0}
                     for mid, e in self._entries.items()]
 
@@ -226,15 +228,19 @@ class ModelManager:
             entry.footprint = fp
         if plan.evict:
             _free_mlx_cache()
+        gc.collect()  # so that unrelated frees during the load do not shrink the measured delta
         before = mx.get_active_memory()
         lm = loader.load(model_id, path)
-        measured = mx.get_active_memory() - before
+        active_delta = mx.get_active_memory() - before
+        # Never account for less than the parameters hold (concurrent frees can hide part of the delta).
+        measured = max(active_delta, loader.parameter_bytes(lm))
         loader.warm_up(lm)
         with self._lock:
-            entry.lm, entry.measured_weights = lm, measured
+            entry.lm, entry.measured_weights, entry.active_delta = lm, measured, active_delta
             entry.last_used = time.monotonic()
         log.info("model_loaded", model=model_id, seconds=round(lm.load_seconds, 3), estimated_weight_bytes=fp.weights,
-                 measured_weight_bytes=measured, reserved_bytes=entry.bytes, evicted=list(plan.evict))
+                 measured_weight_bytes=measured, active_delta_bytes=active_delta, reserved_bytes=entry.bytes,
+                 evicted=list(plan.evict))
         return lm
 
     def _unload_locked(self, model_id: str, why: str) -> None:
