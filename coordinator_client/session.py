@@ -38,6 +38,7 @@ MAX_UNACKED = 10_000
 
 
 CONNECT_METHOD = "/provider.v1.Coordinator/Connect"
+_END_OF_STREAM = object()
 
 
 def _lenient_frame(data: bytes) -> pb.CoordinatorFrame | None:
@@ -176,7 +177,11 @@ class CoordinatorSession:
 
     async def _writer(self, call, outbox: asyncio.Queue) -> None:
         while True:
-            await call.write(await outbox.get())
+            frame = await outbox.get()
+            if frame is _END_OF_STREAM:  # everything queued before it has been written
+                await call.done_writing()
+                return
+            await call.write(frame)
 
     async def _reader(self, call, outbox: asyncio.Queue) -> None:
         while True:
@@ -310,8 +315,10 @@ class CoordinatorSession:
             await asyncio.wait_for(self._report_drained(outbox), self.settings.shutdown_grace_s)
         except asyncio.TimeoutError:
             log.warning("coordinator_drain_timeout", jobs=len(self._jobs))
-        for _ in range(100):  # let the writer flush what is queued
-            if outbox.empty():
-                break
-            await asyncio.sleep(0.01)
-        await call.done_writing()
+        outbox.put_nowait(_END_OF_STREAM)
+        writer = tasks[0]
+        try:
+            await asyncio.wait_for(asyncio.shield(writer), 5)
+            await asyncio.wait_for(call.code(), 5)  # the coordinator has read everything and ended the call
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            log.warning("coordinator_close_unclean")
