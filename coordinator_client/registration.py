@@ -75,5 +75,7 @@ def heartbeat(node: Node, *, draining: bool) -> pb.Heartbeat:
         status=status, resident_models=node.models.resident(), active_jobs=stats.active, queued_jobs=stats.queued,
         memory=memory_status(node),
         counters=pb.Counters(jobs_completed=stats.jobs_completed, jobs_failed=stats.jobs_failed,
-                             jobs_cancelled=stats.jobs_cancelled, tokens_generated=stats.tokens_generated),
+                             jobs_cancelled=stats.jobs_cancelled, tokens_generated=stats.tokens_generated,
+                             spec_drafted_tokens=stats.spec_drafted, spec_accepted_tokens=stats.spec_accepted,
+                             spec_target_forwards=stats.spec_target_forwards),
         timestamp_ms=int(time.time() * 1000))

@@ -82,6 +82,8 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         idle_timeout=settings.idle_timeout_s,
         kv_reserve_tokens=settings.kv_reserve_tokens,
         prefill_step=settings.prefill_step_size,
+        speculation=settings.speculation,
+        speculation_k=settings.speculation_k,
     )
 
 
@@ -94,6 +96,7 @@ class Node:
             max_concurrent=settings.max_concurrent_jobs,
             max_queued=settings.max_queued_jobs,
             prefill_step_size=settings.prefill_step_size,
+            speculation=settings.speculation,
         )
 
     def start(self) -> None:

@@ -66,6 +66,7 @@ class Settings:
     # Draft model or Gemma 4 assistant paired with `model` (used by speculation).
     drafter: str = ""
     speculation: str = field(default="auto", metadata=_choice("auto", "on", "off"))
+    speculation_k: int = field(default=3, metadata=_range(1, 16))  # draft tokens per round
 
     # Local OpenAI-compatible API.
     bind: str = "127.0.0.1"

@@ -70,8 +70,11 @@ class LocalServer:
             self._stderr.close()
 
 
-def make_manager(models: dict[str, Path], budget_bytes: int = 4 << 30, **kw) -> ModelManager:
-    stored = [StoredModel(k, str(v), v if v.is_dir() else None, "configured") for k, v in models.items()]
+def make_manager(models: dict[str, Path], budget_bytes: int = 4 << 30, drafters: dict[str, Path] | None = None,
+                 **kw) -> ModelManager:
+    drafters = drafters or {}
+    stored = [StoredModel(k, str(v), v if v.is_dir() else None, "configured",
+                          drafter=str(drafters[k]) if k in drafters else None) for k, v in models.items()]
     return ModelManager(stored, Budget(budget_bytes, 0, "test"), allow_download=False, **kw)
 
 

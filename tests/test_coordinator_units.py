@@ -69,11 +69,11 @@ def test_every_cause_has_a_wire_value():
 def test_done_frame_carries_the_local_api_telemetry():
     t = {"ttft_ms": 12.5, "queue_ms": 1.0, "total_ms": 50.0, "prefill_tokens_per_s": 100.0,
          "decode_tokens_per_s": None, "peak_memory_bytes": 10, "finish_reason": "length",
-         "speculation": {"mode": "off", "reason": "not_configured"}}
+         "speculation": {"mode": "off", "reason": "no_drafter"}}
     frame = convert.done_frame(Done("j", "length", Usage(3, 4), t))
     tel = frame.job_done.telemetry
     assert tel.ttft_ms == 12.5 and not tel.HasField("decode_tokens_per_s")
-    assert tel.speculation.reason == "not_configured" and frame.job_done.usage.total_tokens == 7
+    assert tel.speculation.reason == "no_drafter" and frame.job_done.usage.total_tokens == 7
 
 
 @pytest.mark.parametrize("req, fragment", [

@@ -35,7 +35,8 @@ def test_openai_sdk_chat_non_streaming(client):
     assert r.choices[0].finish_reason in ("length", "stop")
     assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 0
     t = r.model_extra["telemetry"]
-    assert t["ttft_ms"] > 0 and t["speculation"] == {"mode": "off", "reason": "not_configured"}
+    # gemma4-tiny could speculate, but this node was given no assistant for it.
+    assert t["ttft_ms"] > 0 and t["speculation"] == {"mode": "off", "reason": "no_drafter"}
     assert {"prefill_tokens_per_s", "decode_tokens_per_s"} <= t.keys()
 
 

@@ -15,10 +15,13 @@ from mlx_lm.generate import generate_step
 
 from ..jobs import Cause, Done, Event, Job, JobError, Tokens, Usage
 from ..models.loader import LoadedModel
+from . import speculation_plan
 from .sampling import sampler_for
+from .speculative import DraftModelDrafter, MTPDrafter, SpecStats, Target, speculative_tokens
 from .stops import StopMatcher
 
-SPECULATION_OFF = {"mode": "off", "reason": "not_configured"}
+# Telemetry of a job cancelled while it waited: it never reached the point of choosing.
+NOT_STARTED = {"mode": "off", "reason": "not_started"}
 
 
 def encode_prompt(job: Job, lm: LoadedModel) -> list[int]:
@@ -45,7 +48,8 @@ def encode_prompt(job: Job, lm: LoadedModel) -> list[int]:
 
 
 class Generation:
-    def __init__(self, job: Job, lm: LoadedModel, *, prefill_step_size: int, arrived: float):
+    def __init__(self, job: Job, lm: LoadedModel, *, prefill_step_size: int, arrived: float,
+                 node_policy: str = "auto", k: int = 3):
         prompt = encode_prompt(job, lm)
         room = lm.context_length - len(prompt)
         if room < 1:
@@ -60,13 +64,27 @@ class Generation:
         self.max_tokens = min(job.sampling.max_tokens, room)
         self.completion_tokens = 0
         self._seq = 0
-        self._tokens = generate_step(
-            mx.array(prompt),
-            lm.model,
-            max_tokens=self.max_tokens,
-            sampler=sampler_for(job.sampling),
-            prefill_step_size=prefill_step_size,
-        )
+        policy = speculation_plan.effective_policy(node_policy, job.speculation)
+        self.plan = speculation_plan.plan(policy=policy, drafter_mode=lm.drafter_mode,
+                                          drafter_reason=lm.drafter_reason, sampling=job.sampling, k=k)
+        if policy == "on" and not self.plan.on:
+            raise JobError(Cause.SPECULATION_UNAVAILABLE,
+                           f"speculation was required (speculation=on) but is off for this job: {self.plan.reason}")
+        self.spec_stats: SpecStats | None = None
+        if self.plan.on:
+            self.spec_stats = SpecStats(self.plan.mode, self.plan.k)
+            drafter = (MTPDrafter(lm.drafter, Target(lm.model)) if self.plan.mode == "mtp"
+                       else DraftModelDrafter(lm.drafter))
+            self._tokens = ((t, None) for t in speculative_tokens(
+                lm.model, prompt, drafter, k=self.plan.k, stats=self.spec_stats, prefill_step=prefill_step_size))
+        else:
+            self._tokens = generate_step(
+                mx.array(prompt),
+                lm.model,
+                max_tokens=self.max_tokens,
+                sampler=sampler_for(job.sampling),
+                prefill_step_size=prefill_step_size,
+            )
         self._detok = lm.tokenizer.detokenizer
         self._stops = StopMatcher(job.sampling.stop)
         self._eos = set(lm.tokenizer.eos_token_ids) | set(job.sampling.stop_token_ids)
@@ -131,5 +149,5 @@ class Generation:
             "decode_tokens_per_s": round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else None,
             "peak_memory_bytes": mx.get_peak_memory(),
             "finish_reason": finish_reason,
-            "speculation": dict(SPECULATION_OFF),
+            "speculation": self.spec_stats.as_dict() if self.spec_stats else {"mode": "off", "reason": self.plan.reason},
         }

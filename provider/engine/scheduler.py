@@ -18,7 +18,7 @@ from typing import Callable
 from .. import logs
 from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
 from ..models.manager import ModelManager
-from .generation import SPECULATION_OFF, Generation
+from .generation import NOT_STARTED, Generation
 
 Sink = Callable[[Event], None]
 log = logs.get("engine")
@@ -40,14 +40,19 @@ class EngineStats:
     jobs_failed: int = 0
     jobs_cancelled: int = 0
     tokens_generated: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_target_forwards: int = 0
 
 
 class Engine:
-    def __init__(self, models: ModelManager, *, max_concurrent: int, max_queued: int, prefill_step_size: int):
+    def __init__(self, models: ModelManager, *, max_concurrent: int, max_queued: int, prefill_step_size: int,
+                 speculation: str = "auto"):
         self.models = models
         self._max_concurrent = max_concurrent
         self._max_queued = max_queued
         self._prefill_step_size = prefill_step_size
+        self._speculation = speculation
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._active: dict[str, tuple[Generation, Sink]] = {}
@@ -174,7 +179,8 @@ class Engine:
     def _start(self, p: _Pending, model_id: str) -> None:
         lm = self.models.acquire(model_id)
         try:
-            gen = Generation(p.job, lm, prefill_step_size=self._prefill_step_size, arrived=p.arrived)
+            gen = Generation(p.job, lm, prefill_step_size=self._prefill_step_size, arrived=p.arrived,
+                             node_policy=self._speculation, k=self.models.speculation_k)
         except JobError as e:
             self.models.release(model_id)
             self._fail(p, e)
@@ -200,7 +206,7 @@ class Engine:
                     self._waiting.remove(p)
                 else:
                     self._loading = [x for x in self._loading if x[0] is not p]
-                done = Done(job_id, "cancelled", Usage(0, 0), {"speculation": dict(SPECULATION_OFF)})
+                done = Done(job_id, "cancelled", Usage(0, 0), {"speculation": dict(NOT_STARTED)})
                 self.stats.jobs_cancelled += 1
                 _safe(p.sink, done)
                 break
@@ -218,7 +224,12 @@ class Engine:
                     self.stats.jobs_cancelled += 1
                 else:
                     self.stats.jobs_completed += 1
-                self.stats.tokens_generated += ev.usage.completion_tokens if isinstance(ev, Done) else 0
+                if isinstance(ev, Done):
+                    spec = ev.telemetry.get("speculation", {})
+                    self.stats.tokens_generated += ev.usage.completion_tokens
+                    self.stats.spec_drafted += spec.get("drafted", 0)
+                    self.stats.spec_accepted += spec.get("accepted", 0)
+                    self.stats.spec_target_forwards += spec.get("target_forwards", 0)
                 log.info(
                     "job_finished",
                     job_id=ev.job_id,
@@ -228,6 +239,7 @@ class Engine:
                     completion_tokens=ev.usage.completion_tokens if isinstance(ev, Done) else None,
                     ttft_ms=ev.telemetry.get("ttft_ms") if isinstance(ev, Done) else None,
                     decode_tokens_per_s=ev.telemetry.get("decode_tokens_per_s") if isinstance(ev, Done) else None,
+                    speculation=ev.telemetry.get("speculation") if isinstance(ev, Done) else None,
                 )
                 self._update_counts()
 

@@ -22,6 +22,9 @@ class LoadedModel:
     config: dict
     load_seconds: float
     last_used: float = field(default_factory=time.monotonic)
+    drafter: Any = None  # a Gemma4Assistant or a draft mlx-lm model, loaded and freed with the target
+    drafter_mode: str | None = None  # mtp | draft | None
+    drafter_reason: str = "no_drafter"  # why there is no drafter (stable reason), or "ok"
 
     @property
     def context_length(self) -> int:

@@ -64,6 +64,7 @@ class _Entry:
     footprint: Footprint | None = None
     lm: LoadedModel | None = None
     measured_weights: int | None = None
+    drafter_bytes: int = 0
     active_delta: int | None = None  # raw mx.get_active_memory() growth across the load
     in_use: int = 0
     last_used: float = 0.0
@@ -77,7 +78,7 @@ class _Entry:
         if self.footprint is None:
             return 0
         weights = max(self.measured_weights or 0, self.footprint.weights)
-        return weights + self.footprint.kv + self.footprint.activations
+        return weights + self.footprint.kv + self.footprint.activations + self.drafter_bytes
 
     def resident(self) -> Resident:
         return Resident(self.stored.id, self.bytes, busy=not self.ready or self.in_use > 0, last_used=self.last_used)
@@ -86,7 +87,8 @@ class _Entry:
 class ModelManager:
     def __init__(self, models: list[StoredModel], budget: Budget, *, max_resident: int = 2,
                  idle_timeout: float = 0.0, kv_reserve_tokens: int = 4096, prefill_step: int = 2048,
-                 default_id: str | None = None, allow_download: bool = True):
+                 default_id: str | None = None, allow_download: bool = True, speculation: str = "auto",
+                 speculation_k: int = 3):
         self._catalog = {m.id: m for m in models}
         self.default_id = default_id or next(iter(self._catalog), None)
         self.budget = budget
@@ -95,6 +97,8 @@ class ModelManager:
         self._kv_tokens = kv_reserve_tokens
         self._prefill_step = prefill_step
         self._allow_download = allow_download
+        self._speculation = speculation
+        self.speculation_k = speculation_k
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
@@ -236,18 +240,75 @@ class ModelManager:
         measured = max(active_delta, loader.parameter_bytes(lm))
         loader.warm_up(lm)
         with self._lock:
-            entry.lm, entry.measured_weights, entry.active_delta = lm, measured, active_delta
+            entry.measured_weights, entry.active_delta = measured, active_delta
+        self._attach_drafter(entry, lm, config)
+        with self._lock:
+            entry.lm = lm
             entry.last_used = time.monotonic()
         log.info("model_loaded", model=model_id, seconds=round(lm.load_seconds, 3), estimated_weight_bytes=fp.weights,
+                 drafter=lm.drafter_mode, speculation_reason=lm.drafter_reason,
                  measured_weight_bytes=measured, active_delta_bytes=active_delta, reserved_bytes=entry.bytes,
                  evicted=list(plan.evict))
         return lm
+
+    def _attach_drafter(self, entry: _Entry, lm: LoadedModel, target_config: dict) -> None:
+        """Load the drafter only if the target can use one (config files decide, before any drafter weights
+        are read), memory has headroom for it after the target, and the node's policy is not off."""
+        from . import capability
+
+        stored = entry.stored
+        drafter_path = Path(stored.drafter).expanduser() if stored.drafter else None
+        caps = capability.with_drafter(capability.detect(lm.path, target_config), lm.path, drafter_path,
+                                       target_config)
+        mode = "mtp" if caps.mtp_capable else "draft" if caps.draft_compatible else None
+        if mode is None:
+            # A drafter that was named but does not pair is "no_drafter" with the pairing problem logged.
+            lm.drafter_reason = caps.drafter_reason if drafter_path is None else "no_drafter"
+            if drafter_path is not None:
+                log.warning("drafter_not_paired", model=lm.id, drafter=str(drafter_path), why=caps.drafter_reason)
+            return
+        if self._speculation == "off":
+            lm.drafter_reason = "policy_off"
+            return
+        dcfg = loader.read_config(drafter_path)
+        need = drafter_footprint(drafter_path, dcfg, mode, self.speculation_k, self._prefill_step)
+        with self._lock:
+            free = self.budget.usable - sum(e.bytes for e in self._entries.values())
+            if need > free:
+                lm.drafter_reason = "insufficient_headroom"
+                log.info("drafter_skipped", model=lm.id, needed=need, free=free, reason="insufficient_headroom")
+                return
+            entry.drafter_bytes = need  # reserved before the weights are read
+        try:
+            if mode == "mtp":
+                from .gemma4_assistant import load_assistant
+
+                lm.drafter = load_assistant(drafter_path)
+            else:
+                lm.drafter = loader.load(f"{lm.id}:draft", drafter_path).model
+        except Exception as e:
+            with self._lock:
+                entry.drafter_bytes = 0
+            lm.drafter_reason = "no_drafter"
+            log.warning("drafter_load_failed", model=lm.id, error=f"{type(e).__name__}: {e}")
+            return
+        lm.drafter_mode, lm.drafter_reason = mode, "ok"
 
     def _unload_locked(self, model_id: str, why: str) -> None:
         e = self._entries.pop(model_id, None)
         if e is not None:
             self.evictions += 1
             log.info("model_unloaded", model=model_id, reason=why, bytes=e.bytes)
+
+
+def drafter_footprint(path: Path, config: dict, mode: str, k: int, prefill_step: int) -> int:
+    """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
+    prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
+    weights = estimate.weight_bytes(path, config)
+    if mode == "mtp":
+        return weights + estimate.activation_bytes(config, k + 1)
+    return weights + estimate.activation_bytes(config, prefill_step) + estimate.kv_shape(config).bytes_for(
+        prefill_step)
 
 
 def verify_pin(model_id: str, path: Path, pinned: str) -> None:

@@ -80,7 +80,19 @@ def discover(settings: Settings, extra: list[ModelSpec] = ()) -> list[StoredMode
     for repo_id, snap in hf_cache_models():
         if _is_servable(snap):
             add(StoredModel(repo_id, repo_id, snap, "hf_cache"))
-    return list(found.values())
+    return [_with_found_drafter(m, settings) for m in found.values()]
+
+
+def _with_found_drafter(m: StoredModel, settings: Settings) -> StoredModel:
+    """A Gemma 4 target with no configured drafter gets a paired assistant from the store, if one fits."""
+    from dataclasses import replace
+
+    from .capability import GEMMA4_TYPES
+
+    if m.drafter or m.path is None or (_config(m.path) or {}).get("model_type") not in GEMMA4_TYPES:
+        return m
+    found = find_drafter_for(m.path, assistant_dirs(settings))
+    return replace(m, drafter=str(found)) if found else m
 
 
 def find_drafter_for(target: Path, candidates: list[Path]) -> Path | None:
