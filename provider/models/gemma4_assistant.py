@@ -126,4 +126,15 @@ def load_assistant(path: Path, dtype: mx.Dtype | None = None) -> Gemma4Assistant
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
+    warm_up(model)
     return model
+
+
+def warm_up(model: Gemma4Assistant) -> None:
+    """One step on dummy inputs, evaluated on the loading thread: it materializes the lazily built RoPE
+    tables (MLX ties unevaluated arrays to the creating thread's stream) and compiles the kernels."""
+    t = model.cfg.text
+    hb = model.cfg.backbone_hidden_size
+    dims = {"sliding_attention": t.head_dim, "full_attention": t.global_head_dim or t.head_dim}
+    kv = {kind: (mx.zeros((1, 1, 1, d)), mx.zeros((1, 1, 1, d))) for kind, d in dims.items()}
+    mx.eval(model.step(mx.zeros((1, 1, hb)), mx.zeros((1, 1, hb)), kv, 1))

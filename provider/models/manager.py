@@ -285,7 +285,9 @@ class ModelManager:
 
                 lm.drafter = load_assistant(drafter_path)
             else:
-                lm.drafter = loader.load(f"{lm.id}:draft", drafter_path).model
+                draft = loader.load(f"{lm.id}:draft", drafter_path)
+                loader.warm_up(draft)  # evaluate lazily built arrays on this (loading) thread
+                lm.drafter = draft.model
         except Exception as e:
             with self._lock:
                 entry.drafter_bytes = 0

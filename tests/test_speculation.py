@@ -1,0 +1,272 @@
+"""Speculative decoding is lossless, memory-gated, and reports what it did."""
+
+import asyncio
+import itertools
+import random
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from provider.engine import speculation_plan as sp
+from provider.engine.speculative import DraftModelDrafter, SpecStats, speculative_tokens
+from provider.jobs import Cause, Done, Error, Job, SamplingParams
+from tests.helpers import collect, greedy, make_node, run
+
+TEXT = "The quick brown fox jumps over the lazy dog. Café 日本語 🙂 def trim(self, n): return n. " * 6
+
+
+def prompts(tok, count: int) -> list[list[int]]:
+    """Prompts from 2 tokens to well past the 32-token sliding window."""
+    ids = tok.encode(TEXT)
+    lengths = [2, 5, 9, 17, 24, 30, 31, 32, 33, 34, 40, 47, 55, 63, 64, 65, 70, 80, 96, 110, 120, 127][:count]
+    return [ids[i:i + n] for i, n in zip(range(0, 7 * len(lengths), 7), lengths)]
+
+
+def plain_greedy(model, prompt, n):
+    return [t for t, _ in itertools.islice(generate_step(mx.array(prompt), model, max_tokens=n), n)]
+
+
+@pytest.fixture(scope="module")
+def perturbed_draft(fixtures_dir, tmp_path_factory):
+    """A draft model that agrees with llama-tiny often but not always: its weights plus a little noise."""
+    out = tmp_path_factory.mktemp("drafts") / "llama-tiny-perturbed"
+    shutil.copytree(fixtures_dir / "llama-tiny", out)
+    weights = mx.load(str(out / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    noisy = {k: v + mx.array(rng.normal(0, 0.02, v.shape).astype(np.float32)) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), noisy)
+    return out
+
+
+class OracleMixDrafter:
+    """Test-only drafter (named as such): proposes the known greedy continuation with chosen positions
+    corrupted, so every acceptance length 0..k occurs against a real target and its real caches."""
+
+    mode = "oracle"
+
+    def __init__(self, truth: list[int], vocab: int, seed: int):
+        self.truth, self.vocab, self.rng, self.pos = truth, vocab, random.Random(seed), 1
+
+    def start(self, *a):
+        pass
+
+    def propose(self, k, **_):
+        out = []
+        for i in range(k):
+            t = self.truth[self.pos + i] if self.pos + i < len(self.truth) else 0
+            out.append((t + 1) % self.vocab if self.rng.random() < 0.3 else t)
+        return mx.array(out)
+
+    def accepted(self, n, k, drafts, bonus):
+        self.pos += n + 1
+
+
+@pytest.mark.parametrize("family", ["gemma4-tiny", "llama-tiny"])
+def test_partial_acceptance_and_rollback_are_lossless(fixtures_dir, family):
+    model, tok = load(str(fixtures_dir / family))
+    checked = 0
+    for prompt in prompts(tok, 22):
+        truth = plain_greedy(model, prompt, 48)
+        for k in (1, 3, 5, 12):
+            stats = SpecStats("oracle", k)
+            drafter = OracleMixDrafter(truth, model.args.vocab_size if hasattr(model.args, "vocab_size") else 512,
+                                       seed=k * 1000 + len(prompt))
+            out = list(itertools.islice(speculative_tokens(model, prompt, drafter, k=k, stats=stats), 48))
+            assert out == truth, f"{family} prompt of {len(prompt)} tokens, k={k}"
+            assert 0 < stats.accepted < stats.drafted  # both acceptances and rejections happened
+            checked += 1
+    assert checked == 22 * 4
+
+
+def test_draft_model_speculation_is_lossless(fixtures_dir, perturbed_draft):
+    model, tok = load(str(fixtures_dir / "llama-tiny"))
+    for draft_path in (perturbed_draft, fixtures_dir / "llama-tiny"):
+        draft, _ = load(str(draft_path))
+        for prompt in prompts(tok, 20):
+            truth = plain_greedy(model, prompt, 40)
+            stats = SpecStats("draft", 3)
+            out = list(itertools.islice(speculative_tokens(model, prompt, DraftModelDrafter(draft), k=3,
+                                                           stats=stats), 40))
+            assert out == truth, (draft_path.name, len(prompt))
+        if draft_path.name == "llama-tiny":  # the target drafting for itself is always right
+            assert stats.accepted == stats.drafted
+
+
+def _node(fixtures_dir, drafters, **kw):
+    models = {"gemma": fixtures_dir / "gemma4-tiny", "llama": fixtures_dir / "llama-tiny",
+              "qwen": fixtures_dir / "qwen3-tiny"}
+    return make_node(models, manager_kw={"drafters": drafters, "kv_reserve_tokens": 256, "prefill_step": 64}
+                     | kw.pop("manager_kw", {}), **kw)
+
+
+def test_through_the_node_mtp_and_draft_equal_plain_and_telemetry_adds_up(fixtures_dir, perturbed_draft):
+    node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant", "llama": perturbed_draft},
+                 max_concurrent_jobs=2)
+    _, tok = load(str(fixtures_dir / "llama-tiny"))
+    texts = [tok.decode(p) for p in prompts(tok, 20)]
+
+    async def main():
+        for model, mode in (("gemma", "mtp"), ("llama", "draft")):
+            for i, text in enumerate(texts):
+                job = Job(f"{model}-{i}", model, greedy(32), prompt=text)
+                off = Job(f"{model}-{i}-off", model, greedy(32), prompt=text, speculation="off")
+                spec_ids, _, spec, _ = await collect(node, job)
+                plain_ids, _, plain, _ = await collect(node, off)
+                assert spec_ids == plain_ids, (model, i)
+                s = spec.telemetry["speculation"]
+                assert s["mode"] == mode and s["reason"] == "ok" and s["k"] == 3
+                assert s["accepted"] <= s["drafted"] == 3 * s["rounds"]
+                if spec.finish_reason == "length" and spec.usage.completion_tokens == s["accepted"] + s["target_forwards"]:
+                    assert s["tokens_per_target_forward"] == round(
+                        spec.usage.completion_tokens / s["target_forwards"], 4)
+                assert plain.telemetry["speculation"] == {"mode": "off", "reason": "policy_off"}
+        await node.stop()
+
+    run(main())
+
+
+def test_emitted_equals_accepted_plus_target_forwards_when_nothing_is_cut(fixtures_dir):
+    # The target as its own drafter accepts everything: whole rounds only, no cut when max_tokens fits.
+    node = _node(fixtures_dir, {"llama": fixtures_dir / "llama-tiny"})
+
+    async def main():
+        _, _, done, _ = await collect(node, Job("a", "llama", greedy(1 + 4 * 5), prompt="hello there"))
+        s = done.telemetry["speculation"]
+        assert done.usage.completion_tokens == 21 == s["accepted"] + s["target_forwards"]
+        assert s["target_forwards"] == 6 and s["tokens_per_target_forward"] == 3.5 and s["acceptance_rate"] == 1.0
+        await node.stop()
+
+    run(main())
+
+
+def test_eos_and_max_tokens_cut_speculative_output_like_plain(fixtures_dir, perturbed_draft):
+    node = _node(fixtures_dir, {"llama": perturbed_draft, "gemma": fixtures_dir / "gemma4-tiny-assistant"})
+
+    async def main():
+        for model in ("llama", "gemma"):
+            ids, _, ref, _ = await collect(node, Job("ref", model, greedy(30), prompt="The cache", speculation="off"))
+            full = await collect(node, Job("s", model, greedy(30), prompt="The cache"))
+            assert full[0] == ids and full[2].finish_reason == ref.finish_reason  # a natural EOS cuts alike
+            for n in (1, 2, 5, min(13, len(ids))):
+                a = await collect(node, Job("s", model, greedy(n), prompt="The cache"))
+                assert a[0] == ids[:n] and a[2].finish_reason == "length"
+            stop_id = ids[len(ids) // 2]  # an EOS in the middle of a speculative round
+            a = await collect(node, Job("s", model, greedy(30, stop_token_ids=(stop_id,)), prompt="The cache"))
+            assert a[0] == ids[: ids.index(stop_id)] and a[2].finish_reason == "stop"
+        await node.stop()
+
+    run(main())
+
+
+def test_reasons_when_speculation_is_off(fixtures_dir):
+    node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant"})
+
+    async def main():
+        cases = [
+            (Job("q", "qwen", greedy(3), prompt="x"), "not_mtp_capable"),
+            (Job("l", "llama", greedy(3), prompt="x"), "not_mtp_capable"),
+            (Job("t", "gemma", SamplingParams(max_tokens=3, temperature=0.7), prompt="x"), "ineligible_request:sampling"),
+            (Job("o", "gemma", greedy(3), prompt="x", speculation="off"), "policy_off"),
+        ]
+        for job, reason in cases:
+            done = (await collect(node, job))[2]
+            assert done.telemetry["speculation"] == {"mode": "off", "reason": reason}
+        # `on` that cannot be honoured fails loudly with the reason.
+        err = (await collect(node, Job("on", "qwen", greedy(3), prompt="x", speculation="on")))[2]
+        assert isinstance(err, Error) and err.cause == Cause.SPECULATION_UNAVAILABLE and "not_mtp_capable" in err.message
+        ok = (await collect(node, Job("on2", "gemma", greedy(3), prompt="x", speculation="on")))[2]
+        assert ok.telemetry["speculation"]["mode"] == "mtp"
+        await node.stop()
+
+    run(main())
+
+
+def test_a_gemma4_without_an_assistant_says_no_drafter(fixtures_dir):
+    node = _node(fixtures_dir, {})
+
+    async def main():
+        done = (await collect(node, Job("g", "gemma", greedy(3), prompt="x")))[2]
+        assert done.telemetry["speculation"] == {"mode": "off", "reason": "no_drafter"}
+        await node.stop()
+
+    run(main())
+
+
+def test_node_policy_off_never_loads_a_drafter(fixtures_dir):
+    node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant"}, speculation="off",
+                 manager_kw={"speculation": "off"})
+
+    async def main():
+        done = (await collect(node, Job("g", "gemma", greedy(3), prompt="x")))[2]
+        assert done.telemetry["speculation"]["reason"] == "policy_off"
+        assert node.models.snapshot()[0]["bytes"] > 0 and node.models._entries["gemma"].drafter_bytes == 0
+        await node.stop()
+
+    run(main())
+
+
+def test_serving_qwen3_never_reads_drafter_weights(fixtures_dir, monkeypatch):
+    opened: list[str] = []
+    real_load = mx.load
+    monkeypatch.setattr(mx, "load", lambda path, *a, **k: opened.append(str(path)) or real_load(path, *a, **k))
+    # An assistant is configured for qwen3 by mistake: its config does not pair, so no weights are read.
+    node = _node(fixtures_dir, {"qwen": fixtures_dir / "gemma4-tiny-assistant"})
+
+    async def main():
+        done = (await collect(node, Job("q", "qwen", greedy(4), prompt="x")))[2]
+        assert isinstance(done, Done) and done.telemetry["speculation"]["mode"] == "off"
+        await node.stop()
+
+    run(main())
+    assert opened and not any("assistant" in p for p in opened), opened
+
+
+def test_budget_too_small_for_the_drafter_serves_the_target_alone(fixtures_dir):
+    from provider.models.loader import read_config
+    from provider.models.manager import estimate_footprint
+
+    target = estimate_footprint(fixtures_dir / "gemma4-tiny", read_config(fixtures_dir / "gemma4-tiny"),
+                                kv_tokens=256, prefill_step=64).total
+    node = make_node({"gemma": fixtures_dir / "gemma4-tiny"}, budget_bytes=target + 8192,
+                     manager_kw={"drafters": {"gemma": fixtures_dir / "gemma4-tiny-assistant"},
+                                 "kv_reserve_tokens": 256, "prefill_step": 64})
+
+    async def main():
+        done = (await collect(node, Job("g", "gemma", greedy(4), prompt="x")))[2]
+        assert isinstance(done, Done)
+        assert done.telemetry["speculation"] == {"mode": "off", "reason": "insufficient_headroom"}
+        await node.stop()
+
+    run(main())
+
+
+def test_the_drafter_is_freed_with_its_target(fixtures_dir):
+    node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant"}, manager_kw={"max_resident": 1})
+
+    async def main():
+        await collect(node, Job("g", "gemma", greedy(3), prompt="x"))
+        entry = node.models._entries["gemma"]
+        assert entry.drafter_bytes > 0 and entry.lm.drafter is not None
+        await collect(node, Job("q", "qwen", greedy(3), prompt="x"))  # evicts gemma and its drafter
+        assert node.models.resident() == ["qwen"] and "gemma" not in node.models._entries
+        await node.stop()
+
+    run(main())
+
+
+def test_plan_is_a_pure_decision():
+    g, s = greedy(4), SamplingParams(max_tokens=4, temperature=0.5)
+    assert sp.plan(policy="auto", drafter_mode="mtp", drafter_reason="ok", sampling=g, k=3) == sp.SpecPlan("mtp", "ok", 3)
+    assert sp.plan(policy="off", drafter_mode="mtp", drafter_reason="ok", sampling=g, k=3).reason == "policy_off"
+    assert sp.plan(policy="auto", drafter_mode=None, drafter_reason="insufficient_headroom", sampling=g,
+                   k=3).reason == "insufficient_headroom"
+    assert sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=s,
+                   k=3).reason == "ineligible_request:sampling"
+    assert sp.effective_policy("off", "auto") == "off" and sp.effective_policy("auto", "off") == "off"
+    assert sp.effective_policy("auto", "on") == "on"
