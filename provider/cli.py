@@ -18,6 +18,8 @@ def _add_start(sub) -> None:
     p.add_argument("--local", action="store_true", help="serve a local OpenAI-compatible API")
     p.add_argument("--coordinator", help="coordinator URL (grpcs://host:port; grpc:// only on loopback)")
     p.add_argument("--model", help="model directory or Hugging Face repo id (default: the bundled model)")
+    p.add_argument("--drafter", help="Gemma 4 assistant or same-vocabulary draft model for --model")
+    p.add_argument("--speculation", choices=["auto", "on", "off"], help="node speculation policy (default auto)")
     p.add_argument("--port", type=int, help="local API port (default 8080; 0 picks a free one)")
     p.add_argument("--bind", help="local API address (default 127.0.0.1)")
     p.add_argument("--no-auth", dest="auth", action="store_const", const=False, help="serve without a bearer token")
@@ -42,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("model")
     rm.add_argument("--yes", action="store_true")
     msub.add_parser("verify", help="recompute and print the SHA-256 manifest").add_argument("model")
+    bench = sub.add_parser("bench", help="speculation off vs on, k in a range, same model and prompts; JSON out")
+    bench.add_argument("--model", type=Path, help="target model directory (default: the bundled model)")
+    bench.add_argument("--drafter", type=Path, help="assistant or draft model (default: the bundled pair's)")
+    bench.add_argument("--k", default="1,2,3,4", help="draft tokens per round to try (default 1,2,3,4)")
+    bench.add_argument("--prompts", type=int, default=10, help="how many of the built-in prompts")
+    bench.add_argument("--prompts-file", help="one prompt per line instead of the built-in ones")
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--out", type=Path, default=Path("bench.json"))
     doc = sub.add_parser("doctor", help="check platform, memory budget, models and coordinator")
     doc.add_argument("--config", type=Path)
     return parser
@@ -63,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         return doctor.run(lambda: Settings.load(config_file=args.config))
     if args.command == "models":
         return _models(args)
+    if args.command == "bench":
+        from . import bench
+        from .models.default import default_pair
+
+        if args.model is None:
+            args.model, default_drafter = default_pair()
+            args.drafter = args.drafter or default_drafter
+        return bench.main(args)
     return 2
 
 
@@ -98,7 +116,8 @@ def primary_models(settings: Settings) -> list:
 
 
 def _start(args: argparse.Namespace) -> int:
-    cli = {"model": args.model, "port": args.port, "bind": args.bind, "auth": args.auth,
+    cli = {"model": args.model, "drafter": args.drafter, "speculation": args.speculation,
+           "port": args.port, "bind": args.bind, "auth": args.auth,
            "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator}
     try:
         settings = Settings.load(cli=cli, config_file=args.config)

@@ -23,11 +23,11 @@ FAST_RECONNECT = dict(reconnect_base_delay_s=0.05, reconnect_max_delay_s=0.5, he
 
 @contextlib.asynccontextmanager
 async def harness(models: dict[str, Path], state_dir: Path, *, coordinator: ReferenceCoordinator | None = None,
-                  **settings):
+                  manager_kw: dict | None = None, **settings):
     coord = coordinator or ReferenceCoordinator(heartbeat_interval_ms=200)
     if coordinator is None:
         await coord.start()
-    node = make_node(models, **({"max_concurrent_jobs": 4} | settings))
+    node = make_node(models, manager_kw=manager_kw, **({"max_concurrent_jobs": 4} | settings))
     st = Settings(coordinator=coord.url, **(FAST_RECONNECT | settings))
     session = CoordinatorSession(node, st, Identity.load_or_create(state_dir))
     stop = asyncio.Event()

@@ -270,3 +270,81 @@ def test_plan_is_a_pure_decision():
                    k=3).reason == "ineligible_request:sampling"
     assert sp.effective_policy("off", "auto") == "off" and sp.effective_policy("auto", "off") == "off"
     assert sp.effective_policy("auto", "on") == "on"
+
+
+SPEC_FIELDS = {"mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards",
+               "tokens_per_target_forward", "draft_ms", "verify_ms"}
+
+
+def _consistent(spec: dict, completion_tokens: int, finish_reason: str) -> None:
+    """Self-drafting with max_tokens = 1 + rounds * (k + 1): nothing is cut unless an EOS ends the job."""
+    assert SPEC_FIELDS <= spec.keys() and spec["mode"] == "draft" and spec["reason"] == "ok"
+    assert spec["accepted"] <= spec["drafted"]
+    if finish_reason == "length":
+        assert completion_tokens == spec["accepted"] + spec["target_forwards"]
+        assert spec["tokens_per_target_forward"] == round(completion_tokens / spec["target_forwards"], 4)
+    else:  # an EOS inside a round: tokens after it were accepted but not emitted
+        assert completion_tokens < spec["accepted"] + spec["target_forwards"]
+
+
+def test_speculation_telemetry_through_the_local_api(fixtures_dir, tmp_path):
+    import openai
+
+    from tests.helpers import LocalServer
+
+    srv = LocalServer(fixtures_dir / "llama-tiny", tmp_path, "--drafter", str(fixtures_dir / "llama-tiny"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.token, max_retries=0)
+        r = client.completions.create(model="llama-tiny", prompt="hello", max_tokens=13, temperature=0)
+        _consistent(r.model_extra["telemetry"]["speculation"], r.usage.completion_tokens, r.choices[0].finish_reason)
+        stream = list(client.chat.completions.create(model="llama-tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=9, temperature=0, stream=True))
+        final = [c for c in stream if c.choices and c.choices[0].finish_reason][0]
+        _consistent(final.model_extra["telemetry"]["speculation"], final.usage.completion_tokens,
+                    final.choices[0].finish_reason)
+        off = client.completions.create(model="llama-tiny", prompt="hello", max_tokens=5, temperature=0,
+                                        extra_body={"speculation": "off"})
+        assert off.model_extra["telemetry"]["speculation"] == {"mode": "off", "reason": "policy_off"}
+    finally:
+        assert srv.stop() == 0
+
+
+def test_speculation_telemetry_through_the_grpc_path(fixtures_dir, tmp_path):
+    from coordinator_client.pb import provider_pb2 as pb
+    from tests.coordinator_harness import harness, job
+
+    async def main():
+        models = {"llama": fixtures_dir / "llama-tiny"}
+        async with harness(models, tmp_path, manager_kw={"drafters": {"llama": fixtures_dir / "llama-tiny"}}) as (
+                coord, node, _):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("spec", "llama", max_tokens=13))
+            done = (await coord.outcome("spec")).job_done
+            spec = done.telemetry.speculation
+            _consistent({f: getattr(spec, f) for f in SPEC_FIELDS}, done.usage.completion_tokens, done.finish_reason)
+            coord.dispatch(s, job("strict", "llama", max_tokens=4, temperature=0.5,
+                                  speculation=pb.SPECULATION_POLICY_ON))
+            err = (await coord.outcome("strict")).job_error
+            assert err.cause == pb.ERROR_CAUSE_SPECULATION_UNAVAILABLE and "ineligible_request:sampling" in err.message
+            await asyncio.sleep(0.5)
+            hb = s.heartbeats[-1].counters
+            assert hb.spec_drafted_tokens == spec.drafted and hb.spec_accepted_tokens == spec.accepted
+
+    run(main())
+
+
+def test_provider_bench_writes_json(fixtures_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "provider", "bench", "--model", str(fixtures_dir / "gemma4-tiny"),
+                        "--drafter", str(fixtures_dir / "gemma4-tiny-assistant"), "--k", "1,3", "--prompts", "3",
+                        "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    assert data["model"]["sha256"] and data["drafter"]["mode"] == "mtp" and data["versions"]["mlx"]
+    assert [run_["k"] for run_ in data["runs"]] == [0, 1, 3]
+    assert all(run_["identical_to_plain"] for run_ in data["runs"][1:])
+    assert len(data["runs"][0]["token_ids"]) == 3 and data["runs"][1]["tokens_per_s"] > 0

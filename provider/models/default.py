@@ -17,3 +17,8 @@ def ensure_default_model() -> Path:
     if not (target / "model.safetensors").exists():
         fixtures.FIXTURES[DEFAULT_MODEL_NAME](root)
     return target
+
+
+def default_pair() -> tuple[Path, Path | None]:
+    """The bundled target and its drafter (None until a trained pair ships)."""
+    return ensure_default_model(), None
