@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from provider import __version__, logs
 from provider.jobs import Accepted, Cause, Done, Error, JobError, Tokens
@@ -26,8 +27,6 @@ from . import convert
 from .backoff import Backoff
 from .channel import open_channel, plan_channel
 from .identity import Identity, next_session_epoch
-from google.protobuf.message import DecodeError
-
 from .pb import provider_pb2 as pb
 from .registration import heartbeat, registration
 

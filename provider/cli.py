@@ -104,7 +104,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def primary_models(settings: Settings) -> list:
     """The model `start` serves by default: --model / `model`, else the bundled default model."""
-    from .models.default import DEFAULT_MODEL_NAME, ensure_default_model
+    from .models.default import default_pair
     from .models.loader import model_id_for
     from .settings import ModelSpec
 
@@ -112,7 +112,9 @@ def primary_models(settings: Settings) -> list:
         return [ModelSpec(model_id_for(settings.model), settings.model, drafter=settings.drafter)]
     if settings.models:
         return []
-    return [ModelSpec(DEFAULT_MODEL_NAME, str(ensure_default_model()), drafter=settings.drafter)]
+    target, assistant = default_pair()
+    drafter = settings.drafter or (str(assistant) if assistant else "")
+    return [ModelSpec(target.name, str(target), drafter=drafter)]
 
 
 def _start(args: argparse.Namespace) -> int:

@@ -1,4 +1,9 @@
-"""The bundled default model of `provider start --local`: available with no network."""
+"""The bundled default model of `provider start --local`: available with no network.
+
+The default is the trained demo pair in provider/models/demo/ (a small Gemma 4 target and its MTP
+assistant, trained by tools/train_demo_pair.py), so a first run shows MTP speculation and its telemetry.
+A tree without those weights falls back to the gemma4-tiny fixture, built locally on first use.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,26 @@ from pathlib import Path
 from .. import paths
 from . import fixtures
 
-DEFAULT_MODEL_NAME = "gemma4-tiny"
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_TARGET = DEMO_DIR / "gemma4-demo"
+DEMO_ASSISTANT = DEMO_DIR / "gemma4-demo-assistant"
+FALLBACK_NAME = "gemma4-tiny"
 
 
-def ensure_default_model() -> Path:
-    """Path to the default model, building it locally on first use."""
-    root = paths.cache_dir() / "models"
-    target = root / DEFAULT_MODEL_NAME
-    if not (target / "model.safetensors").exists():
-        fixtures.FIXTURES[DEFAULT_MODEL_NAME](root)
-    return target
+def _has_weights(path: Path) -> bool:
+    return (path / "config.json").exists() and (path / "model.safetensors").exists()
 
 
 def default_pair() -> tuple[Path, Path | None]:
-    """The bundled target and its drafter (None until a trained pair ships)."""
-    return ensure_default_model(), None
+    """The bundled target and its drafter (None for the fallback fixture)."""
+    if _has_weights(DEMO_TARGET):
+        return DEMO_TARGET, DEMO_ASSISTANT if _has_weights(DEMO_ASSISTANT) else None
+    root = paths.cache_dir() / "models"
+    target = root / FALLBACK_NAME
+    if not (target / "model.safetensors").exists():
+        fixtures.FIXTURES[FALLBACK_NAME](root)
+    return target, None
+
+
+def ensure_default_model() -> Path:
+    return default_pair()[0]

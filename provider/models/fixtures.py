@@ -52,8 +52,9 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_tokenizer(out: Path, vocab_size: int, chat_template: str, eos: str, add_bos: bool) -> dict[str, int]:
-    """Train a byte-level BPE on CORPUS and write tokenizer.json + tokenizer_config.json."""
+def build_tokenizer(out: Path, vocab_size: int, chat_template: str, eos: str, add_bos: bool,
+                    corpus: list[str] | None = None) -> dict[str, int]:
+    """Train a byte-level BPE (on CORPUS unless given one) and write tokenizer.json + tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -65,7 +66,7 @@ def build_tokenizer(out: Path, vocab_size: int, chat_template: str, eos: str, ad
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator(corpus or [CORPUS] * 4, trainer=trainer)
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(

@@ -1,0 +1,30 @@
+"""The bundled demo pair: the default model of `provider start --local`, speculating out of the box."""
+
+import openai
+
+from provider.models import capability
+from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET, default_pair
+from tests.helpers import LocalServer
+
+
+def test_the_demo_pair_ships_paired_and_small():
+    assert default_pair() == (DEMO_TARGET, DEMO_ASSISTANT)
+    assert capability.pair_assistant(DEMO_TARGET, DEMO_ASSISTANT).paired
+    size = sum(f.stat().st_size for d in (DEMO_TARGET, DEMO_ASSISTANT) for f in d.iterdir())
+    assert size <= 20 * 2**20
+
+
+def test_local_node_defaults_to_the_pair_and_speculates_losslessly(tmp_path):
+    srv = LocalServer(None, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.token, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["gemma4-demo"]
+        prompt = "Returns the value of the attribute"
+        spec = client.completions.create(model="gemma4-demo", prompt=prompt, max_tokens=48, temperature=0)
+        plain = client.completions.create(model="gemma4-demo", prompt=prompt, max_tokens=48, temperature=0,
+                                          extra_body={"speculation": "off"})
+        s = spec.model_extra["telemetry"]["speculation"]
+        assert s["mode"] == "mtp" and s["reason"] == "ok" and s["accepted"] > 0
+        assert spec.choices[0].text == plain.choices[0].text
+    finally:
+        assert srv.stop() == 0
