@@ -58,9 +58,18 @@ async def main_async(args) -> None:
         bare_mlx_lm(model, tok, prompt_ids, 16)
         grpc_rates, local_rates, bare_rates, gaps_all, chunk_counts = [], [], [], [], []
         for i in range(args.rounds):
-            g_rate, g_n, gaps, n_chunks = await through_grpc(coord, path.name, args.tokens, f"bench-{i}")
-            l_rate, l_n, _ = await asyncio.to_thread(through_node, server.url, {}, path.name, args.tokens)
-            b_rate, b_n = bare_mlx_lm(model, tok, prompt_ids, args.tokens)
+            # Rotate which path runs first, so warm-up and ordering effects do not favour one of them.
+            results = {}
+            for name in ["grpc", "local", "bare"][i % 3:] + ["grpc", "local", "bare"][: i % 3]:
+                if name == "grpc":
+                    results[name] = await through_grpc(coord, path.name, args.tokens, f"bench-{i}")
+                elif name == "local":
+                    results[name] = await asyncio.to_thread(through_node, server.url, {}, path.name, args.tokens)
+                else:
+                    results[name] = bare_mlx_lm(model, tok, prompt_ids, args.tokens)
+            g_rate, g_n, gaps, n_chunks = results["grpc"]
+            l_rate, l_n, _ = results["local"]
+            b_rate, b_n = results["bare"]
             grpc_rates.append(g_rate)
             local_rates.append(l_rate)
             bare_rates.append(b_rate)
@@ -83,7 +92,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     asyncio.run(main_async(ap.parse_args()))
     return 0
 
