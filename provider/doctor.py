@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 from .memory.budget import decide_budget, system_facts
 from .models import commands, store
-from .settings import Settings, SettingsError
+from .settings import SettingsError
 
 MiB = 1 << 20
 

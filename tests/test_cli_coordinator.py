@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 
-from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from tests.coordinator_harness import job
 from tests.helpers import run

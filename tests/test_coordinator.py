@@ -1,12 +1,10 @@
 """The coordinator session against the reference coordinator: real gRPC on loopback, real MLX generation."""
 
 import asyncio
-import os
 import secrets
 import time
 
 import grpc
-import pytest
 
 from coordinator_client.identity import SIGNING_DOMAIN, Identity
 from coordinator_client.pb import provider_pb2 as pb
@@ -15,7 +13,7 @@ from coordinator_client.session import CoordinatorSession
 from provider.settings import Settings
 from tests import reference
 from tests.coordinator_harness import FAST_RECONNECT, harness, job, kill_restart_scenario
-from tests.helpers import make_node, run
+from tests.helpers import run
 
 
 def test_greedy_job_equals_mlx_lm_and_done_carries_usage_and_telemetry(fixtures_dir, tmp_path):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from provider.jobs import Accepted, Cause, Done, Error, Job, Tokens
+from provider.jobs import Cause, Done, Error, Job, Tokens
 from provider.models import manifest
 from provider.models.loader import read_config
 from provider.models.manager import estimate_footprint

@@ -1,7 +1,6 @@
 """Service integration: systemd's notify protocol over a real socket, and the shipped unit files."""
 
 import configparser
-import os
 import plistlib
 import socket
 import time

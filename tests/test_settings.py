@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from provider.settings import Settings, SettingsError
@@ -58,7 +60,7 @@ def test_bad_file_key_and_syntax(tmp_path):
 
 def test_settings_are_frozen():
     s = Settings()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         s.port = 1
 
 

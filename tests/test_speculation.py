@@ -4,12 +4,10 @@ import asyncio
 import itertools
 import random
 import shutil
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 

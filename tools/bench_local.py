@@ -31,7 +31,7 @@ def bare_mlx_lm(model, tok, prompt_ids: list[int], n: int) -> tuple[float, int]:
 
     first = last = None
     count = 0
-    for r in stream_generate(model, tok, prompt_ids, max_tokens=n):
+    for _ in stream_generate(model, tok, prompt_ids, max_tokens=n):
         now = time.perf_counter()
         first = first or now
         last = now

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import json
@@ -108,12 +107,12 @@ class LocalAPI:
         try:
             body = await request.json(loads=_strict_json)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-            raise api.RequestError(f"the request body is not valid JSON: {e}")
+            raise api.RequestError(f"the request body is not valid JSON: {e}") from None
         try:
             req = parse(body, self.node.new_job_id(prefix), self.limits)
             model = self.node.models.canonical_id(req.job.model)
         except JobError as e:
-            raise api.job_error_to_request_error(e)
+            raise api.job_error_to_request_error(e) from None
         job = dataclasses.replace(req.job, model=model)
         async with self.node.run(job) as stream:
             first = await anext(stream)

@@ -50,7 +50,7 @@ def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step
 
 def _dominant_float_bytes(path: Path) -> int:
     sizes: dict[int, int] = {}
-    for dtype, shape in estimate.tensor_names(path).values():
+    for dtype, _shape in estimate.tensor_names(path).values():
         if dtype in ("F32", "F16", "BF16"):
             n = estimate.DTYPE_BYTES[dtype]
             sizes[n] = sizes.get(n, 0) + 1
