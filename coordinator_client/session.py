@@ -78,6 +78,7 @@ class CoordinatorSession:
         self.welcomed = asyncio.Event()
         self._unacked: dict[str, pb.ProviderFrame] = {}  # job outcomes not yet acknowledged, oldest first
         self._jobs: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
         self._draining = False
 
     # --- the reconnect loop ---------------------------------------------------------
@@ -203,7 +204,9 @@ class CoordinatorSession:
                     self._unacked.pop(job_id, None)
             elif kind == "drain":
                 self._draining = True
-                asyncio.create_task(self._report_drained(outbox))
+                task = asyncio.create_task(self._report_drained(outbox))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             elif kind == "ping":
                 outbox.put_nowait(pb.ProviderFrame(pong=pb.Pong(id=frame.ping.id)))
             else:

@@ -59,12 +59,12 @@ def text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
-def weight_bytes(model_dir: Path, config: dict) -> int:
+def weight_bytes(model_dir: Path, config: dict, tensors: dict | None = None) -> int:
     """Bytes of the tensors mlx-lm will keep after loading this checkpoint for text generation."""
     tc = text_config(config)
     first_shared = tc.get("num_hidden_layers", 0) - (tc.get("num_kv_shared_layers") or 0)
     total = 0
-    for name, (dtype, shape) in tensor_names(model_dir).items():
+    for name, (dtype, shape) in (tensors if tensors is not None else tensor_names(model_dir)).items():
         if DROPPED.search(name):
             continue
         m = SHARED_KV.search(name)

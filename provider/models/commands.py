@@ -29,8 +29,7 @@ def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
     try:
         config = loader.read_config(m.path)
         caps = capability.detect(m.path, config)
-        drafter = Path(m.drafter).expanduser() if m.drafter else store.find_drafter_for(
-            m.path, store.assistant_dirs(settings))
+        drafter = Path(m.drafter).expanduser() if m.drafter else None  # discovery already paired one
         caps = capability.with_drafter(caps, m.path, drafter, config)
         fp = estimate_footprint(m.path, config, kv_tokens=settings.kv_reserve_tokens,
                                 prefill_step=settings.prefill_step_size)

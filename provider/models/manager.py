@@ -41,16 +41,17 @@ class Footprint:
 
 
 def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int) -> Footprint:
-    weights = estimate.weight_bytes(path, config)
-    dtype_bytes = _dominant_float_bytes(path)
+    tensors = estimate.tensor_names(path)  # the headers, read once
+    weights = estimate.weight_bytes(path, config, tensors)
+    dtype_bytes = _dominant_float_bytes(tensors)
     tokens = min(kv_tokens, loader.context_length(config))
     return Footprint(weights, estimate.kv_shape(config, dtype_bytes).bytes_for(tokens),
                      estimate.activation_bytes(config, prefill_step))
 
 
-def _dominant_float_bytes(path: Path) -> int:
+def _dominant_float_bytes(tensors: dict) -> int:
     sizes: dict[int, int] = {}
-    for dtype, _shape in estimate.tensor_names(path).values():
+    for dtype, _shape in tensors.values():
         if dtype in ("F32", "F16", "BF16"):
             n = estimate.DTYPE_BYTES[dtype]
             sizes[n] = sizes.get(n, 0) + 1
