@@ -47,6 +47,15 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Logits processors (mlx-lm's): honoured on the plain path; speculation steps aside for them.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty)
 
     def __post_init__(self) -> None:
         # The same bounds for every front end; each also checks its own wire types.
@@ -58,6 +67,12 @@ class SamplingParams:
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be from 0 to 1"),
             ("stop", len(self.stop) <= 16, "allows at most 16 strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative"),
+            ("logit_bias", all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias), "needs token ids >= 0 and "
+             "biases from -100 to 100"),
+            ("repetition_penalty", self.repetition_penalty is None or 0 < self.repetition_penalty <= 10,
+             "must be > 0 and <= 10"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be from -2 to 2"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be from -2 to 2"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -66,3 +66,24 @@ def test_bad_prompts(prompt):
 
 def test_single_prompt_list_is_accepted():
     assert parse_completion({"prompt": ["abc"]}, "j", LIMITS).job.prompt == "abc"
+
+
+def test_logits_processor_fields_are_parsed():
+    r = parse_chat({"messages": MSG, "logit_bias": {"5": 10, "7": -3.5}, "presence_penalty": 0.5,
+                    "frequency_penalty": -0.5, "repetition_penalty": 1.1}, "j", LIMITS)
+    s = r.job.sampling
+    assert s.logit_bias == ((5, 10.0), (7, -3.5)) and s.presence_penalty == 0.5 and s.repetition_penalty == 1.1
+    assert s.has_logits_processors
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSG, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": MSG, "presence_penalty": 5}, "presence_penalty"),
+    ({"messages": MSG, "repetition_penalty": "high"}, "repetition_penalty"),
+])
+def test_unsupported_or_bad_fields_are_refused_not_ignored(body, param):
+    with pytest.raises(RequestError) as e:
+        parse_chat(body, "j", LIMITS)
+    assert e.value.param == param

@@ -346,3 +346,44 @@ def test_provider_bench_writes_json(fixtures_dir, tmp_path):
     assert [run_["k"] for run_ in data["runs"]] == [0, 1, 3]
     assert all(run_["identical_to_plain"] for run_ in data["runs"][1:])
     assert len(data["runs"][0]["token_ids"]) == 3 and data["runs"][1]["tokens_per_s"] > 0
+
+
+def test_logits_processors_run_plain_with_a_reason_and_are_honoured(fixtures_dir):
+    node = _node(fixtures_dir, {"llama": fixtures_dir / "llama-tiny"})
+
+    async def main():
+        biased = greedy(8, logit_bias=((42, 100.0),))
+        ids, _, done, _ = await collect(node, Job("b", "llama", biased, prompt="hello"))
+        assert ids == [42] * 8  # the bias was applied
+        assert done.telemetry["speculation"] == {"mode": "off", "reason": "ineligible_request:logits_processors"}
+        pen = greedy(16, repetition_penalty=1.5)
+        ids, _, done, _ = await collect(node, Job("r", "llama", pen, prompt="hello"))
+        from mlx_lm.sample_utils import make_logits_processors
+
+        model, tok = load(str(fixtures_dir / "llama-tiny"))
+        expected = [t for t, _ in itertools.islice(generate_step(
+            mx.array(tok.encode("hello")), model, max_tokens=16,
+            logits_processors=make_logits_processors(repetition_penalty=1.5)), 16)]
+        assert ids == expected
+        await node.stop()
+
+    run(main())
+
+
+def test_the_trained_demo_pair_is_lossless_across_its_window():
+    from provider.engine.speculative import MTPDrafter, Target
+    from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
+    from provider.models.gemma4_assistant import load_assistant
+
+    model, tok = load(str(DEMO_TARGET))
+    drafter = MTPDrafter(load_assistant(DEMO_ASSISTANT), Target(model))
+    ids = tok.encode(TEXT * 3)
+    total = accepted = drafted = 0
+    for i, n in enumerate([3, 9, 20, 35, 50, 64, 80, 96, 100, 110, 115, 120, 124, 126, 127, 128, 129, 131, 140, 160]):
+        prompt = ids[i * 5:i * 5 + n]  # the longest cross the 128-token window while prefilling, the rest while decoding
+        truth = plain_greedy(model, prompt, 24)
+        stats = SpecStats("mtp", 3)
+        out = list(itertools.islice(speculative_tokens(model, prompt, drafter, k=3, stats=stats), 24))
+        assert out == truth, f"prompt of {n} tokens"
+        total, accepted, drafted = total + 1, accepted + stats.accepted, drafted + stats.drafted
+    assert total == 20 and 0 < accepted < drafted  # a real drafter: accepts often, not always

@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from ..jobs import Cause, Done, Event, Job, JobError, Tokens, Usage
 from ..models.loader import LoadedModel
 from . import speculation_plan
-from .sampling import sampler_for
+from .sampling import logits_processors_for, sampler_for
 from .speculative import DraftModelDrafter, MTPDrafter, SpecStats, Target, speculative_tokens
 from .stops import StopMatcher
 
@@ -83,6 +83,7 @@ class Generation:
                 lm.model,
                 max_tokens=self.max_tokens,
                 sampler=sampler_for(job.sampling),
+                logits_processors=logits_processors_for(job.sampling),
                 prefill_step_size=prefill_step_size,
             )
         self._detok = lm.tokenizer.detokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..jobs import SamplingParams
 
@@ -22,6 +22,14 @@ def sampler_for(params: SamplingParams) -> Sampler:
             temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
         )
     return _seeded_sampler(params)
+
+
+def logits_processors_for(params: SamplingParams) -> list | None:
+    if not params.has_logits_processors:
+        return None
+    return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None, repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
 
 
 def _seeded_sampler(params: SamplingParams) -> Sampler:

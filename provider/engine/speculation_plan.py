@@ -29,6 +29,8 @@ def ineligibility(sampling: SamplingParams) -> str | None:
     """What in a request the lossless greedy speculative path cannot honour."""
     if not sampling.greedy:
         return "sampling"
+    if sampling.has_logits_processors:
+        return "logits_processors"
     return None
 
 

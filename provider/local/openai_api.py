@@ -121,6 +121,10 @@ def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) ->
         raise RequestError("only n=1 is supported", "n")
     if body.get("logprobs") not in (None, False, 0):
         raise RequestError("logprobs are not supported", "logprobs")
+    for key in ("tools", "functions", "response_format"):
+        if body.get(key) and body.get(key) != {"type": "text"}:
+            raise RequestError(f"{key} is not supported by this node (no tool calling or constrained decoding); "
+                               "send the request without it", key)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -160,6 +164,14 @@ def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise RequestError("seed must be an integer", "seed")
+    bias = body.get("logit_bias") or {}
+    try:
+        logit_bias = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+    except (AttributeError, TypeError, ValueError):
+        raise RequestError("logit_bias must map token ids to numbers", "logit_bias") from None
+    repetition = body.get("repetition_penalty")
+    if repetition is not None and (isinstance(repetition, bool) or not isinstance(repetition, (int, float))):
+        raise RequestError("repetition_penalty must be a number", "repetition_penalty")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -169,6 +181,10 @@ def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
         seed=None if seed is None else seed % (1 << 63),
         stop=stop,
         stop_token_ids=tuple(stop_ids),
+        logit_bias=logit_bias,
+        repetition_penalty=None if repetition is None else float(repetition),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
     )
 
 
