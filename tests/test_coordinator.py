@@ -249,3 +249,35 @@ def test_unacked_outcomes_are_resent_after_a_kill(fixtures_dir, tmp_path):
             assert not session._unacked  # acknowledged now
 
     run(main())
+
+
+def test_tokens_coalesce_only_while_the_writer_is_behind(fixtures_dir, tmp_path):
+    from provider.jobs import Job, Tokens
+    from tests.helpers import collect, greedy, make_node
+
+    async def main():
+        node = make_node({"g": fixtures_dir / "gemma4-tiny"})
+        expected, *_ = await collect(node, Job("ref", "g", greedy(40), prompt="The cache"))
+        session = CoordinatorSession(node, Settings(coordinator="grpc://127.0.0.1:1"),
+                                     Identity.load_or_create(tmp_path), coalesce_ms=200)
+        for backed_up in (True, False):
+            outbox: asyncio.Queue = asyncio.Queue()
+            if backed_up:
+                outbox.put_nowait(pb.ProviderFrame())  # a frame the writer has not sent yet
+            ids, sizes = [], []
+            async with node.run(Job(f"j{backed_up}", "g", greedy(40), prompt="The cache")) as stream:
+                async for ev in stream:
+                    if isinstance(ev, Tokens) and ev.token_ids:
+                        batch, end = await session._coalesce(ev, stream, outbox)
+                        sizes.append(len(batch))
+                        ids += [t for b in batch for t in b.token_ids]
+                        if end is not None:
+                            break
+            assert ids == expected  # merged in order, nothing lost or repeated
+            if backed_up:
+                assert max(sizes) > 1 and len(sizes) < len(expected)
+            else:
+                assert max(sizes) <= 2  # keeping up: what is already waiting, without waiting for more
+        await node.stop()
+
+    run(main())
