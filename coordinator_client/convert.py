@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from provider.jobs import Cause, Done, Error, Job, JobError, SamplingParams, Tokens
+from provider.jobs import Cause, Done, Error, Job, JobError, SamplingParams, Tokens, resolve_max_tokens
 
 from .pb import provider_pb2 as pb
 
-ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_JOB_ID = 128
 
 POLICY = {pb.SPECULATION_POLICY_AUTO: "auto", pb.SPECULATION_POLICY_ON: "on", pb.SPECULATION_POLICY_OFF: "off"}
@@ -35,7 +33,8 @@ def _invalid(message: str) -> JobError:
 
 
 def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_tokens: int) -> Job:
-    """Validate a JobRequest and build the Job; a bad field raises JobError(INVALID_REQUEST) naming it."""
+    """Validate a JobRequest and build the Job; a bad field raises JobError(INVALID_REQUEST) naming it.
+    The value bounds are SamplingParams' and Job's, the same as the local API's."""
     if not req.job_id or len(req.job_id) > MAX_JOB_ID:
         raise _invalid(f"job_id must be 1 to {MAX_JOB_ID} characters")
     which = req.WhichOneof("input")
@@ -49,30 +48,18 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     else:
         if not req.chat.messages:
             raise _invalid("chat.messages is empty")
-        for i, m in enumerate(req.chat.messages):
-            if m.role not in ROLES:
-                raise _invalid(f"chat.messages[{i}].role must be one of {', '.join(sorted(ROLES))}")
         messages = tuple({"role": m.role, "content": m.content} for m in req.chat.messages)
-    max_tokens = req.max_tokens or default_max_tokens
-    if max_tokens > max_tokens_limit:
-        raise _invalid(f"max_tokens must be from 1 to {max_tokens_limit}, got {max_tokens}")
-    s = req.sampling
-    floats = {name: getattr(s, name) for name in ("temperature", "top_p", "min_p") if s.HasField(name)}
-    for name, value in floats.items():
-        if not math.isfinite(value):
-            raise _invalid(f"{name} must be finite")
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=floats.get("temperature", 1.0),
-        top_p=floats.get("top_p", 1.0),
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        min_p=floats.get("min_p", 0.0),
-        seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids),
-    )
     if req.speculation not in POLICY:
         raise _invalid(f"unknown speculation policy {req.speculation}")
+    s = req.sampling
+    present = {name: getattr(s, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")
+               if s.HasField(name)}
+    sampling = SamplingParams(
+        max_tokens=resolve_max_tokens(req.max_tokens or None, default_max_tokens, max_tokens_limit),
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        **present,
+    )
     return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
                speculation=POLICY[req.speculation])
 

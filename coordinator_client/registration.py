@@ -45,8 +45,8 @@ def model_infos(node: Node) -> list[pb.ModelInfo]:
             try:
                 info.size_bytes, caps = _model_facts(stored.path, (stored.path / "config.json").stat().st_mtime_ns)
                 info.capabilities.CopyFrom(caps)
-            except (OSError, ValueError, estimate.HeaderError):
-                pass  # advertised without details; a job for it will report the load error
+            except Exception:  # a broken checkpoint is advertised without details; a job for it gets the error
+                pass
         out.append(info)
     return out
 
@@ -69,7 +69,8 @@ def registration(node: Node, identity: Identity, *, nonce: bytes, epoch: int, pr
 
 def heartbeat(node: Node, *, draining: bool) -> pb.Heartbeat:
     stats = node.engine.stats
-    status = (pb.NODE_STATUS_DRAINING if draining or node.engine.draining
+    status = (pb.NODE_STATUS_UNHEALTHY if not node.healthy
+              else pb.NODE_STATUS_DRAINING if draining or node.engine.draining
               else pb.NODE_STATUS_BUSY if stats.active else pb.NODE_STATUS_IDLE)
     return pb.Heartbeat(
         status=status, resident_models=node.models.resident(), active_jobs=stats.active, queued_jobs=stats.queued,

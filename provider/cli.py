@@ -10,7 +10,9 @@ from pathlib import Path
 
 from . import __version__, logs
 from .jobs import JobError
-from .settings import Settings, SettingsError
+from .settings import Settings, SettingsError, is_loopback
+
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; the service manager restarts the node
 
 
 def _add_start(sub) -> None:
@@ -23,6 +25,8 @@ def _add_start(sub) -> None:
     p.add_argument("--port", type=int, help="local API port (default 8080; 0 picks a free one)")
     p.add_argument("--bind", help="local API address (default 127.0.0.1)")
     p.add_argument("--no-auth", dest="auth", action="store_const", const=False, help="serve without a bearer token")
+    p.add_argument("--allow-unauthenticated-public", action="store_const", const=True,
+                   help="with --no-auth, allow a non-loopback --bind (anyone who reaches the port can use the node)")
     p.add_argument("--config", type=Path, help="TOML config file (default: $XDG_CONFIG_HOME/provider/config.toml)")
     p.add_argument("--log-format", choices=["auto", "console", "json"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -120,6 +124,7 @@ def primary_models(settings: Settings) -> list:
 def _start(args: argparse.Namespace) -> int:
     cli = {"model": args.model, "drafter": args.drafter, "speculation": args.speculation,
            "port": args.port, "bind": args.bind, "auth": args.auth,
+           "allow_unauthenticated_public": args.allow_unauthenticated_public,
            "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator}
     try:
         settings = Settings.load(cli=cli, config_file=args.config)
@@ -127,6 +132,10 @@ def _start(args: argparse.Namespace) -> int:
         print(f"provider: configuration error: {e}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
+    if args.local and not settings.auth and not is_loopback(settings.bind):
+        logs.get("cli").warning("unauthenticated_public_api", bind=settings.bind)
+        print(f"provider: WARNING: serving without auth on {settings.bind}; anyone who reaches the port can use "
+              "this node", file=sys.stderr)
     if not args.local and not settings.coordinator:
         print("provider: nothing to run; pass --local, --coordinator URL, or set `coordinator` in the config",
               file=sys.stderr)
@@ -160,14 +169,23 @@ async def _run(settings: Settings, *, local: bool) -> int:
     node = Node(settings, build_models(settings, primary_models(settings)))
     if identity is not None:
         session = CoordinatorSession(node, settings, identity)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    engine_failed = []
+    node.engine.on_failure = lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set()))
     node.start()
     model_id = node.models.default_id
     loaded = node.models.request(model_id)  # load and warm up before saying we are ready
     if not hasattr(loaded, "id"):
-        await asyncio.wrap_future(loaded)
+        try:
+            await asyncio.wrap_future(loaded)
+        except JobError as e:
+            if settings.model:  # the model asked for by name must load; any other may fail alone
+                await node.stop(grace_s=0)
+                raise
+            logs.get("cli").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
+            print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"provider {__version__}: serving {model_id}", flush=True)
@@ -191,6 +209,10 @@ async def _run(settings: Settings, *, local: bool) -> int:
     if runner is not None:
         await runner.cleanup()
     watchdog.cancel()
+    if engine_failed:
+        print(f"provider: the engine failed ({engine_failed[0]}); exiting for the service manager to restart "
+              "the node", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_FAILED
     return 0
 
 

@@ -7,7 +7,8 @@ their requests into a Job and translate Events back; neither touches MLX.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 
@@ -29,16 +30,70 @@ class Cause(str, enum.Enum):
 
 
 class JobError(Exception):
-    """A typed failure of one job. The node keeps serving."""
+    """A typed failure of one job. The node keeps serving. `param` names the request field at fault, if one is."""
 
-    def __init__(self, cause: Cause, message: str):
+    def __init__(self, cause: Cause, message: str, param: str | None = None):
         super().__init__(message)
         self.cause = cause
         self.message = message
+        self.param = param
+
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # as OpenAI's API
+MAX_SEED = 1 << 63
+MAX_TOP_K = (1 << 32) - 1  # the proto's uint32
+
+
+def _invalid(param: str, rule: str, value: Any = None) -> JobError:
+    shown = "" if value is None else f", got {_short(value)}"
+    return JobError(Cause.INVALID_REQUEST, f"{param} {rule}{shown}", param)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_int(param: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """An integer (not a bool) within [lo, hi]; Python ints compare exactly, so huge ones cannot overflow."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(param, "must be an integer", value)
+    if value < lo or (hi is not None and value > hi):
+        raise _invalid(param, f"must be an integer from {lo}" + (f" to {hi}" if hi is not None else " up"), value)
+    return value
+
+
+def check_number(param: str, value: Any, lo: float, hi: float, *, low_open: bool = False) -> float:
+    """A finite number within the range. Compared before float() so a 400-digit integer is refused, not raised on."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(param, "must be a number", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _invalid(param, "must be a finite number", value)
+    if value > hi or value < lo or (low_open and value == lo):
+        raise _invalid(param, f"must be {'>' if low_open else '>='} {lo} and <= {hi}", value)
+    return float(value)
+
+
+def check_text(param: str, value: Any) -> str:
+    """A string that is valid Unicode: a lone surrogate (legal in JSON escapes) crashes tokenizers."""
+    if not isinstance(value, str):
+        raise _invalid(param, "must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _invalid(param, f"is not valid Unicode text (a lone surrogate at character {e.start}); "
+                              "send UTF-8 text") from None
+    return value
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to sample. Every bound lives here, once for both front ends; `fitted` adds the model's."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -58,29 +113,56 @@ class SamplingParams:
         return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty)
 
     def __post_init__(self) -> None:
-        # The same bounds for every front end; each also checks its own wire types.
-        checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
-            ("temperature", 0.0 <= self.temperature <= 2.0, "must be from 0 to 2"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be > 0 and <= 1"),
-            ("top_k", self.top_k >= 0, "must be >= 0"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be from 0 to 1"),
-            ("stop", len(self.stop) <= 16, "allows at most 16 strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative"),
-            ("logit_bias", all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias), "needs token ids >= 0 and "
-             "biases from -100 to 100"),
-            ("repetition_penalty", self.repetition_penalty is None or 0 < self.repetition_penalty <= 10,
-             "must be > 0 and <= 10"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be from -2 to 2"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be from -2 to 2"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise JobError(Cause.INVALID_REQUEST, f"{name} {rule}, got {getattr(self, name)!r}")
+        # Assume every value is hostile: wrong types, huge or non-finite numbers, odd containers.
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        check_int("max_tokens", self.max_tokens, 1)
+        set_("temperature", check_number("temperature", self.temperature, 0.0, 2.0))
+        set_("top_p", check_number("top_p", self.top_p, 0.0, 1.0, low_open=True))
+        check_int("top_k", self.top_k, 0, MAX_TOP_K)  # `fitted` turns k >= the vocabulary into "no top-k"
+        set_("min_p", check_number("min_p", self.min_p, 0.0, 1.0))
+        if self.seed is not None:  # OpenAI's seed is a signed 64-bit integer, the proto's unsigned
+            set_("seed", check_int("seed", self.seed, -(1 << 63), (1 << 64) - 1) % MAX_SEED)
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise _invalid("stop", f"must be at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if len(check_text("stop", s)) > MAX_STOP_CHARS:
+                raise _invalid("stop", f"strings must be at most {MAX_STOP_CHARS} characters")
+        if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise _invalid("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} token ids")
+        for t in self.stop_token_ids:
+            check_int("stop_token_ids", t, 0)
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise _invalid("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        bias = []
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise _invalid("logit_bias", "must map token ids to numbers")
+            bias.append((check_int("logit_bias", pair[0], 0), check_number("logit_bias", pair[1], -100.0, 100.0)))
+        set_("logit_bias", tuple(bias))
+        if self.repetition_penalty is not None:
+            set_("repetition_penalty",
+                 check_number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True))
+        set_("presence_penalty", check_number("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        set_("frequency_penalty", check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+
+    def fitted(self, vocab_size: int) -> "SamplingParams":
+        """These params against the model they will reach: every token id inside its vocabulary (native code
+        indexes with them and crashes rather than raising), and top_k >= the vocabulary meaning no top-k."""
+        for param, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise _invalid(param, f"has token id {_short(bad[0])}, outside this model's vocabulary of "
+                                      f"{vocab_size} (ids 0 to {vocab_size - 1})")
+        return replace(self, top_k=0) if self.top_k >= vocab_size else self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def resolve_max_tokens(value: Any, default: int, limit: int) -> int:
+    """A request's max_tokens (None: the node's default) within the node's limit."""
+    return default if value is None else check_int("max_tokens", value, 1, limit)
 
 
 @dataclass(frozen=True)
@@ -97,6 +179,20 @@ class Job:
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise JobError(Cause.INVALID_REQUEST, "a job needs exactly one of prompt or messages")
+        if self.prompt is not None:
+            check_text("prompt", self.prompt)
+        for i, m in enumerate(self.messages or ()):
+            role = m.get("role")
+            if not isinstance(role, str) or role not in ROLES:
+                raise _invalid(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
+            check_text(f"messages[{i}].content", m.get("content"))
+        if self.speculation not in ("auto", "on", "off"):
+            raise _invalid("speculation", "must be one of auto, on, off", self.speculation)
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters of text the prompt carries (a template only adds to them)."""
+        return len(self.prompt) if self.prompt is not None else sum(len(m["content"]) for m in self.messages)
 
 
 @dataclass(frozen=True)
@@ -144,6 +240,11 @@ class Error:
     job_id: str
     cause: Cause
     message: str
+    param: str | None = None  # the request field at fault, when one is
+
+    @classmethod
+    def of(cls, job_id: str, e: JobError) -> "Error":
+        return cls(job_id, e.cause, e.message, e.param)
 
 
 Event = Union[Accepted, Tokens, Done, Error]

@@ -17,11 +17,21 @@ def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
     stream = stream or sys.stderr
     use_console = fmt == "console" or (fmt == "auto" and stream.isatty())
     renderer = structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
+    shared = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    # Libraries log through the standard library (aiohttp, grpc, asyncio): render them the same way, so a
+    # JSON log stays one JSON object per line.
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(_LEVELS[level], logging.INFO))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *shared,
             structlog.processors.format_exc_info,
             renderer,
         ],

@@ -8,15 +8,18 @@ Closing the stream early (client gone, coordinator lost) cancels the job.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from . import logs
 from .engine.scheduler import Engine
-from .jobs import TERMINAL, Event, Job
+from .jobs import TERMINAL, Event, Job, JobError
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
 from .models import store
 from .models.manager import ModelManager
+from .prompts import PromptPreparer
 from .settings import ModelSpec, Settings
 
 log = logs.get("node")
@@ -25,13 +28,13 @@ log = logs.get("node")
 class JobStream:
     """Async iterator over one job's events; `aclose()` cancels the job if it is still running."""
 
-    def __init__(self, engine: Engine, job: Job):
+    def __init__(self, engine: Engine, job: Job, prepare: Callable[[Job], concurrent.futures.Future]):
         self.job = job
         self._engine = engine
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._finished = False
         loop = asyncio.get_running_loop()
-        engine.submit(job, lambda ev: loop.call_soon_threadsafe(self._queue.put_nowait, ev))
+        engine.submit(job, lambda ev: loop.call_soon_threadsafe(self._queue.put_nowait, ev), prepare)
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
@@ -66,6 +69,12 @@ class JobStream:
         await self.aclose()
 
 
+def _failed_future(e: Exception) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(e)
+    return future
+
+
 def decide_node_budget(settings: Settings) -> Budget:
     return decide_budget(system_facts(), fraction=settings.memory_fraction,
                          reserve_bytes=int(settings.memory_reserve_gb * GiB),
@@ -98,6 +107,7 @@ class Node:
             prefill_step_size=settings.prefill_step_size,
             speculation=settings.speculation,
         )
+        self.prompts = PromptPreparer(models.checkpoint)
 
     def start(self) -> None:
         pin_mlx_limits(self.models.budget)
@@ -105,10 +115,20 @@ class Node:
         log.info("node_started", models=self.models.ids(), default_model=self.models.default_id)
 
     def run(self, job: Job) -> JobStream:
-        return JobStream(self.engine, job)
+        """Submit a job; its prompt is checked against its model and tokenized off the engine thread."""
+        try:
+            job = dataclasses.replace(job, model=self.models.canonical_id(job.model))
+        except JobError as e:
+            return JobStream(self.engine, job, lambda _, error=e: _failed_future(error))
+        return JobStream(self.engine, job, self.prompts.prepare)
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.failure is None
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await asyncio.to_thread(self.engine.stop, grace_s)
+        self.prompts.close()
         self.models.close()
         log.info("node_stopped")
 

@@ -72,6 +72,8 @@ class Settings:
     bind: str = "127.0.0.1"
     port: int = field(default=8080, metadata=_range(0, 65535))
     auth: bool = True
+    # Serving without a token on a non-loopback address is refused unless this says it is meant.
+    allow_unauthenticated_public: bool = False
     max_body_bytes: int = field(default=4 * 2**20, metadata=_range(1024, 256 * 2**20))
 
     # Coordinator session.
@@ -113,6 +115,11 @@ class Settings:
         for f in dataclasses.fields(self):
             if f.name != "models":
                 _check_bounds(f, getattr(self, f.name), "settings")
+        if not self.auth and not is_loopback(self.bind) and not self.allow_unauthenticated_public:
+            raise SettingsError(
+                f"auth is off and bind is {self.bind!r}, which is not a loopback address: anyone who can reach "
+                "this port could use the node; drop --no-auth, bind to 127.0.0.1, or pass "
+                "--allow-unauthenticated-public if that is really meant")
         if self.default_max_tokens > self.max_tokens_limit:
             raise SettingsError(
                 f"default_max_tokens ({self.default_max_tokens}) must not exceed "
@@ -162,6 +169,18 @@ class Settings:
             values[name] = _coerce(fields[name], raw, f"--{name.replace('_', '-')}")
 
         return cls(**values)
+
+
+def is_loopback(host: str) -> bool:
+    """Only literal loopback addresses and `localhost` count; any other name may resolve elsewhere."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _coerce(f: dataclasses.Field, raw: Any, source: str) -> Any:

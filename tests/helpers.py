@@ -22,7 +22,8 @@ from provider.settings import Settings
 class LocalServer:
     """`provider start --local` in a subprocess on an ephemeral port, with its logs kept in a file."""
 
-    def __init__(self, model: Path | None, home: Path, *extra: str, env: dict | None = None):
+    def __init__(self, model: Path | None, home: Path, *extra: str, env: dict | None = None,
+                 module: str = "provider"):
         self.home = home
         self.log_path = home / "server.log"
         self.env = os.environ | {
@@ -31,7 +32,7 @@ class LocalServer:
             "XDG_STATE_HOME": str(home / "state"),
             "XDG_CACHE_HOME": str(home / "cache"),
         } | (env or {})
-        args = [sys.executable, "-m", "provider", "start", "--local", "--port", "0", "--log-format", "json", *extra]
+        args = [sys.executable, "-m", module, "start", "--local", "--port", "0", "--log-format", "json", *extra]
         if model is not None:
             args += ["--model", str(model)]
         self._stderr = open(self.log_path, "wb")
@@ -58,7 +59,8 @@ class LocalServer:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def logs(self) -> str:
-        self._stderr.flush()
+        if not self._stderr.closed:
+            self._stderr.flush()
         return self.log_path.read_text()
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:

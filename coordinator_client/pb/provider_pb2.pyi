@@ -20,6 +20,7 @@ class NodeStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_STATUS_IDLE: _ClassVar[NodeStatus]
     NODE_STATUS_BUSY: _ClassVar[NodeStatus]
     NODE_STATUS_DRAINING: _ClassVar[NodeStatus]
+    NODE_STATUS_UNHEALTHY: _ClassVar[NodeStatus]
 
 class SpeculationPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -50,6 +51,7 @@ NODE_STATUS_UNSPECIFIED: NodeStatus
 NODE_STATUS_IDLE: NodeStatus
 NODE_STATUS_BUSY: NodeStatus
 NODE_STATUS_DRAINING: NodeStatus
+NODE_STATUS_UNHEALTHY: NodeStatus
 SPECULATION_POLICY_AUTO: SpeculationPolicy
 SPECULATION_POLICY_ON: SpeculationPolicy
 SPECULATION_POLICY_OFF: SpeculationPolicy

@@ -1,5 +1,6 @@
-"""One job's plain decode, advanced one token per `step()` by the engine thread.
+"""One job's decode, advanced one token per `step()` by the engine thread.
 
+The prompt arrives as token ids, tokenized off this thread (provider.prompts).
 Tokens come from mlx-lm's `generate_step` (prefill leaves the last prompt token
 for a width-1 step, as mlx-lm does); text from mlx-lm's streaming detokenizer,
 so multi-byte characters are never split across chunks.
@@ -24,33 +25,9 @@ from .stops import StopMatcher
 NOT_STARTED = {"mode": "off", "reason": "not_started"}
 
 
-def encode_prompt(job: Job, lm: LoadedModel) -> list[int]:
-    tok = lm.tokenizer
-    if job.messages is not None:
-        if not tok.has_chat_template:
-            raise JobError(
-                Cause.INVALID_REQUEST,
-                f"model {lm.id} has no chat template; send a raw prompt to /v1/completions instead",
-            )
-        try:
-            ids = tok.apply_chat_template(list(job.messages), add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # jinja raises for, e.g., roles that do not alternate
-            raise JobError(Cause.INVALID_REQUEST, f"the chat template of {lm.id} rejected the messages: {e}") from None
-        if isinstance(ids, dict):  # transformers may return a BatchEncoding
-            ids = ids["input_ids"]
-    else:
-        # Same rule as mlx_lm.stream_generate: add BOS unless the prompt already starts with it.
-        add_special = tok.bos_token is None or not job.prompt.startswith(tok.bos_token)
-        ids = tok.encode(job.prompt, add_special_tokens=add_special)
-    if not ids:
-        raise JobError(Cause.INVALID_REQUEST, "the prompt is empty")
-    return list(ids)
-
-
 class Generation:
-    def __init__(self, job: Job, lm: LoadedModel, *, prefill_step_size: int, arrived: float,
+    def __init__(self, job: Job, lm: LoadedModel, prompt: list[int], *, prefill_step_size: int, arrived: float,
                  node_policy: str = "auto", k: int = 3):
-        prompt = encode_prompt(job, lm)
         room = lm.context_length - len(prompt)
         if room < 1:
             raise JobError(
@@ -118,9 +95,13 @@ class Generation:
             return events + self.finish("length")
         return events
 
+    def close(self) -> None:
+        """Stop generating (the generator's caches are freed with it)."""
+        self._tokens.close()
+
     def finish(self, reason: str, *, flush: bool = True) -> list[Event]:
         self.finished = True
-        self._tokens.close()
+        self.close()
         events: list[Event] = []
         if flush and reason != "cancelled":
             self._detok.finalize()

@@ -1,11 +1,13 @@
 """Samplers from SamplingParams, built on mlx-lm's sampling functions.
 
-A job with a seed gets its own PRNG key, so its output does not depend on
-what other jobs the engine interleaves with it.
+Every sampled job draws from a PRNG key of its own (its seed, or fresh entropy),
+never from MLX's global random state: its output does not depend on what other
+jobs the engine interleaves with it, and no job's failure can break another's.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Callable
 
 import mlx.core as mx
@@ -17,11 +19,9 @@ Sampler = Callable[[mx.array], mx.array]
 
 
 def sampler_for(params: SamplingParams) -> Sampler:
-    if params.greedy or params.seed is None:
-        return make_sampler(
-            temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
-        )
-    return _seeded_sampler(params)
+    if params.greedy:
+        return make_sampler(temp=0.0)  # argmax
+    return _keyed_sampler(params, secrets.randbits(63) if params.seed is None else params.seed)
 
 
 def logits_processors_for(params: SamplingParams) -> list | None:
@@ -32,8 +32,8 @@ def logits_processors_for(params: SamplingParams) -> list | None:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
 
 
-def _seeded_sampler(params: SamplingParams) -> Sampler:
-    key = mx.random.key(params.seed)
+def _keyed_sampler(params: SamplingParams, seed: int) -> Sampler:
+    key = mx.random.key(seed)
     # Same filter order as mlx_lm.sample_utils.make_sampler.
     filters = []
     if 0 < params.top_p < 1.0:

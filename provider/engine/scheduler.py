@@ -1,8 +1,13 @@
 """The engine loop: one thread owns MLX and advances every active job one token per pass.
 
 Front ends hand jobs in through a thread-safe inbox and receive events through
-a sink callback (called on this thread; it must not block). Cancels are read
+a sink callback (called on this thread; it must not block). A job waits, in
+arrival order, until its prompt is prepared off this thread. Cancels are read
 between decode steps, so a cancelled job stops within one step.
+
+Supervised: whatever one job raises fails that job alone. If the loop itself
+dies, the engine is `failed`: every job, queued or new, gets a typed error at
+once, and `on_failure` tells the owner, who exits for its supervisor to restart.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -18,11 +24,13 @@ from typing import Callable
 from .. import logs
 from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
 from ..models.manager import ModelManager
+from ..prompts import Prepared
 from .generation import NOT_STARTED, Generation
 
 Sink = Callable[[Event], None]
 log = logs.get("engine")
 DRAINING_MESSAGE = "the node is draining and accepts no new jobs; retry elsewhere"
+FAILED_MESSAGE = "the node's engine stopped after an internal failure ({}); the node is restarting, retry elsewhere"
 
 
 @dataclass
@@ -30,6 +38,7 @@ class _Pending:
     job: Job
     sink: Sink
     arrived: float
+    prepared: concurrent.futures.Future  # of Prepared: the prompt, tokenized off the engine thread
 
 
 @dataclass
@@ -64,17 +73,27 @@ class Engine:
         self._stop_at: float | None = None
         self.stats = EngineStats()
         self.last_tick = time.monotonic()  # fed to the service watchdog
+        self.failure: str | None = None  # why the loop died; None while it runs
+        self.on_failure: Callable[[str], None] | None = None  # called once, on the engine thread, if it dies
+        self._submit_lock = threading.Lock()  # orders submits against the loop's death
 
     # --- called from any thread -------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job, sink: Sink) -> None:
-        if self.draining:  # answered here too, since a stopped engine thread no longer reads its inbox
-            _safe(sink, Error(job.id, Cause.DRAINING, DRAINING_MESSAGE))
-            return
-        self._inbox.put(("submit", _Pending(job, sink, time.perf_counter())))
+    def submit(self, job: Job, sink: Sink, prepare: Callable[[Job], concurrent.futures.Future]) -> None:
+        """Queue a job; `prepare(job)` starts making its prompt (a future of Prepared) off this thread."""
+        with self._submit_lock:
+            # Answered here too, since a stopped or dead engine thread no longer reads its inbox.
+            if self.failure is not None:
+                _safe(sink, Error(job.id, Cause.INTERNAL, FAILED_MESSAGE.format(self.failure)))
+            elif self.draining:
+                _safe(sink, Error(job.id, Cause.DRAINING, DRAINING_MESSAGE))
+            else:
+                prepared = prepare(job)
+                self._inbox.put(("submit", _Pending(job, sink, time.perf_counter(), prepared)))
+                prepared.add_done_callback(lambda _: self._inbox.put(("wake", None)))
 
     def cancel(self, job_id: str) -> None:
         self._inbox.put(("cancel", job_id))
@@ -101,8 +120,40 @@ class Engine:
     # --- engine thread ----------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the loop itself, not one job: nothing here can be trusted to go on
+            self._die(f"{type(e).__name__}: {e}"[:200])
+
+    def _die(self, why: str) -> None:
+        with self._submit_lock:
+            self.failure = why
+        log.critical("engine_failed", error=why)
+        message = FAILED_MESSAGE.format(why)
+        sinks = {job_id: sink for job_id, (_, sink) in self._active.items()}
+        sinks |= {p.job.id: p.sink for p in [*self._waiting, *(p for p, _ in self._loading)]}
+        while True:  # jobs submitted but never read
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                sinks[arg.job.id] = arg.sink
+        for job_id, sink in sinks.items():
+            _safe(sink, Error(job_id, Cause.INTERNAL, message))
+        self._active.clear()
+        self._waiting.clear()
+        self._loading.clear()
+        self._update_counts()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(why)
+            except Exception:
+                log.exception("engine_failure_callback_failed")
+
+    def _loop(self) -> None:
         while True:
-            self._pump(block=not self._active and not self._waiting)
+            self._pump(block=not self._active and not any(p.prepared.done() for p in self._waiting))
             if self._stop_at is not None and (time.monotonic() >= self._stop_at or self.idle):
                 break
             self._admit()
@@ -112,8 +163,10 @@ class Engine:
             for job_id, (gen, sink) in list(self._active.items()):
                 try:
                     events = gen.step()
-                except Exception as e:  # a bug or MLX failure ends this job, not the node
+                except Exception as e:  # a bug or MLX failure (in a forward, sampler, processor) ends this job
                     log.exception("job_step_failed", job_id=job_id)
+                    _restore_random_state()
+                    gen.close()
                     events = [Error(job_id, Cause.INTERNAL, f"generation failed: {type(e).__name__}")]
                 self._deliver(gen.model_id, events, sink)
             self.last_tick = time.monotonic()
@@ -160,30 +213,34 @@ class Engine:
                 self._waiting.appendleft(p)
             else:
                 self._fail(p, error if isinstance(error, JobError) else JobError(Cause.MODEL_LOAD_FAILED, str(error)))
-        for _ in range(len(self._waiting)):
+        # First come, first served among jobs whose prompt is ready; one still tokenizing keeps its place.
+        for p in list(self._waiting):
             if len(self._active) >= self._max_concurrent:
                 break
-            p = self._waiting.popleft()
+            if not p.prepared.done():
+                continue
+            self._waiting.remove(p)
             try:
-                loaded = self.models.request(p.job.model)
-            except JobError as e:
-                self._fail(p, e)
+                prepared = p.prepared.result()
+                loaded = self.models.request(prepared.job.model)
+            except Exception as e:
+                self._fail(p, _as_job_error(e))
                 continue
             if isinstance(loaded, concurrent.futures.Future):
                 self._loading.append((p, loaded))
                 loaded.add_done_callback(lambda _: self._inbox.put(("wake", None)))
                 continue
-            self._start(p, loaded.id)
+            self._start(p, prepared, loaded.id)
         self._update_counts()
 
-    def _start(self, p: _Pending, model_id: str) -> None:
+    def _start(self, p: _Pending, prepared: Prepared, model_id: str) -> None:
         lm = self.models.acquire(model_id)
         try:
-            gen = Generation(p.job, lm, prefill_step_size=self._prefill_step_size, arrived=p.arrived,
-                             node_policy=self._speculation, k=self.models.speculation_k)
-        except JobError as e:
+            gen = Generation(prepared.job, lm, list(prepared.prompt), prefill_step_size=self._prefill_step_size,
+                             arrived=p.arrived, node_policy=self._speculation, k=self.models.speculation_k)
+        except Exception as e:
             self.models.release(model_id)
-            self._fail(p, e)
+            self._fail(p, _as_job_error(e))
             return
         self._active[p.job.id] = (gen, p.sink)
         _safe(p.sink, Accepted(p.job.id, lm.id, gen.prompt_tokens))
@@ -192,7 +249,7 @@ class Engine:
     def _fail(self, p: _Pending, e: JobError) -> None:
         self.stats.jobs_failed += 1
         log.info("job_rejected", job_id=p.job.id, cause=e.cause.value)
-        _safe(p.sink, Error(p.job.id, e.cause, e.message))
+        _safe(p.sink, Error.of(p.job.id, e))
 
     def _cancel(self, job_id: str) -> None:
         if job_id in self._active:
@@ -204,6 +261,7 @@ class Engine:
             if p.job.id == job_id:
                 if p in self._waiting:
                     self._waiting.remove(p)
+                    p.prepared.cancel()
                 else:
                     self._loading = [x for x in self._loading if x[0] is not p]
                 done = Done(job_id, "cancelled", Usage(0, 0), {"speculation": dict(NOT_STARTED)})
@@ -246,6 +304,22 @@ class Engine:
     def _update_counts(self) -> None:
         self.stats.active = len(self._active)
         self.stats.queued = len(self._waiting) + len(self._loading)
+
+
+def _as_job_error(e: Exception) -> JobError:
+    if isinstance(e, JobError):
+        return e
+    log.error("job_start_failed", error=type(e).__name__, exc_info=e)
+    _restore_random_state()
+    return JobError(Cause.INTERNAL, f"the job could not start: {type(e).__name__}")
+
+
+def _restore_random_state() -> None:
+    """A compiled sampler that raised mid-trace leaves MLX's global random state holding a placeholder,
+    and every later draw from it fails; jobs sample from keys of their own, but reseed to be sure."""
+    import mlx.core as mx
+
+    mx.random.seed(secrets.randbits(63))
 
 
 def _safe(sink: Sink, ev: Event) -> None:

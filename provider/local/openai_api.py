@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..jobs import Cause, Done, Job, JobError, SamplingParams
-
-ROLES = {"system", "developer", "user", "assistant", "tool"}
-MAX_STOP_SEQUENCES = 16
-SPECULATION_POLICIES = ("auto", "on", "off")
+from ..jobs import MAX_STOP_STRINGS, Cause, Done, Job, JobError, SamplingParams, resolve_max_tokens
 
 
 class RequestError(ValueError):
@@ -43,10 +38,10 @@ CAUSE_STATUS: dict[Cause, tuple[int, str]] = {
 }
 
 
-def error_for(cause: Cause, message: str) -> RequestError:
+def error_for(cause: Cause, message: str, param: str | None = None) -> RequestError:
     status, type_ = CAUSE_STATUS[cause]
     code = "model_not_found" if cause is Cause.UNKNOWN_MODEL else cause.value
-    return RequestError(message, status=status, code=code, type_=type_)
+    return RequestError(message, param, status=status, code=code, type_=type_)
 
 
 @dataclass(frozen=True)
@@ -90,12 +85,10 @@ def _object(body: Any) -> dict[str, Any]:
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
+    """The wire shape of one message; its role and text are checked by `Job`."""
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise RequestError(f"{param} must be an object with role and content", param)
-    role = m.get("role")
-    if role not in ROLES:
-        raise RequestError(f"{param}.role must be one of {', '.join(sorted(ROLES))}", f"{param}.role")
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text is served here
         texts = []
@@ -105,19 +98,18 @@ def _message(m: Any, i: int) -> dict[str, Any]:
                                    f"{param}.content")
             texts.append(part["text"])
         content = "".join(texts)
-    if content is None and role == "assistant":
+    if content is None and m.get("role") == "assistant":
         content = ""
     if not isinstance(content, str):
         raise RequestError(f"{param}.content must be a string or an array of text parts", f"{param}.content")
-    return {"role": role, "content": content}
+    return {"role": m.get("role"), "content": content}
 
 
 def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) -> ParsedRequest:
     model = body.get("model", "")
     if not isinstance(model, str):
         raise RequestError("model must be a string", "model")
-    n = body.get("n", 1)
-    if n != 1:
+    if body.get("n", 1) != 1:
         raise RequestError("only n=1 is supported", "n")
     if body.get("logprobs") not in (None, False, 0):
         raise RequestError("logprobs are not supported", "logprobs")
@@ -129,95 +121,60 @@ def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) ->
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
-    speculation = body.get("speculation", "auto")
-    if speculation not in SPECULATION_POLICIES:
-        raise RequestError(f"speculation must be one of {', '.join(SPECULATION_POLICIES)}", "speculation")
-    job = Job(
-        id=job_id,
-        model=model,
-        sampling=_sampling(body, limits),
-        speculation=speculation,
-        **prompt,
-    )
-    return ParsedRequest(job, stream, bool(options.get("include_usage", False)))
+    try:
+        job = Job(id=job_id, model=model, sampling=_sampling(body, limits),
+                  speculation=_given(body, "speculation", "auto"), **prompt)
+    except JobError as e:  # the shared bounds (jobs.py), reported against the field at fault
+        raise RequestError(e.message, e.param) from None
+    return ParsedRequest(job, stream, _bool(options, "include_usage", False))
 
 
 def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = limits.default_max_tokens
-    elif not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens_limit:
-        raise RequestError(f"max_tokens must be an integer from 1 to {limits.max_tokens_limit}, got {max_tokens!r}",
-                           "max_tokens")
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
+    """Wire shapes only (JSON arrays and maps into tuples); SamplingParams checks every value."""
+    stop = _given(body, "stop", [])
+    if isinstance(stop, str):
         stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_SEQUENCES:
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stop = tuple(stop)
     else:
-        raise RequestError(f"stop must be a string or an array of at most {MAX_STOP_SEQUENCES} strings", "stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise RequestError(f"stop must be a string or an array of at most {MAX_STOP_STRINGS} strings", "stop")
+    stop_ids = _given(body, "stop_token_ids", [])
+    if not isinstance(stop_ids, list):
         raise RequestError("stop_token_ids must be an array of non-negative integers", "stop_token_ids")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError("seed must be an integer", "seed")
-    bias = body.get("logit_bias") or {}
-    try:
-        logit_bias = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
-    except (AttributeError, TypeError, ValueError):
-        raise RequestError("logit_bias must map token ids to numbers", "logit_bias") from None
-    repetition = body.get("repetition_penalty")
-    if repetition is not None and (isinstance(repetition, bool) or not isinstance(repetition, (int, float))):
-        raise RequestError("repetition_penalty must be a number", "repetition_penalty")
+    bias = _given(body, "logit_bias", {})
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must map token ids to numbers", "logit_bias")
+    try:  # JSON object keys are strings; only plain decimal ones name a token
+        logit_bias = tuple(sorted((int(k) if k.isascii() and k.isdigit() else int("x"), v) for k, v in bias.items()))
+    except ValueError:
+        raise RequestError("logit_bias must map token ids (decimal strings) to numbers", "logit_bias") from None
     return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_int(body, "top_k", 0, 0, 1 << 20),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=None if seed is None else seed % (1 << 63),
+        max_tokens=resolve_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")),
+                                      limits.default_max_tokens, limits.max_tokens_limit),
+        temperature=_given(body, "temperature", 1.0),
+        top_p=_given(body, "top_p", 1.0),
+        top_k=_given(body, "top_k", 0),
+        min_p=_given(body, "min_p", 0.0),
+        seed=body.get("seed"),
         stop=stop,
         stop_token_ids=tuple(stop_ids),
         logit_bias=logit_bias,
-        repetition_penalty=None if repetition is None else float(repetition),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=body.get("repetition_penalty"),
+        presence_penalty=_given(body, "presence_penalty", 0.0),
+        frequency_penalty=_given(body, "frequency_penalty", 0.0),
     )
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _given(body: dict[str, Any], key: str, default: Any) -> Any:
+    """The field's value; JSON null means not given, as OpenAI's API treats it."""
+    value = body.get(key)
+    return default if value is None else value
 
 
 def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
+    v = _given(body, key, default)
     if not isinstance(v, bool):
         raise RequestError(f"{key} must be a boolean", key)
-    return v
-
-
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(f"{key} must be a number", key)
-    if v > hi or v < lo or (low_open and v == lo):
-        raise RequestError(f"{key} must be {'>' if low_open else '>='} {lo} and <= {hi}, got {v}", key)
-    return float(v)
-
-
-def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not _is_int(v) or not lo <= v <= hi:
-        raise RequestError(f"{key} must be an integer from {lo} to {hi}", key)
     return v
 
 
@@ -275,5 +232,3 @@ def now() -> int:
     return int(time.time())
 
 
-def job_error_to_request_error(e: JobError) -> RequestError:
-    return error_for(e.cause, e.message)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import json
 import secrets
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
 
 from .. import logs, paths
-from ..jobs import Accepted, Done, Error, JobError, Tokens
+from ..jobs import Accepted, Done, Error, Tokens
 from ..node import JobStream, Node
 from . import openai_api as api
 
@@ -73,7 +73,8 @@ class LocalAPI:
         if self.token is not None and request.path != "/health":
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
+            # aiohttp keeps undecodable header bytes as surrogates: encode them back, never raise on them.
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.token.encode()):
                 raise api.RequestError("missing or wrong bearer token; see the token file printed at start-up",
                                        status=401, code="invalid_api_key", type_="authentication_error")
         return await handler(request)
@@ -82,6 +83,8 @@ class LocalAPI:
 
     async def health(self, request: web.Request) -> web.Response:
         engine = self.node.engine
+        if not self.node.healthy:  # the supervisor restarts the process; until then, say so
+            return web.json_response({"status": "unhealthy", "reason": engine.failure}, status=503)
         return web.json_response({
             "status": "draining" if engine.draining else "ok",
             "models": self.node.models.ids(),
@@ -104,24 +107,20 @@ class LocalAPI:
         return await self._serve(request, api.parse_completion, "cmpl", chat=False)
 
     async def _serve(self, request: web.Request, parse: Callable, prefix: str, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json(loads=_strict_json)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-            raise api.RequestError(f"the request body is not valid JSON: {e}") from None
-        try:
-            req = parse(body, self.node.new_job_id(prefix), self.limits)
-            model = self.node.models.canonical_id(req.job.model)
-        except JobError as e:
-            raise api.job_error_to_request_error(e) from None
-        job = dataclasses.replace(req.job, model=model)
+        if (request.charset or "utf-8").lower() not in ("utf-8", "utf8"):
+            raise api.RequestError(f"charset {request.charset!r} is not supported; send JSON as UTF-8", status=415,
+                                   code="unsupported_media_type")
+        body = _parse_json(await _read_body(request, self.node.settings.max_body_bytes))
+        req = parse(body, self.node.new_job_id(prefix), self.limits)
+        job = req.job
         async with self.node.run(job) as stream:
             first = await anext(stream)
             if isinstance(first, Error):
-                raise api.error_for(first.cause, first.message)
+                raise api.error_for(first.cause, first.message, first.param)
             assert isinstance(first, Accepted)
             if req.stream:
-                return await self._stream(request, stream, job.id, model, chat, req.include_usage)
-            return await self._collect(stream, job.id, model, chat)
+                return await self._stream(request, stream, job.id, first.model, chat, req.include_usage)
+            return await self._collect(stream, job.id, first.model, chat)
 
     async def _collect(self, stream: JobStream, job_id: str, model: str, chat: bool) -> web.Response:
         parts: list[str] = []
@@ -129,7 +128,7 @@ class LocalAPI:
             if isinstance(ev, Tokens):
                 parts.append(ev.text)
             elif isinstance(ev, Error):
-                raise api.error_for(ev.cause, ev.message)
+                raise api.error_for(ev.cause, ev.message, ev.param)
             elif isinstance(ev, Done):
                 build = api.chat_response if chat else api.completion_response
                 return web.json_response(build(job_id, model, "".join(parts), ev, api.now()))
@@ -158,7 +157,7 @@ class LocalAPI:
                 await send(chunk)
             end = batch[-1]
             if isinstance(end, Error):
-                await send(api.error_for(end.cause, end.message).body())
+                await send(api.error_for(end.cause, end.message, end.param).body())
             elif isinstance(end, Done):
                 final = (api.chat_chunk(job_id, model, created, finish_reason=end.finish_reason) if chat
                          else api.completion_chunk(job_id, model, created, finish_reason=end.finish_reason))
@@ -173,18 +172,55 @@ class LocalAPI:
         return resp
 
 
-def _strict_json(text: str) -> Any:
-    # Reject NaN/Infinity, which json.loads accepts by default but JSON does not allow.
+# wbits for zlib: gzip, zlib-wrapped deflate (RFC 9110), and the raw deflate some clients send instead.
+_DECODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
+              "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, decoded here rather than in aiohttp's parser (whose errors on a bad body escape the
+    handler as plain-text 400s, or hang the request), and never inflated past the body limit."""
+    raw = await request.read()  # at most client_max_size bytes, as sent
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in _DECODINGS:
+        raise api.RequestError(f"Content-Encoding {encoding!r} is not supported; send gzip, deflate or none",
+                               status=415, code="unsupported_media_type")
+    for wbits in _DECODINGS[encoding]:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            body = inflater.decompress(raw, limit + 1)
+        except zlib.error:
+            continue
+        if len(body) > limit:
+            raise api.RequestError(f"request body exceeds {limit} bytes once decompressed", status=413,
+                                   code="body_too_large")
+        if inflater.eof and not inflater.unused_data:
+            return body
+    raise api.RequestError(f"the request body is not valid {encoding} data; check its Content-Encoding")
+
+
+def _parse_json(raw: bytes) -> Any:
+    """JSON is UTF-8 (RFC 8259). NaN and Infinity, which json.loads accepts by default, are refused; so is
+    nesting deep enough to exhaust the stack."""
     def bad_constant(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
-    return json.loads(text, parse_constant=bad_constant)
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=bad_constant)
+    except UnicodeDecodeError as e:
+        raise api.RequestError(f"the request body is not UTF-8 (byte {e.start}); send JSON as UTF-8") from None
+    except RecursionError:
+        raise api.RequestError("the request body is nested too deeply") from None
+    except ValueError as e:
+        raise api.RequestError(f"the request body is not valid JSON: {e}") from None
 
 
 async def start_local_api(node: Node, bind: str, port: int, token: str | None) -> tuple[web.AppRunner, str]:
     """Start listening; return the runner (call `cleanup()` after the node stopped) and the base URL."""
     runner = web.AppRunner(LocalAPI(node, token).app, handler_cancellation=True, shutdown_timeout=5.0,
-                           access_log=None)
+                           access_log=None, auto_decompress=False)  # see _read_body
     await runner.setup()
     site = web.TCPSite(runner, bind, port)
     await site.start()

@@ -56,7 +56,8 @@ def tensor_names(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def text_config(config: dict) -> dict:
-    return config.get("text_config") or config
+    text = config.get("text_config")
+    return text if isinstance(text, dict) and text else config
 
 
 def weight_bytes(model_dir: Path, config: dict, tensors: dict | None = None) -> int:

@@ -41,7 +41,10 @@ class Capabilities:
 
 
 def read_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
+    """config.json as a dict, or JobError(MODEL_LOAD_FAILED) saying what is wrong with it."""
+    from .loader import read_config as read
+
+    return read(path)
 
 
 def quantization(config: dict) -> str | None:
@@ -107,11 +110,17 @@ def same_vocabulary(a: Path, b: Path, config_a: dict, config_b: dict) -> tuple[b
         return False, f"vocab_size {vocab_size(config_b)} != target {vocab_size(config_a)}"
     ta, tb = a / "tokenizer.json", b / "tokenizer.json"
     if ta.exists() and tb.exists():
-        va = json.loads(ta.read_text()).get("model", {}).get("vocab")
-        vb = json.loads(tb.read_text()).get("model", {}).get("vocab")
+        try:
+            va, vb = _tokenizer_vocab(ta), _tokenizer_vocab(tb)
+        except (OSError, ValueError, AttributeError, RecursionError) as e:
+            return False, f"a tokenizer.json is unreadable: {type(e).__name__}"
         if va != vb:
             return False, "tokenizer vocabularies differ"
     return True, "ok"
+
+
+def _tokenizer_vocab(path: Path):
+    return json.loads(path.read_text()).get("model", {}).get("vocab")
 
 
 def pair_assistant(target: Path, assistant: Path, target_config: dict | None = None,

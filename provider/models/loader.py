@@ -32,10 +32,12 @@ class LoadedModel:
 
 
 def context_length(config: dict) -> int:
-    for cfg in (config, config.get("text_config") or {}):
+    text = config.get("text_config")
+    for cfg in (config, text if isinstance(text, dict) else {}):
         for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
-            if isinstance(cfg.get(key), int) and cfg[key] > 0:
-                return cfg[key]
+            value = cfg.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return DEFAULT_CONTEXT
 
 
@@ -72,9 +74,13 @@ def resolve(source: str, *, allow_download: bool = True) -> Path:
 
 def read_config(path: Path) -> dict:
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError covers bad JSON and bad UTF-8
         raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read {path / 'config.json'}: {e}") from None
+    if not isinstance(config, dict):
+        raise JobError(Cause.MODEL_LOAD_FAILED, f"{path / 'config.json'} is not a JSON object "
+                                                f"(it holds a {type(config).__name__})")
+    return config
 
 
 def parameter_bytes(lm: LoadedModel) -> int:

@@ -127,6 +127,12 @@ class ModelManager:
                 return mid
         raise JobError(Cause.UNKNOWN_MODEL, f"model {name!r} is not served here; available: {', '.join(self._catalog)}")
 
+    def checkpoint(self, model_id: str) -> tuple[Path, dict]:
+        """The model's directory and config (downloading it if it is a repo id not yet cached)."""
+        stored = self._catalog[model_id]
+        path = stored.path or loader.resolve(stored.source, allow_download=self._allow_download)
+        return path, loader.read_config(path)
+
     def resident(self) -> list[str]:
         with self._lock:
             return [mid for mid, e in self._entries.items() if e.ready]
@@ -212,8 +218,7 @@ class ModelManager:
         import mlx.core as mx
 
         stored = self._catalog[model_id]
-        path = stored.path or loader.resolve(stored.source, allow_download=self._allow_download)
-        config = loader.read_config(path)
+        path, config = self.checkpoint(model_id)
         if stored.sha256:
             verify_pin(model_id, path, stored.sha256)
         try:

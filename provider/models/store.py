@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import logs
+from ..jobs import JobError
 from ..settings import ModelSpec, Settings
 from .capability import ASSISTANT_TYPES
 
@@ -24,15 +24,21 @@ class StoredModel:
 
 
 def _config(path: Path) -> dict | None:
+    from .loader import read_config
+
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_config(path)
+    except JobError:
         return None
 
 
 def _is_servable(path: Path) -> bool:
+    """A model directory that is not a drafter. One whose config cannot be read is listed too, so that
+    `models list` and `doctor` show why it is unavailable; a job for it gets the typed load error."""
+    if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
+        return False
     cfg = _config(path)
-    return cfg is not None and cfg.get("model_type") not in ASSISTANT_TYPES and any(path.glob("*.safetensors"))
+    return cfg is None or cfg.get("model_type") not in ASSISTANT_TYPES
 
 
 def models_dir(settings: Settings) -> Path:

@@ -1,0 +1,141 @@
+"""Prompts into token ids, off the engine thread: fit a job to its model, template it, tokenize it.
+
+Before the engine sees a job, a small worker pool checks it against the model it
+will reach (token ids inside the vocabulary, top_k, context length), applies the
+chat template and encodes it. A prompt longer than the context could hold in
+characters is refused before any encoding, so a multi-megabyte prompt neither
+stalls other jobs nor holds memory. The tokenizer is mlx-lm's, loaded once per
+model from the checkpoint's tokenizer and config files: no weights are read, so
+a job can be refused before its model is loaded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from . import logs
+from .jobs import Cause, Job, JobError
+
+log = logs.get("prompts")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    job: Job  # its sampling fitted to the model
+    prompt: tuple[int, ...]  # token ids, templated
+
+
+@dataclass(frozen=True)
+class TextModel:
+    """What preparing a prompt needs of a model, with no weights loaded."""
+
+    tokenizer: Any  # mlx-lm TokenizerWrapper
+    vocab_size: int  # token ids at or above this would index past the logits
+    context_length: int
+    max_token_chars: int  # the longest token's text: a prompt of n characters is at least n / this tokens
+    lock: threading.Lock  # HF fast tokenizers are not safe to call from two threads at once
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.context_length * self.max_token_chars
+
+
+def load_text_model(model_id: str, path: Path, config: dict) -> TextModel:
+    from mlx_lm.utils import load_tokenizer
+
+    from .models.capability import vocab_size
+    from .models.loader import context_length
+
+    try:  # the same call mlx_lm.load makes, so ids and templates match the loaded model's
+        tok = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        vocab = tok.get_vocab()
+    except Exception as e:
+        raise JobError(Cause.MODEL_LOAD_FAILED,
+                       f"cannot load the tokenizer of {model_id}: {type(e).__name__}: {e}") from None
+    declared = vocab_size(config)
+    sizes = [n for n in (declared, len(vocab)) if isinstance(n, int) and n > 0]
+    return TextModel(tok, min(sizes), context_length(config), max((len(t) for t in vocab), default=1) or 1,
+                     threading.Lock())
+
+
+class PromptPreparer:
+    """`prepare(job)` returns a future of `Prepared`, or of the JobError that refuses the job."""
+
+    def __init__(self, checkpoint: Callable[[str], tuple[Path, dict]], workers: int = 2):
+        self._checkpoint = checkpoint  # model id -> (directory, config); may download
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="prompts")
+        self._models: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, job: Job) -> concurrent.futures.Future:
+        return self._pool.submit(self._prepare, job)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def text_model(self, model_id: str) -> TextModel:
+        """Loaded once per model; every job for a model still loading waits for the same load."""
+        with self._lock:
+            future = self._models.get(model_id)
+            owner = future is None
+            if owner:
+                future = self._models[model_id] = concurrent.futures.Future()
+        if owner:
+            try:
+                path, config = self._checkpoint(model_id)
+                future.set_result(load_text_model(model_id, path, config))
+            except BaseException as e:
+                with self._lock:  # not cached: the next job tries again (the files may be fixed by then)
+                    self._models.pop(model_id, None)
+                future.set_exception(e)
+        return future.result()
+
+    def _prepare(self, job: Job) -> Prepared:
+        m = self.text_model(job.model)
+        sampling = job.sampling.fitted(m.vocab_size)
+        where = "prompt" if job.prompt is not None else "messages"
+        if job.prompt_chars > m.max_prompt_chars:
+            raise JobError(
+                Cause.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt is {job.prompt_chars} characters, more than {job.model}'s context of "
+                f"{m.context_length} tokens can hold (at most {m.max_prompt_chars} characters with its "
+                "tokenizer); shorten the prompt", where)
+        with m.lock:
+            ids = encode_prompt(job, m.tokenizer)
+        if len(ids) >= m.context_length:  # at least one token of room to generate
+            raise JobError(
+                Cause.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt is {len(ids)} tokens but {job.model} has a context of {m.context_length}; "
+                "shorten the prompt", where)
+        return Prepared(replace(job, sampling=sampling), tuple(ids))
+
+
+def encode_prompt(job: Job, tok: Any) -> list[int]:
+    try:
+        if job.messages is not None:
+            if not tok.has_chat_template:
+                raise JobError(Cause.INVALID_REQUEST, f"model {job.model} has no chat template; send a raw "
+                                                      "prompt to /v1/completions instead", "messages")
+            try:
+                ids = tok.apply_chat_template(list(job.messages), add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # jinja raises for, e.g., roles that do not alternate
+                raise JobError(Cause.INVALID_REQUEST, f"the chat template of {job.model} rejected the messages: "
+                                                      f"{e}", "messages") from None
+            if isinstance(ids, dict):  # transformers may return a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            # Same rule as mlx_lm.stream_generate: add BOS unless the prompt already starts with it.
+            add_special = tok.bos_token is None or not job.prompt.startswith(tok.bos_token)
+            ids = tok.encode(job.prompt, add_special_tokens=add_special)
+    except JobError:
+        raise
+    except Exception as e:  # a tokenizer failure on text Job already checked is ours, not the client's
+        log.exception("prompt_encoding_failed", job_id=job.id, model=job.model)
+        raise JobError(Cause.INTERNAL, f"the tokenizer of {job.model} failed: {type(e).__name__}") from None
+    if not ids:
+        raise JobError(Cause.INVALID_REQUEST, "the prompt is empty", "prompt")
+    return list(ids)
