@@ -208,3 +208,29 @@ def test_an_explicit_model_with_a_broken_config_is_a_one_line_error(fixtures_dir
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert lines and "not a JSON object" in lines[-1] and "Traceback" not in out.stderr, out.stderr
+
+
+def test_grpc_big_prompt_and_top_k_are_typed_and_nobody_stalls(fixtures_dir, tmp_path):
+    from coordinator_client.pb import provider_pb2 as pb
+    from tests.coordinator_harness import harness, job
+    from tests.helpers import run
+
+    async def main():
+        async with harness({"l": fixtures_dir / "llama-tiny"}, tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("warm", "l", max_tokens=2))
+            await coord.outcome("warm")
+            coord.dispatch(s, job("stream", "l", max_tokens=200))
+            started = time.monotonic()
+            coord.dispatch(s, job("huge", "l", prompt="word " * 600_000))  # 3 MB, under gRPC's 4 MiB
+            err = (await coord.outcome("huge")).job_error
+            assert err.cause == pb.ERROR_CAUSE_CONTEXT_LENGTH_EXCEEDED and "context of 1024" in err.message
+            assert time.monotonic() - started < 5  # refused, not tokenized (that took 10-15 s before)
+            big_k = job("top-k", "l", max_tokens=3, temperature=1.0)
+            big_k.sampling.top_k = 2**32 - 1
+            coord.dispatch(s, big_k)
+            assert (await coord.outcome("top-k")).WhichOneof("frame") == "job_done"
+            assert (await coord.outcome("stream")).WhichOneof("frame") == "job_done"
+            assert session.stats.sessions == 1
+
+    run(main())

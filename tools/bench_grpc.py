@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator_client.pb import provider_pb2 as pb  # noqa: E402
 from coordinator_client.reference_coordinator import ReferenceCoordinator  # noqa: E402
 from provider.models.default import ensure_default_model  # noqa: E402
-from tests.helpers import LocalServer  # noqa: E402
+from tools.daemon import LocalServer  # noqa: E402
 from tools.bench_local import PROMPT, bare_mlx_lm, through_node  # noqa: E402
 
 

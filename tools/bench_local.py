@@ -21,7 +21,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from provider.models.default import ensure_default_model  # noqa: E402
-from tests.helpers import LocalServer  # noqa: E402
+from tools.daemon import LocalServer  # noqa: E402
 
 PROMPT = "The provider node serves language models to a network of clients."
 
