@@ -21,6 +21,7 @@ from .models import store
 from .models.manager import ModelManager
 from .prompts import PromptPreparer
 from .settings import ModelSpec, Settings
+from .speculation import SpeculationConfig
 
 log = logs.get("node")
 
@@ -91,8 +92,7 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         idle_timeout=settings.idle_timeout_s,
         kv_reserve_tokens=settings.kv_reserve_tokens,
         prefill_step=settings.prefill_step_size,
-        speculation=settings.speculation,
-        speculation_k=settings.speculation_k,
+        speculation=SpeculationConfig.of(settings),
     )
 
 
@@ -105,7 +105,6 @@ class Node:
             max_concurrent=settings.max_concurrent_jobs,
             max_queued=settings.max_queued_jobs,
             prefill_step_size=settings.prefill_step_size,
-            speculation=settings.speculation,
         )
         self.prompts = PromptPreparer(models.checkpoint)
 

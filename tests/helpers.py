@@ -11,6 +11,7 @@ from provider.models.manager import ModelManager
 from provider.models.store import StoredModel
 from provider.node import Node
 from provider.settings import Settings
+from provider.speculation import SpeculationConfig
 from tools.daemon import LocalServer  # noqa: F401 (tests import it from here)
 
 
@@ -24,7 +25,8 @@ def make_manager(models: dict[str, Path], budget_bytes: int = 4 << 30, drafters:
 
 def make_node(models: dict[str, Path], budget_bytes: int = 4 << 30, manager_kw: dict | None = None,
               **settings) -> Node:
-    node = Node(Settings(**settings), make_manager(models, budget_bytes, **(manager_kw or {})))
+    s = Settings(**settings)  # the one place the speculation policy and k are set
+    node = Node(s, make_manager(models, budget_bytes, speculation=SpeculationConfig.of(s), **(manager_kw or {})))
     node.start()
     return node
 

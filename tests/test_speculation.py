@@ -11,7 +11,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from provider.engine import speculation_plan as sp
+from provider import speculation as sp
 from provider.engine.speculative import DraftModelDrafter, SpecStats, speculative_tokens
 from provider.jobs import Cause, Done, Error, Job, SamplingParams
 from tests.helpers import collect, greedy, make_node, run
@@ -197,8 +197,7 @@ def test_a_gemma4_without_an_assistant_says_no_drafter(fixtures_dir):
 
 
 def test_node_policy_off_never_loads_a_drafter(fixtures_dir):
-    node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant"}, speculation="off",
-                 manager_kw={"speculation": "off"})
+    node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant"}, speculation="off")
 
     async def main():
         done = (await collect(node, Job("g", "gemma", greedy(3), prompt="x")))[2]

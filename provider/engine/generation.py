@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 
 from ..jobs import Cause, Done, Event, Job, JobError, Tokens, Usage
 from ..models.loader import LoadedModel
-from . import speculation_plan
+from .. import speculation
 from .sampling import logits_processors_for, sampler_for
 from .speculative import DraftModelDrafter, MTPDrafter, SpecStats, Target, speculative_tokens
 from .stops import StopMatcher
@@ -27,7 +27,7 @@ NOT_STARTED = {"mode": "off", "reason": "not_started"}
 
 class Generation:
     def __init__(self, job: Job, lm: LoadedModel, prompt: list[int], *, prefill_step_size: int, arrived: float,
-                 node_policy: str = "auto", k: int = 3):
+                 config: speculation.SpeculationConfig):
         room = lm.context_length - len(prompt)
         if room < 1:
             raise JobError(
@@ -41,16 +41,16 @@ class Generation:
         self.max_tokens = min(job.sampling.max_tokens, room)
         self.completion_tokens = 0
         self._seq = 0
-        policy = speculation_plan.effective_policy(node_policy, job.speculation)
-        self.plan = speculation_plan.plan(policy=policy, drafter_mode=lm.drafter_mode,
-                                          drafter_reason=lm.drafter_reason, sampling=job.sampling, k=k)
-        if policy == "on" and not self.plan.on:
+        policy = speculation.effective_policy(config.policy, job.speculation)
+        self.plan = speculation.plan(policy=policy, drafter_mode=lm.drafter_mode, drafter_reason=lm.drafter_reason,
+                                     sampling=job.sampling, k=config.k)
+        if policy == speculation.Policy.ON and not self.plan.on:
             raise JobError(Cause.SPECULATION_UNAVAILABLE,
                            f"speculation was required (speculation=on) but is off for this job: {self.plan.reason}")
         self.spec_stats: SpecStats | None = None
         if self.plan.on:
             self.spec_stats = SpecStats(self.plan.mode, self.plan.k)
-            drafter = (MTPDrafter(lm.drafter, Target(lm.model)) if self.plan.mode == "mtp"
+            drafter = (MTPDrafter(lm.drafter, Target(lm.model)) if self.plan.mode == speculation.SpecMode.MTP
                        else DraftModelDrafter(lm.drafter))
             self._tokens = ((t, None) for t in speculative_tokens(
                 lm.model, prompt, drafter, k=self.plan.k, stats=self.spec_stats, prefill_step=prefill_step_size))

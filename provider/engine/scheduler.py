@@ -55,13 +55,11 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, models: ModelManager, *, max_concurrent: int, max_queued: int, prefill_step_size: int,
-                 speculation: str = "auto"):
+    def __init__(self, models: ModelManager, *, max_concurrent: int, max_queued: int, prefill_step_size: int):
         self.models = models
         self._max_concurrent = max_concurrent
         self._max_queued = max_queued
         self._prefill_step_size = prefill_step_size
-        self._speculation = speculation
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._active: dict[str, tuple[Generation, Sink]] = {}
@@ -237,7 +235,7 @@ class Engine:
         lm = self.models.acquire(model_id)
         try:
             gen = Generation(prepared.job, lm, list(prepared.prompt), prefill_step_size=self._prefill_step_size,
-                             arrived=p.arrived, node_policy=self._speculation, k=self.models.speculation_k)
+                             arrived=p.arrived, config=self.models.speculation)
         except Exception as e:
             self.models.release(model_id)
             self._fail(p, _as_job_error(e))

@@ -22,6 +22,7 @@ from ..jobs import Cause, JobError
 from ..memory import estimate
 from ..memory.admission import Resident, idle_to_unload, plan_load
 from ..memory.budget import Budget
+from ..speculation import INSUFFICIENT_HEADROOM, NO_DRAFTER, SpecMode, SpeculationConfig, plan_drafter
 from . import loader, manifest
 from .loader import LoadedModel
 from .store import StoredModel
@@ -88,8 +89,8 @@ class _Entry:
 class ModelManager:
     def __init__(self, models: list[StoredModel], budget: Budget, *, max_resident: int = 2,
                  idle_timeout: float = 0.0, kv_reserve_tokens: int = 4096, prefill_step: int = 2048,
-                 default_id: str | None = None, allow_download: bool = True, speculation: str = "auto",
-                 speculation_k: int = 3):
+                 default_id: str | None = None, allow_download: bool = True,
+                 speculation: SpeculationConfig = SpeculationConfig()):
         self._catalog = {m.id: m for m in models}
         self.default_id = default_id or next(iter(self._catalog), None)
         self.budget = budget
@@ -98,8 +99,7 @@ class ModelManager:
         self._kv_tokens = kv_reserve_tokens
         self._prefill_step = prefill_step
         self._allow_download = allow_download
-        self._speculation = speculation
-        self.speculation_k = speculation_k
+        self.speculation = speculation  # the node's one owner of policy and k; the engine reads it here
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
@@ -258,35 +258,33 @@ class ModelManager:
         return lm
 
     def _attach_drafter(self, entry: _Entry, lm: LoadedModel, target_config: dict) -> None:
-        """Load the drafter only if the target can use one (config files decide, before any drafter weights
-        are read), memory has headroom for it after the target, and the node's policy is not off."""
+        """Load a drafter when `plan_drafter` says so: the target can use one (config files decide, before
+        any drafter weights are read), it fits the headroom after the target, and the policy is not off."""
         from . import capability
 
         stored = entry.stored
         drafter_path = Path(stored.drafter).expanduser() if stored.drafter else None
         caps = capability.with_drafter(capability.detect(lm.path, target_config), lm.path, drafter_path,
                                        target_config)
-        mode = "mtp" if caps.mtp_capable else "draft" if caps.draft_compatible else None
-        if mode is None:
-            # A drafter that was named but does not pair is "no_drafter" with the pairing problem logged.
-            lm.drafter_reason = caps.drafter_reason if drafter_path is None else "no_drafter"
-            if drafter_path is not None:
-                log.warning("drafter_not_paired", model=lm.id, drafter=str(drafter_path), why=caps.drafter_reason)
-            return
-        if self._speculation == "off":
-            lm.drafter_reason = "policy_off"
-            return
-        dcfg = loader.read_config(drafter_path)
-        need = drafter_footprint(drafter_path, dcfg, mode, self.speculation_k, self._prefill_step)
+        if drafter_path is not None and not (caps.mtp_capable or caps.draft_compatible):
+            log.warning("drafter_not_paired", model=lm.id, drafter=str(drafter_path), why=caps.drafter_reason)
+        need = 0
+        if caps.mtp_capable or caps.draft_compatible:
+            mode = SpecMode.MTP if caps.mtp_capable else SpecMode.DRAFT
+            need = drafter_footprint(drafter_path, loader.read_config(drafter_path), mode, self.speculation.k,
+                                     self._prefill_step)
         with self._lock:
             free = self.budget.usable - sum(e.bytes for e in self._entries.values())
-            if need > free:
-                lm.drafter_reason = "insufficient_headroom"
-                log.info("drafter_skipped", model=lm.id, needed=need, free=free, reason="insufficient_headroom")
-                return
-            entry.drafter_bytes = need  # reserved before the weights are read
+            plan = plan_drafter(caps, self.speculation.policy, need, free)
+            if plan.mode is not None:
+                entry.drafter_bytes = need  # reserved before the weights are read
+        lm.drafter_reason = plan.reason
+        if plan.mode is None:
+            if plan.reason == INSUFFICIENT_HEADROOM:
+                log.info("drafter_skipped", model=lm.id, needed=need, free=free, reason=plan.reason)
+            return
         try:
-            if mode == "mtp":
+            if plan.mode is SpecMode.MTP:
                 from .gemma4_assistant import load_assistant
 
                 lm.drafter = load_assistant(drafter_path)
@@ -297,10 +295,10 @@ class ModelManager:
         except Exception as e:
             with self._lock:
                 entry.drafter_bytes = 0
-            lm.drafter_reason = "no_drafter"
+            lm.drafter_reason = NO_DRAFTER
             log.warning("drafter_load_failed", model=lm.id, error=f"{type(e).__name__}: {e}")
             return
-        lm.drafter_mode, lm.drafter_reason = mode, "ok"
+        lm.drafter_mode = plan.mode
 
     def _unload_locked(self, model_id: str, why: str) -> None:
         e = self._entries.pop(model_id, None)
@@ -309,11 +307,11 @@ class ModelManager:
             log.info("model_unloaded", model=model_id, reason=why, bytes=e.bytes)
 
 
-def drafter_footprint(path: Path, config: dict, mode: str, k: int, prefill_step: int) -> int:
+def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:
     """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
     prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
     weights = estimate.weight_bytes(path, config)
-    if mode == "mtp":
+    if mode is SpecMode.MTP:
         return weights + estimate.activation_bytes(config, k + 1)
     return weights + estimate.activation_bytes(config, prefill_step) + estimate.kv_shape(config).bytes_for(
         prefill_step)
