@@ -154,7 +154,7 @@ class CoordinatorSession:
         first = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
         if first is grpc.aio.EOF or first is None or first.WhichOneof("frame") != "challenge":
             raise SessionRejected("the coordinator did not start with a Challenge")
-        reg = registration(self.node, self.identity, nonce=first.challenge.nonce,
+        reg = registration(self.node.status(), self.identity, nonce=first.challenge.nonce,
                            epoch=next_session_epoch(), protocol_version=PROTOCOL_VERSION,
                            software_version=__version__)
         await call.write(pb.ProviderFrame(hello=self.identity.hello(reg)))
@@ -198,7 +198,7 @@ class CoordinatorSession:
                 self._on_job(frame.job_request, outbox)
             elif kind == "cancel":
                 if frame.cancel.job_id in self._jobs:
-                    self.node.engine.cancel(frame.cancel.job_id)
+                    self.node.cancel(frame.cancel.job_id)
             elif kind == "job_ack":
                 for job_id in frame.job_ack.job_ids:
                     self._unacked.pop(job_id, None)
@@ -214,7 +214,7 @@ class CoordinatorSession:
 
     async def _heartbeats(self, outbox: asyncio.Queue, interval: float) -> None:
         while True:
-            outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(self.node, draining=self._draining)))
+            outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(self.node.status(), draining=self._draining)))
             await asyncio.sleep(interval)
 
     # --- jobs -----------------------------------------------------------------------
@@ -230,7 +230,7 @@ class CoordinatorSession:
         try:
             job = convert.job_from_request(req, max_tokens_limit=s.max_tokens_limit,
                                            default_max_tokens=s.default_max_tokens)
-            if self._draining or self.node.engine.draining:
+            if self._draining or self.node.draining:
                 raise JobError(Cause.DRAINING, "the node is draining and accepts no new jobs")
             if req.deadline_ms and req.deadline_ms <= time.time() * 1000:
                 raise JobError(Cause.DEADLINE_EXCEEDED, "the job's deadline passed before it could start")
@@ -246,7 +246,7 @@ class CoordinatorSession:
         timer = None
         if deadline_ms:
             delay = max(0.0, deadline_ms / 1000 - time.time())
-            timer = asyncio.get_running_loop().call_later(delay, self.node.engine.cancel, job_id)
+            timer = asyncio.get_running_loop().call_later(delay, self.node.cancel, job_id)
         try:
             async for ev in stream:
                 if isinstance(ev, Accepted):
@@ -312,7 +312,7 @@ class CoordinatorSession:
     async def _drain_and_close(self, call, outbox: asyncio.Queue, tasks: list[asyncio.Task]) -> None:
         """Shutting down: accept nothing new, let jobs finish within the grace period, say so, close."""
         self._draining = True
-        outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(self.node, draining=True)))
+        outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(self.node.status(), draining=True)))
         try:
             await asyncio.wait_for(self._report_drained(outbox), self.settings.shutdown_grace_s)
         except asyncio.TimeoutError:

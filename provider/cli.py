@@ -106,21 +106,6 @@ def _models(args: argparse.Namespace) -> int:
     return commands.cmd_verify(settings, args.model)
 
 
-def primary_models(settings: Settings) -> list:
-    """The model `start` serves by default: --model / `model`, else the bundled default model."""
-    from .models.default import default_pair
-    from .models.loader import model_id_for
-    from .settings import ModelSpec
-
-    if settings.model:
-        return [ModelSpec(model_id_for(settings.model), settings.model, drafter=settings.drafter)]
-    if settings.models:
-        return []
-    target, assistant = default_pair()
-    drafter = settings.drafter or (str(assistant) if assistant else "")
-    return [ModelSpec(target.name, str(target), drafter=drafter)]
-
-
 def _start(args: argparse.Namespace) -> int:
     cli = {"model": args.model, "drafter": args.drafter, "speculation": args.speculation,
            "port": args.port, "bind": args.bind, "auth": args.auth,
@@ -130,6 +115,11 @@ def _start(args: argparse.Namespace) -> int:
         settings = Settings.load(cli=cli, config_file=args.config)
     except SettingsError as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
+        return 2
+    if args.local and not settings.auth and not is_loopback(settings.bind) and not settings.allow_unauthenticated_public:
+        print(f"provider: refusing to start: auth is off and --bind {settings.bind} is not a loopback address, so "
+              "anyone who reaches the port could use the node; drop --no-auth, bind to 127.0.0.1, or pass "
+              "--allow-unauthenticated-public if that is really meant", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
     if args.local and not settings.auth and not is_loopback(settings.bind):
@@ -153,6 +143,7 @@ def _start(args: argparse.Namespace) -> int:
 async def _run(settings: Settings, *, local: bool) -> int:
     """Run the node with its front ends until SIGINT/SIGTERM, then drain: engine first, listeners last."""
     from .local.server import load_or_mint_token, start_local_api
+    from .models.default import primary_models
     from .node import Node, build_models
     from . import service
 
@@ -172,19 +163,17 @@ async def _run(settings: Settings, *, local: bool) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     engine_failed = []
-    node.engine.on_failure = lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set()))
+    node.on_engine_failure(lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set())))
     node.start()
-    model_id = node.models.default_id
-    loaded = node.models.request(model_id)  # load and warm up before saying we are ready
-    if not hasattr(loaded, "id"):
-        try:
-            await asyncio.wrap_future(loaded)
-        except JobError as e:
-            if settings.model:  # the model asked for by name must load; any other may fail alone
-                await node.stop(grace_s=0)
-                raise
-            logs.get("cli").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
-            print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
+    model_id = node.resolve_model(None)
+    try:
+        await node.preload(model_id)  # load and warm up before saying we are ready
+    except JobError as e:
+        if settings.model:  # the model asked for by name must load; any other may fail alone
+            await node.stop(grace_s=0)
+            raise
+        logs.get("cli").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
+        print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -55,7 +55,7 @@ def run(settings_loader) -> int:
         problems.append("the memory budget leaves nothing usable; lower memory_reserve_gb")
 
     print("models")
-    from .cli import primary_models
+    from .models.default import primary_models
 
     found = store.discover(settings, primary_models(settings))
     fitting = 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import os
+import platform
 import uuid
 from typing import AsyncIterator, Callable
 
@@ -18,10 +20,12 @@ from .engine.scheduler import Engine
 from .jobs import TERMINAL, Event, Job, JobError
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
 from .models import store
-from .models.manager import ModelManager
+from .models.catalog import Catalog
+from .models.residency import Residency
 from .prompts import PromptPreparer
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
+from .status import Counters, NodeStatus, Platform
 
 log = logs.get("node")
 
@@ -82,11 +86,11 @@ def decide_node_budget(settings: Settings) -> Budget:
                          override_bytes=int(settings.memory_budget_gb * GiB))
 
 
-def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budget | None = None) -> ModelManager:
-    """The model manager for these settings: `primary` first (the default), then everything discovered."""
-    models = store.discover(settings, list(primary))
-    return ModelManager(
-        models,
+def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budget | None = None) -> Residency:
+    """The resident set for these settings, over a catalog of `primary` first (the default), then everything
+    discovered."""
+    return Residency(
+        Catalog(store.discover(settings, list(primary))),
         budget or decide_node_budget(settings),
         max_resident=settings.max_resident_models,
         idle_timeout=settings.idle_timeout_s,
@@ -97,7 +101,9 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
 
 
 class Node:
-    def __init__(self, settings: Settings, models: ModelManager):
+    """The one facade front ends use: `run`, `cancel`, `resolve_model`, `preload`, `drain`, `status`."""
+
+    def __init__(self, settings: Settings, models: Residency):
         self.settings = settings
         self.models = models
         self.engine = Engine(
@@ -106,17 +112,62 @@ class Node:
             max_queued=settings.max_queued_jobs,
             prefill_step_size=settings.prefill_step_size,
         )
-        self.prompts = PromptPreparer(models.checkpoint)
+        self.catalog = models.catalog
+        self.prompts = PromptPreparer(self.catalog.checkpoint)
+        facts = system_facts()  # what does not change while the process runs
+        self._platform_memory = facts.total_memory
+        self._platform = Platform(backend=facts.backend, device=facts.device, machine=platform.machine(),
+                                  os=f"{platform.system()} {platform.release()}", cpu_cores=os.cpu_count() or 0)
 
     def start(self) -> None:
         pin_mlx_limits(self.models.budget)
         self.engine.start()
-        log.info("node_started", models=self.models.ids(), default_model=self.models.default_id)
+        log.info("node_started", models=self.catalog.ids(), default_model=self.catalog.default_id)
+
+    # --- what front ends may ask ------------------------------------------------------
+
+    def resolve_model(self, name: str | None) -> str:
+        """A requested model name (id, source, or empty for the default) as a served id; JobError if none."""
+        return self.catalog.canonical_id(name)
+
+    def model_ids(self) -> list[str]:
+        return self.catalog.ids()
+
+    async def preload(self, model_id: str | None = None) -> str:
+        """Load (and warm up) a model, the default one unless named, before saying the node can serve."""
+        model_id = self.resolve_model(model_id)
+        loaded = self.models.request(model_id)
+        if isinstance(loaded, concurrent.futures.Future):
+            await asyncio.wrap_future(loaded)
+        return model_id
+
+    def cancel(self, job_id: str) -> None:
+        self.engine.cancel(job_id)
+
+    def drain(self) -> None:
+        """Accept no new jobs; in-flight and queued ones run to the end."""
+        self.engine.drain()
+
+    def on_engine_failure(self, callback: Callable[[str], None]) -> None:
+        """`callback(why)` runs once, on the engine thread, if the engine loop dies."""
+        self.engine.on_failure = callback
+
+    def status(self) -> NodeStatus:
+        engine = self.engine
+        stats = engine.stats
+        health = "unhealthy" if engine.failure is not None else "draining" if engine.draining else "ok"
+        return NodeStatus(
+            health=health, failure=engine.failure, default_model=self.catalog.default_id,
+            models=tuple(self.models.statuses()), memory=self.models.memory_status(self._platform_memory),
+            active_jobs=stats.active, queued_jobs=stats.queued, max_concurrent_jobs=self.settings.max_concurrent_jobs,
+            counters=Counters(stats.jobs_completed, stats.jobs_failed, stats.jobs_cancelled, stats.tokens_generated,
+                              stats.spec_drafted, stats.spec_accepted, stats.spec_target_forwards),
+            platform=self._platform, last_tick=engine.last_tick)
 
     def run(self, job: Job) -> JobStream:
         """Submit a job; its prompt is checked against its model and tokenized off the engine thread."""
         try:
-            job = dataclasses.replace(job, model=self.models.canonical_id(job.model))
+            job = dataclasses.replace(job, model=self.resolve_model(job.model))
         except JobError as e:
             return JobStream(self.engine, job, lambda _, error=e: _failed_future(error))
         return JobStream(self.engine, job, self.prompts.prepare)
@@ -124,6 +175,10 @@ class Node:
     @property
     def healthy(self) -> bool:
         return self.engine.failure is None
+
+    @property
+    def draining(self) -> bool:
+        return self.engine.draining
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await asyncio.to_thread(self.engine.stop, grace_s)

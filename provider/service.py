@@ -34,7 +34,7 @@ async def notify_loop(node, stop: asyncio.Event) -> None:
     interval = watchdog_interval() or 5.0
     while not stop.is_set():
         # The engine ticks at least once a second even when idle; a stale tick means it is stuck.
-        if time.monotonic() - node.engine.last_tick < max(2 * interval, 5.0):
+        if time.monotonic() - node.status().last_tick < max(2 * interval, 5.0):
             notify("WATCHDOG=1")
         try:
             await asyncio.wait_for(stop.wait(), interval)

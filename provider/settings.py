@@ -115,11 +115,6 @@ class Settings:
         for f in dataclasses.fields(self):
             if f.name != "models":
                 _check_bounds(f, getattr(self, f.name), "settings")
-        if not self.auth and not is_loopback(self.bind) and not self.allow_unauthenticated_public:
-            raise SettingsError(
-                f"auth is off and bind is {self.bind!r}, which is not a loopback address: anyone who can reach "
-                "this port could use the node; drop --no-auth, bind to 127.0.0.1, or pass "
-                "--allow-unauthenticated-public if that is really meant")
         if self.default_max_tokens > self.max_tokens_limit:
             raise SettingsError(
                 f"default_max_tokens ({self.default_max_tokens}) must not exceed "

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from provider.jobs import Done, Error, Job, SamplingParams, Tokens
 from provider.memory.budget import Budget
-from provider.models.manager import ModelManager
+from provider.models.catalog import Catalog
+from provider.models.residency import Residency
 from provider.models.store import StoredModel
 from provider.node import Node
 from provider.settings import Settings
@@ -16,11 +17,11 @@ from tools.daemon import LocalServer  # noqa: F401 (tests import it from here)
 
 
 def make_manager(models: dict[str, Path], budget_bytes: int = 4 << 30, drafters: dict[str, Path] | None = None,
-                 **kw) -> ModelManager:
+                 **kw) -> Residency:
     drafters = drafters or {}
     stored = [StoredModel(k, str(v), v if v.is_dir() else None, "configured",
                           drafter=str(drafters[k]) if k in drafters else None) for k, v in models.items()]
-    return ModelManager(stored, Budget(budget_bytes, 0, "test"), allow_download=False, **kw)
+    return Residency(Catalog(stored, allow_download=False), Budget(budget_bytes, 0, "test"), **kw)
 
 
 def make_node(models: dict[str, Path], budget_bytes: int = 4 << 30, manager_kw: dict | None = None,

@@ -9,7 +9,7 @@ import pytest
 from provider.jobs import Cause, Done, Error, Job, Tokens
 from provider.models import manifest
 from provider.models.loader import read_config
-from provider.models.manager import estimate_footprint
+from provider.models.footprint import estimate_footprint
 from provider.models.store import StoredModel
 from tests.helpers import collect, greedy, make_manager, make_node, run
 
@@ -131,10 +131,10 @@ def test_estimated_weights_within_15_percent_of_measured(fixtures_dir):
         mgr = make_manager({name: fixtures_dir / name}, **SMALL)
         fut = mgr.request(name)
         fut.result(timeout=120)
-        snap = mgr.snapshot()[0]
+        (status,) = mgr.statuses()
         est = estimate_footprint(fixtures_dir / name, read_config(fixtures_dir / name), kv_tokens=256,
                                  prefill_step=64).weights
-        measured = snap["load_active_delta_bytes"]  # mx.get_active_memory() growth across the load
+        measured = status.load_active_delta_bytes  # mx.get_active_memory() growth across the load
         print(f"{name}: estimated weights {est} B, measured active memory after load {measured} B, "
               f"ratio {measured / est:.3f}")
         assert abs(measured - est) <= 0.15 * measured
@@ -194,9 +194,10 @@ def test_pinned_hash_mismatch_refuses_the_load(fixtures_dir, tmp_path):
     stored = [StoredModel("ok", str(copy), copy, "configured", sha256=good_hash),
               StoredModel("bad", str(copy), copy, "configured", sha256="0" * 64)]
     from provider.memory.budget import Budget
-    from provider.models.manager import ModelManager
+    from provider.models.catalog import Catalog
+    from provider.models.residency import Residency
 
-    mgr = ModelManager(stored, Budget(1 << 30, 0, "test"), **SMALL)
+    mgr = Residency(Catalog(stored), Budget(1 << 30, 0, "test"), **SMALL)
     with pytest.raises(Exception, match="does not match the pinned"):
         mgr.request("bad").result(timeout=60)
     assert mgr.request("ok").result(timeout=60).id == "ok"

@@ -202,7 +202,7 @@ def test_node_policy_off_never_loads_a_drafter(fixtures_dir):
     async def main():
         done = (await collect(node, Job("g", "gemma", greedy(3), prompt="x")))[2]
         assert done.telemetry["speculation"]["reason"] == "policy_off"
-        assert node.models.snapshot()[0]["bytes"] > 0 and node.models._entries["gemma"].drafter_bytes == 0
+        assert node.status().models[0].bytes > 0 and node.models._entries["gemma"].drafter_bytes == 0
         await node.stop()
 
     run(main())
@@ -226,7 +226,7 @@ def test_serving_qwen3_never_reads_drafter_weights(fixtures_dir, monkeypatch):
 
 def test_budget_too_small_for_the_drafter_serves_the_target_alone(fixtures_dir):
     from provider.models.loader import read_config
-    from provider.models.manager import estimate_footprint
+    from provider.models.footprint import estimate_footprint
 
     target = estimate_footprint(fixtures_dir / "gemma4-tiny", read_config(fixtures_dir / "gemma4-tiny"),
                                 kv_tokens=256, prefill_step=64).total

@@ -86,7 +86,7 @@ def test_a_failing_sampler_or_processor_fails_that_job_only(fixtures_dir, monkey
 def test_a_dead_engine_is_unhealthy_everywhere_and_fails_jobs_fast(fixtures_dir):
     node = make_node({"l": fixtures_dir / "llama-tiny"})
     failures = []
-    node.engine.on_failure = failures.append
+    node.on_engine_failure(failures.append)
 
     async def main():
         lm = await _loaded(node, "l")
@@ -104,7 +104,7 @@ def test_a_dead_engine_is_unhealthy_everywhere_and_fails_jobs_fast(fixtures_dir)
             assert r.status_code == 500 and "restarting" in r.json()["error"]["message"]
             assert time.monotonic() - started < 2  # fails fast, never waits on a dead loop
         assert failures and "EngineKill" in failures[0]
-        assert heartbeat(node, draining=False).status == pb.NODE_STATUS_UNHEALTHY
+        assert heartbeat(node.status(), draining=False).status == pb.NODE_STATUS_UNHEALTHY
         started = time.monotonic()
         _, _, late, _ = await collect(node, Job("late", "l", greedy(2), prompt="x"))
         assert time.monotonic() - started < 2

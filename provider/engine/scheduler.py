@@ -23,7 +23,7 @@ from typing import Callable
 
 from .. import logs
 from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
-from ..models.manager import ModelManager
+from ..models.residency import Residency
 from ..prompts import Prepared
 from .generation import NOT_STARTED, Generation
 
@@ -55,7 +55,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, models: ModelManager, *, max_concurrent: int, max_queued: int, prefill_step_size: int):
+    def __init__(self, models: Residency, *, max_concurrent: int, max_queued: int, prefill_step_size: int):
         self.models = models
         self._max_concurrent = max_concurrent
         self._max_queued = max_queued

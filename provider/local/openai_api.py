@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..jobs import MAX_STOP_STRINGS, Cause, Done, Job, JobError, SamplingParams, resolve_max_tokens
+from ..status import NodeStatus
 
 
 class RequestError(ValueError):
@@ -225,6 +227,21 @@ def usage_chunk(job_id: str, model: str, created: int, obj: str, done: Done) -> 
     """The last chunk before [DONE]: no choices, usage and telemetry (as with include_usage)."""
     return _envelope(job_id, model, obj, created) | {
         "choices": [], "usage": done.usage.as_dict(), "telemetry": done.telemetry
+    }
+
+
+def health_body(st: NodeStatus) -> dict[str, Any]:
+    return {
+        "status": st.health,
+        "default_model": st.default_model,
+        "models": [m.id for m in st.models],
+        "resident_models": st.resident,
+        "resident": [{k: v for k, v in dataclasses.asdict(m).items() if k != "facts"}
+                     for m in st.models if m.state != "available"],
+        "memory": dataclasses.asdict(st.memory),
+        "active_jobs": st.active_jobs,
+        "queued_jobs": st.queued_jobs,
+        "counters": dataclasses.asdict(st.counters),
     }
 
 

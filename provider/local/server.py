@@ -82,22 +82,14 @@ class LocalAPI:
     # --- routes --------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        engine = self.node.engine
-        if not self.node.healthy:  # the supervisor restarts the process; until then, say so
-            return web.json_response({"status": "unhealthy", "reason": engine.failure}, status=503)
-        return web.json_response({
-            "status": "draining" if engine.draining else "ok",
-            "models": self.node.models.ids(),
-            "resident_models": self.node.models.resident(),
-            "resident": self.node.models.snapshot(),
-            "memory": self.node.models.memory(),
-            "active_jobs": engine.stats.active,
-            "queued_jobs": engine.stats.queued,
-        })
+        st = self.node.status()
+        if st.health == "unhealthy":  # the supervisor restarts the process; until then, say so
+            return web.json_response({"status": "unhealthy", "reason": st.failure}, status=503)
+        return web.json_response(api.health_body(st))
 
     async def models(self, request: web.Request) -> web.Response:
         created = api.now()
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "provider"} for m in self.node.models.ids()]
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "provider"} for m in self.node.model_ids()]
         return web.json_response({"object": "list", "data": data})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:

@@ -17,6 +17,7 @@ class SystemFacts:
     available_memory: int  # what the OS says is free now (psutil)
     recommended_working_set: int | None  # Metal's max_recommended_working_set_size; None elsewhere
     backend: str  # metal | cpu | cuda
+    device: str = ""  # the device's name, as MLX reports it
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ def system_facts() -> SystemFacts:
         available_memory=vm.available,
         recommended_working_set=info.get("max_recommended_working_set_size"),
         backend="metal" if metal else "cuda" if cuda else "cpu",
+        device=str(info.get("device_name", "")),
     )
 
 

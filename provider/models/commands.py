@@ -9,7 +9,7 @@ from pathlib import Path
 from ..jobs import JobError
 from ..settings import Settings
 from . import capability, loader, manifest, store
-from .manager import estimate_footprint
+from .footprint import estimate_footprint
 
 MiB = 1 << 20
 

@@ -35,3 +35,17 @@ def default_pair() -> tuple[Path, Path | None]:
 
 def ensure_default_model() -> Path:
     return default_pair()[0]
+
+
+def primary_models(settings) -> list:
+    """The model `start` serves by default: --model / `model`, else the bundled default model."""
+    from ..settings import ModelSpec
+    from .loader import model_id_for
+
+    if settings.model:
+        return [ModelSpec(model_id_for(settings.model), settings.model, drafter=settings.drafter)]
+    if settings.models:
+        return []
+    target, assistant = default_pair()
+    drafter = settings.drafter or (str(assistant) if assistant else "")
+    return [ModelSpec(target.name, str(target), drafter=drafter)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
     load_seconds: float
-    last_used: float = field(default_factory=time.monotonic)
     drafter: Any = None  # a Gemma4Assistant or a draft mlx-lm model, loaded and freed with the target
     drafter_mode: str | None = None  # mtp | draft | None
     drafter_reason: str = "no_drafter"  # why there is no drafter (stable reason), or "ok"
@@ -96,6 +95,41 @@ def warm_up(lm: LoadedModel) -> None:
 
     for _ in zip(range(2), generate_step(mx.array([0, 1]), lm.model, max_tokens=2)):
         pass
+
+
+def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting) -> tuple[LoadedModel, int]:
+    """Load a target with mlx-lm and warm it up, then its drafter when the plan (`DrafterPlan`) has one.
+    Returns the model and the active memory its load added (what its weights measured). A drafter that
+    fails to load leaves the target serving alone, with the reason `no_drafter`."""
+    import gc
+
+    import mlx.core as mx
+
+    from .. import logs
+    from ..speculation import NO_DRAFTER, SpecMode
+
+    gc.collect()  # so that unrelated frees during the load do not shrink the measured delta
+    before = mx.get_active_memory()
+    lm = load(model_id, path)
+    active_delta = mx.get_active_memory() - before
+    warm_up(lm)
+    lm.drafter_reason = drafting.reason
+    if drafter_path is None:
+        return lm, active_delta
+    try:
+        if drafting.mode is SpecMode.MTP:
+            from .gemma4_assistant import load_assistant
+
+            lm.drafter = load_assistant(drafter_path)
+        else:
+            draft = load(f"{model_id}:draft", drafter_path)
+            warm_up(draft)  # evaluate lazily built arrays on this (loading) thread
+            lm.drafter = draft.model
+        lm.drafter_mode = drafting.mode
+    except Exception as e:
+        lm.drafter_reason = NO_DRAFTER
+        logs.get("models").warning("drafter_load_failed", model=model_id, error=f"{type(e).__name__}: {e}")
+    return lm, active_delta
 
 
 def load(model_id: str, path: Path) -> LoadedModel:

@@ -1,0 +1,49 @@
+"""What a model will hold in the budget, estimated from its files before any weights are read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..memory import estimate
+from ..speculation import SpecMode
+from .loader import context_length
+
+
+@dataclass(frozen=True)
+class Footprint:
+    weights: int
+    kv: int  # one sequence of kv_reserve_tokens (sliding layers capped at their window)
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.activations
+
+
+def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int) -> Footprint:
+    tensors = estimate.tensor_names(path)  # the headers, read once
+    weights = estimate.weight_bytes(path, config, tensors)
+    dtype_bytes = _dominant_float_bytes(tensors)
+    tokens = min(kv_tokens, context_length(config))
+    return Footprint(weights, estimate.kv_shape(config, dtype_bytes).bytes_for(tokens),
+                     estimate.activation_bytes(config, prefill_step))
+
+
+def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:
+    """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
+    prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
+    weights = estimate.weight_bytes(path, config)
+    if mode is SpecMode.MTP:
+        return weights + estimate.activation_bytes(config, k + 1)
+    return weights + estimate.activation_bytes(config, prefill_step) + estimate.kv_shape(config).bytes_for(
+        prefill_step)
+
+
+def _dominant_float_bytes(tensors: dict) -> int:
+    sizes: dict[int, int] = {}
+    for dtype, _shape in tensors.values():
+        if dtype in ("F32", "F16", "BF16"):
+            n = estimate.DTYPE_BYTES[dtype]
+            sizes[n] = sizes.get(n, 0) + 1
+    return max(sizes, key=sizes.get) if sizes else 2

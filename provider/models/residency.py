@@ -1,0 +1,250 @@
+"""The resident set under a memory budget: models load on first use and idle ones are evicted.
+
+Loads run on one loader thread, so the engine keeps decoding other models meanwhile; every job that wants
+a model still loading waits on the same future (one load). A target and its drafter are planned together
+from file-only estimates (`memory.admission.plan_load`, then `speculation.plan_drafter` for the headroom
+left), then loaded by `loader.load_pair`; the measured size replaces the estimate. The engine thread is the
+only caller of `request`/`acquire`/`release`/`unload_idle`; any thread may read `statuses`/`memory_status`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import gc
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import logs
+from ..jobs import Cause, JobError
+from ..memory import estimate
+from ..memory.admission import Resident, idle_to_unload, plan_load
+from ..memory.budget import Budget
+from ..speculation import INSUFFICIENT_HEADROOM, SpecMode, SpeculationConfig, plan_drafter
+from ..status import MemoryStatus, ModelStatus
+from . import capability, loader, manifest
+from .catalog import Catalog
+from .footprint import Footprint, drafter_footprint, estimate_footprint
+from .loader import LoadedModel
+from .store import StoredModel
+
+log = logs.get("models")
+
+
+@dataclass
+class _Entry:
+    stored: StoredModel
+    future: concurrent.futures.Future
+    footprint: Footprint | None = None
+    lm: LoadedModel | None = None
+    measured_weights: int | None = None
+    drafter_bytes: int = 0
+    active_delta: int | None = None  # raw mx.get_active_memory() growth across the load
+    in_use: int = 0
+    last_used: float = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.lm is not None
+
+    @property
+    def bytes(self) -> int:
+        if self.footprint is None:
+            return 0
+        weights = max(self.measured_weights or 0, self.footprint.weights)
+        return weights + self.footprint.kv + self.footprint.activations + self.drafter_bytes
+
+    def resident(self) -> Resident:
+        return Resident(self.stored.id, self.bytes, busy=not self.ready or self.in_use > 0, last_used=self.last_used)
+
+
+class Residency:
+    def __init__(self, catalog: Catalog, budget: Budget, *, max_resident: int = 2, idle_timeout: float = 0.0,
+                 kv_reserve_tokens: int = 4096, prefill_step: int = 2048,
+                 speculation: SpeculationConfig = SpeculationConfig()):
+        self.catalog = catalog
+        self.budget = budget
+        self._max_resident = max_resident
+        self._idle_timeout = idle_timeout
+        self._kv_tokens = kv_reserve_tokens
+        self._prefill_step = prefill_step
+        self.speculation = speculation  # the node's one owner of policy and k; the engine reads it here
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
+        self.loads_started = 0
+        self.evictions = 0
+
+    # --- any thread ---------------------------------------------------------------
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            return [mid for mid, e in self._entries.items() if e.ready]
+
+    def memory_status(self, system_bytes: int) -> MemoryStatus:
+        import mlx.core as mx
+
+        with self._lock:
+            used = sum(e.bytes for e in self._entries.values())
+        b = self.budget
+        return MemoryStatus(system_bytes=system_bytes, budget_bytes=b.total, reserve_bytes=b.reserve,
+                            usable_bytes=b.usable, source=b.source, reserved_bytes=used,
+                            free_bytes=max(0, b.usable - used), mlx_active_bytes=mx.get_active_memory(),
+                            mlx_peak_bytes=mx.get_peak_memory())
+
+    def statuses(self) -> list[ModelStatus]:
+        """Every model served, resident or not, with what its files say it is."""
+        with self._lock:
+            entries = dict(self._entries)
+        now = time.monotonic()
+        out = []
+        for mid in self.catalog.ids():
+            stored, e = self.catalog.stored(mid), entries.get(mid)
+            status = ModelStatus(mid, stored.origin, stored.sha256 or "", "available", facts=self.catalog.facts(mid))
+            if e is not None:
+                status = dataclasses.replace(
+                    status, state="ready" if e.ready else "loading", bytes=e.bytes,
+                    measured_weight_bytes=e.measured_weights, load_active_delta_bytes=e.active_delta,
+                    active_jobs=e.in_use, idle_s=round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0)
+            out.append(status)
+        return out
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+
+    # --- engine thread ------------------------------------------------------------
+
+    def request(self, name: str) -> LoadedModel | concurrent.futures.Future:
+        """The loaded model, or the future of its (single, shared) load."""
+        model_id = self.catalog.canonical_id(name)
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is not None:
+                return e.lm if e.ready else e.future
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._entries[model_id] = _Entry(self.catalog.stored(model_id), future, last_used=time.monotonic())
+            self.loads_started += 1
+        self._loader.submit(self._load, model_id, future)
+        return future
+
+    def acquire(self, model_id: str) -> LoadedModel:
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is None or not e.ready:
+                raise JobError(Cause.INTERNAL, f"model {model_id} is not resident")
+            e.in_use += 1
+            e.last_used = time.monotonic()
+            return e.lm
+
+    def release(self, model_id: str) -> None:
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is not None:
+                e.in_use -= 1
+                e.last_used = time.monotonic()
+
+    def unload_idle(self) -> list[str]:
+        with self._lock:
+            gone = idle_to_unload([e.resident() for e in self._entries.values()], time.monotonic(),
+                                  self._idle_timeout)
+            for mid in gone:
+                self._unload_locked(mid, "idle_timeout")
+        if gone:
+            _free_mlx_cache()
+        return gone
+
+    # --- loader thread ------------------------------------------------------------
+
+    def _load(self, model_id: str, future: concurrent.futures.Future) -> None:
+        try:
+            lm = self._load_admitted(model_id)
+        except BaseException as e:
+            with self._lock:
+                self._entries.pop(model_id, None)
+            if not isinstance(e, JobError):
+                log.exception("model_load_crashed", model=model_id)
+                e = JobError(Cause.MODEL_LOAD_FAILED, f"loading {model_id} failed: {type(e).__name__}: {e}")
+            future.set_exception(e)
+            return
+        future.set_result(lm)
+
+    def _load_admitted(self, model_id: str) -> LoadedModel:
+        stored = self.catalog.stored(model_id)
+        path, config = self.catalog.checkpoint(model_id)
+        if stored.sha256:
+            verify_pin(model_id, path, stored.sha256)
+        try:
+            fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step)
+        except (estimate.HeaderError, OSError) as e:
+            raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read the weights of {model_id}: {e}") from None
+        caps, drafter_path, drafter_need = self._drafter_need(stored, path, config)
+        with self._lock:
+            entry = self._entries[model_id]
+            others = [e.resident() for mid, e in self._entries.items() if mid != model_id]
+            plan = plan_load(fp.total, self.budget.usable, others, self._max_resident)
+            if not plan.admit:
+                log.warning("model_load_refused", model=model_id, needed=plan.needed, free=plan.free,
+                            budget=plan.budget, reason=plan.reason)
+                raise JobError(Cause.INSUFFICIENT_MEMORY, plan.message(model_id))
+            for victim in plan.evict:
+                self._unload_locked(victim, "make_room")
+            entry.footprint = fp
+            headroom = self.budget.usable - sum(e.bytes for e in self._entries.values())  # after the target
+            drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom)
+            if drafting.mode is not None:
+                entry.drafter_bytes = drafter_need  # reserved before any drafter weights are read
+        if plan.evict:
+            _free_mlx_cache()
+        if drafting.reason == INSUFFICIENT_HEADROOM:
+            log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
+        lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting)
+        # Never account for less than the parameters hold (concurrent frees can hide part of the delta).
+        measured = max(active_delta, loader.parameter_bytes(lm))
+        with self._lock:
+            entry.measured_weights, entry.active_delta = measured, active_delta
+            if lm.drafter is None:
+                entry.drafter_bytes = 0
+            entry.lm = lm
+            entry.last_used = time.monotonic()
+        log.info("model_loaded", model=model_id, seconds=round(lm.load_seconds, 3), estimated_weight_bytes=fp.weights,
+                 drafter=lm.drafter_mode, speculation_reason=lm.drafter_reason, measured_weight_bytes=measured,
+                 active_delta_bytes=active_delta, reserved_bytes=entry.bytes, evicted=list(plan.evict))
+        return lm
+
+    def _drafter_need(self, stored: StoredModel, path: Path, config: dict):
+        """What the target can do with its configured drafter, and the drafter's bytes: config files and
+        headers only, so a drafter that does not pair never has its weights read."""
+        drafter_path = Path(stored.drafter).expanduser() if stored.drafter else None
+        caps = capability.with_drafter(capability.detect(path, config), path, drafter_path, config)
+        if not (caps.mtp_capable or caps.draft_compatible):
+            if drafter_path is not None:
+                log.warning("drafter_not_paired", model=stored.id, drafter=str(drafter_path), why=caps.drafter_reason)
+            return caps, drafter_path, 0
+        mode = SpecMode.MTP if caps.mtp_capable else SpecMode.DRAFT
+        need = drafter_footprint(drafter_path, loader.read_config(drafter_path), mode, self.speculation.k,
+                                 self._prefill_step)
+        return caps, drafter_path, need
+
+    def _unload_locked(self, model_id: str, why: str) -> None:
+        e = self._entries.pop(model_id, None)
+        if e is not None:
+            self.evictions += 1
+            log.info("model_unloaded", model=model_id, reason=why, bytes=e.bytes)
+
+
+def verify_pin(model_id: str, path: Path, pinned: str) -> None:
+    actual = manifest.model_hash(manifest.manifest(path))
+    if actual != pinned:
+        raise JobError(Cause.MODEL_LOAD_FAILED,
+                       f"{model_id}: checkpoint hash {actual[:16]}… does not match the pinned {pinned[:16]}…; "
+                       "the files changed since they were pinned — re-download, or update the pin after "
+                       "checking them with `provider models verify`")
+
+
+def _free_mlx_cache() -> None:
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()

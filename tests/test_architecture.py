@@ -1,0 +1,129 @@
+"""The house rules that can be checked mechanically: layers talk downward only, no import cycles, small modules,
+and one NodeStatus behind /health, heartbeats and registration."""
+
+import ast
+from pathlib import Path
+
+import httpx
+
+from coordinator_client.identity import Identity
+from coordinator_client.registration import heartbeat, registration
+from provider.jobs import Job
+from tests.helpers import collect, greedy, make_node, run
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("provider", "coordinator_client")
+TRANSPORTS = ("coordinator_client", "provider.local")
+BELOW_TRANSPORTS = ("provider.engine", "provider.models", "provider.memory", "mlx", "mlx_lm")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if "pb" in path.relative_to(ROOT).parts:
+                continue  # generated code
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(module: str, path: Path, modules: dict) -> set[str]:
+    """Every module this one imports, at any depth of the file (function-level imports included)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(block.test) for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:  # annotations only: never imported at run time
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name not in modules and "." in name and name.split(".")[0] in PACKAGES:
+                name = name.rpartition(".")[0]
+            found.add(name)
+    return found - {module}
+
+
+def _graph():
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def test_transports_do_not_reach_below_the_node():
+    bad = {m: sorted(t for t in targets if t.startswith(BELOW_TRANSPORTS))
+           for m, targets in _graph().items() if m.startswith(TRANSPORTS)}
+    assert not {m: t for m, t in bad.items() if t}, bad
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t in ts if t.split(".")[0] in PACKAGES} for m, ts in _graph().items()}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(m, stack):
+        state[m] = 1
+        for t in graph.get(m, ()):
+            if state.get(t) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(t):] + [t])}")
+            if t in graph and not state.get(t):
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in graph:
+        if not state.get(m):
+            visit(m, [m])
+
+
+def test_the_checker_sees_a_wrong_way_import(tmp_path):
+    # The checks above must be able to fail: a transport module importing the engine is caught.
+    fake = tmp_path / "x.py"
+    fake.write_text("from ..engine.scheduler import Engine\nimport mlx.core as mx\n")
+    found = _imports("provider.local.x", fake, _modules())
+    assert "provider.engine.scheduler" in found and "mlx.core" in found
+
+
+def test_modules_stay_small():
+    sizes = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
+    assert not {m: n for m, n in sizes.items() if n > 360}, sorted(sizes.items(), key=lambda x: -x[1])[:5]
+
+
+def test_health_heartbeat_and_registration_come_from_one_status(fixtures_dir, tmp_path):
+    from provider.local.server import start_local_api
+
+    node = make_node({"g": fixtures_dir / "gemma4-tiny", "q": fixtures_dir / "qwen3-tiny"})
+
+    async def main():
+        await collect(node, Job("warm", "g", greedy(4), prompt="x"))
+        runner, url = await start_local_api(node, "127.0.0.1", 0, token=None)
+        async with httpx.AsyncClient(base_url=url) as client:
+            health = (await client.get("/health")).json()
+        await runner.cleanup()
+        st = node.status()
+        hb = heartbeat(st, draining=False)
+        reg = registration(st, Identity.load_or_create(tmp_path), nonce=b"n" * 16, epoch=1, protocol_version=1,
+                           software_version="t")
+        assert health["resident_models"] == list(hb.resident_models) == st.resident == ["g"]
+        assert [m.id for m in reg.models] == health["models"] == ["g", "q"]
+        assert [m.resident for m in reg.models] == [True, False]
+        assert health["counters"]["jobs_completed"] == hb.counters.jobs_completed == 1
+        assert health["memory"]["usable_bytes"] == hb.memory.budget_bytes == reg.memory.budget_bytes
+        assert health["memory"]["free_bytes"] == hb.memory.free_for_load_bytes == reg.memory.free_for_load_bytes
+        assert health["memory"]["system_bytes"] == hb.memory.total_bytes == reg.memory.total_bytes
+        assert reg.models[0].size_bytes == st.models[0].facts.size_bytes > 0
+        assert health["active_jobs"] == hb.active_jobs == 0 and health["status"] == "ok"
+        await node.stop()
+
+    run(main())
+
+
+
