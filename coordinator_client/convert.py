@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from provider.jobs import Cause, Done, Error, Job, JobError, SamplingParams, Tokens, resolve_max_tokens
+
+from provider.speculation import Policy
+from provider.telemetry import Telemetry
 
 from .pb import provider_pb2 as pb
 
 MAX_JOB_ID = 128
 
-POLICY = {pb.SPECULATION_POLICY_AUTO: "auto", pb.SPECULATION_POLICY_ON: "on", pb.SPECULATION_POLICY_OFF: "off"}
+POLICY = {pb.SPECULATION_POLICY_AUTO: Policy.AUTO, pb.SPECULATION_POLICY_ON: Policy.ON,
+          pb.SPECULATION_POLICY_OFF: Policy.OFF}
 CAUSE_TO_PB = {
     Cause.INVALID_REQUEST: pb.ERROR_CAUSE_INVALID_REQUEST,
     Cause.UNKNOWN_MODEL: pb.ERROR_CAUSE_UNKNOWN_MODEL,
@@ -70,13 +72,13 @@ def chunk_frame(job_id: str, seq: int, batch: list[Tokens]) -> pb.ProviderFrame:
                                                       token_ids=ids))
 
 
-def telemetry_to_pb(t: dict[str, Any]) -> pb.Telemetry:
-    out = pb.Telemetry(queue_ms=t.get("queue_ms") or 0.0, total_ms=t.get("total_ms") or 0.0,
-                       peak_memory_bytes=t.get("peak_memory_bytes") or 0, finish_reason=t.get("finish_reason", ""))
+def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
+    out = pb.Telemetry(queue_ms=t.queue_ms, total_ms=t.total_ms, peak_memory_bytes=t.peak_memory_bytes,
+                       finish_reason=t.finish_reason.value)
     for name in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s"):
-        if t.get(name) is not None:
-            setattr(out, name, t[name])
-    spec = t.get("speculation") or {}
+        if getattr(t, name) is not None:  # optional on the wire: absent, not zero, when unknown
+            setattr(out, name, getattr(t, name))
+    spec = t.speculation.as_dict()
     out.speculation.CopyFrom(pb.SpeculationTelemetry(**{k: v for k, v in spec.items()
                                                         if k in pb.SpeculationTelemetry.DESCRIPTOR.fields_by_name}))
     return out
@@ -85,7 +87,7 @@ def telemetry_to_pb(t: dict[str, Any]) -> pb.Telemetry:
 def done_frame(ev: Done) -> pb.ProviderFrame:
     u = ev.usage
     return pb.ProviderFrame(job_done=pb.JobDone(
-        job_id=ev.job_id, finish_reason=ev.finish_reason,
+        job_id=ev.job_id, finish_reason=ev.finish_reason.value,
         usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                        total_tokens=u.total_tokens),
         telemetry=telemetry_to_pb(ev.telemetry)))

@@ -253,7 +253,8 @@ class CoordinatorSession:
                     outbox.put_nowait(pb.ProviderFrame(job_accepted=pb.JobAccepted(
                         job_id=job_id, model=ev.model, prompt_tokens=ev.prompt_tokens)))
                     continue
-                tokens, end = await self._coalesce(ev, stream, outbox) if isinstance(ev, Tokens) else ([], ev)
+                tokens, end = (await stream.coalesce(ev, behind=lambda: not outbox.empty(), window_s=self.coalesce_s)
+                               if isinstance(ev, Tokens) else ([], ev))
                 if tokens:
                     outbox.put_nowait(convert.chunk_frame(job_id, seq, tokens))
                     seq += 1
@@ -272,19 +273,6 @@ class CoordinatorSession:
         finally:
             if timer:
                 timer.cancel()
-
-    async def _coalesce(self, first: Tokens, stream: JobStream, outbox: asyncio.Queue):
-        """Merge tokens already waiting; while the writer is behind, wait a short window for more."""
-        batch: list[Tokens] = [first]
-        deadline = time.monotonic() + self.coalesce_s
-        while True:
-            for ev in stream.drain_ready():
-                if not isinstance(ev, Tokens):
-                    return batch, ev
-                batch.append(ev)
-            if outbox.empty() or time.monotonic() >= deadline:
-                return batch, None
-            await asyncio.sleep(0.001)
 
     def _outcome(self, outbox: asyncio.Queue | None, frame: pb.ProviderFrame, job_id: str) -> None:
         """Record a job's single outcome until the coordinator acks it, and send it if a stream is up."""

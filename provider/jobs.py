@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Union
+
+from .speculation import Policy
+from .telemetry import FinishReason, Telemetry
 
 
 class Cause(str, enum.Enum):
@@ -174,7 +177,7 @@ class Job:
     sampling: SamplingParams
     prompt: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
-    speculation: str = "auto"  # auto | on | off
+    speculation: Policy = Policy.AUTO
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -186,8 +189,9 @@ class Job:
             if not isinstance(role, str) or role not in ROLES:
                 raise _invalid(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
             check_text(f"messages[{i}].content", m.get("content"))
-        if self.speculation not in ("auto", "on", "off"):
+        if not isinstance(self.speculation, str) or self.speculation not in {p.value for p in Policy}:
             raise _invalid("speculation", "must be one of auto, on, off", self.speculation)
+        object.__setattr__(self, "speculation", Policy(self.speculation))
 
     @property
     def prompt_chars(self) -> int:
@@ -230,9 +234,9 @@ class Usage:
 @dataclass(frozen=True)
 class Done:
     job_id: str
-    finish_reason: str  # stop | length | cancelled
+    finish_reason: FinishReason
     usage: Usage
-    telemetry: dict[str, Any] = field(default_factory=dict)
+    telemetry: Telemetry
 
 
 @dataclass(frozen=True)

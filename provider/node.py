@@ -12,12 +12,13 @@ import concurrent.futures
 import dataclasses
 import os
 import platform
+import time
 import uuid
 from typing import AsyncIterator, Callable
 
 from . import logs
 from .engine.scheduler import Engine
-from .jobs import TERMINAL, Event, Job, JobError
+from .jobs import TERMINAL, Event, Job, JobError, Tokens
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
 from .models import store
 from .models.catalog import Catalog
@@ -53,7 +54,7 @@ class JobStream:
         return ev
 
     def drain_ready(self) -> list[Event]:
-        """Events already delivered, without waiting (lets front ends coalesce token chunks)."""
+        """Events already delivered, without waiting."""
         out: list[Event] = []
         while not self._finished and not self._queue.empty():
             ev = self._queue.get_nowait()
@@ -61,6 +62,22 @@ class JobStream:
             if isinstance(ev, TERMINAL):
                 self._finished = True
         return out
+
+    async def coalesce(self, first: Tokens, *, behind: Callable[[], bool] = lambda: False,
+                       window_s: float = 0.0) -> tuple[list[Tokens], Event | None]:
+        """`first` merged with the token events already waiting and, while `behind()` says the consumer's
+        writer has not caught up, those arriving within `window_s`; and the non-token event that ended the
+        batch, if one did. A consumer that keeps up sends every token as it comes."""
+        batch = [first]
+        deadline = time.monotonic() + window_s
+        while True:
+            for ev in self.drain_ready():
+                if not isinstance(ev, Tokens):
+                    return batch, ev
+                batch.append(ev)
+            if not behind() or time.monotonic() >= deadline:
+                return batch, None
+            await asyncio.sleep(0.001)
 
     async def aclose(self) -> None:
         if not self._finished:

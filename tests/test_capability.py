@@ -6,7 +6,8 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from provider.memory.estimate import HeaderError, kv_shape, read_safetensors_header, weight_bytes
+from provider.memory.estimate import kv_shape
+from provider.models.checkpoint import HeaderError, open_checkpoint, read_safetensors_header
 from provider.models import capability
 from provider.models.store import find_drafter_for
 
@@ -110,4 +111,4 @@ def test_corrupt_safetensors_are_reported(fixtures_dir, tmp_path):
         read_safetensors_header(bad / "model.safetensors")
     (bad / "model.safetensors").write_bytes(b"\xff" * 4)
     with pytest.raises(HeaderError):
-        weight_bytes(bad, {})
+        open_checkpoint(bad).tensors

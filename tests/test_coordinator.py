@@ -268,7 +268,8 @@ def test_tokens_coalesce_only_while_the_writer_is_behind(fixtures_dir, tmp_path)
             async with node.run(Job(f"j{backed_up}", "g", greedy(40), prompt="The cache")) as stream:
                 async for ev in stream:
                     if isinstance(ev, Tokens) and ev.token_ids:
-                        batch, end = await session._coalesce(ev, stream, outbox)
+                        batch, end = await stream.coalesce(ev, behind=lambda: not outbox.empty(),
+                                                           window_s=session.coalesce_s)
                         sizes.append(len(batch))
                         ids += [t for b in batch for t in b.token_ids]
                         if end is not None:

@@ -13,6 +13,8 @@ from coordinator_client.channel import ChannelError, plan_channel
 from coordinator_client.identity import Identity, IdentityError, next_session_epoch, verify_hello
 from coordinator_client.pb import provider_pb2 as pb
 from provider.jobs import Cause, Done, JobError, Usage
+from provider.speculation import SpecMode
+from provider.telemetry import FinishReason, SpecTelemetry, Telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,10 +69,9 @@ def test_every_cause_has_a_wire_value():
 
 
 def test_done_frame_carries_the_local_api_telemetry():
-    t = {"ttft_ms": 12.5, "queue_ms": 1.0, "total_ms": 50.0, "prefill_tokens_per_s": 100.0,
-         "decode_tokens_per_s": None, "peak_memory_bytes": 10, "finish_reason": "length",
-         "speculation": {"mode": "off", "reason": "no_drafter"}}
-    frame = convert.done_frame(Done("j", "length", Usage(3, 4), t))
+    t = Telemetry(FinishReason.LENGTH, SpecTelemetry(SpecMode.OFF, "no_drafter"), ttft_ms=12.5, queue_ms=1.0,
+                  total_ms=50.0, prefill_tokens_per_s=100.0, decode_tokens_per_s=None, peak_memory_bytes=10)
+    frame = convert.done_frame(Done("j", FinishReason.LENGTH, Usage(3, 4), t))
     tel = frame.job_done.telemetry
     assert tel.ttft_ms == 12.5 and not tel.HasField("decode_tokens_per_s")
     assert tel.speculation.reason == "no_drafter" and frame.job_done.usage.total_tokens == 7

@@ -43,8 +43,8 @@ def test_events_are_ordered_and_telemetry_complete(fixtures_dir):
         assert seqs == list(range(len(seqs)))
         assert isinstance(done, Done) and done.finish_reason == "length"
         t = done.telemetry
-        assert t["ttft_ms"] > 0 and t["prefill_tokens_per_s"] > 0 and t["decode_tokens_per_s"] > 0
-        assert t["speculation"] == {"mode": "off", "reason": "not_mtp_capable"}  # qwen3 has no drafter
+        assert t.ttft_ms > 0 and t.prefill_tokens_per_s > 0 and t.decode_tokens_per_s > 0
+        assert t.speculation.as_dict() == {"mode": "off", "reason": "not_mtp_capable"}  # qwen3 has no drafter
         await node.stop()
 
     run(main())

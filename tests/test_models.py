@@ -8,7 +8,7 @@ import pytest
 
 from provider.jobs import Cause, Done, Error, Job, Tokens
 from provider.models import manifest
-from provider.models.loader import read_config
+from provider.models.checkpoint import read_config
 from provider.models.footprint import estimate_footprint
 from provider.models.store import StoredModel
 from tests.helpers import collect, greedy, make_manager, make_node, run

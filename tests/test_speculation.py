@@ -117,13 +117,13 @@ def test_through_the_node_mtp_and_draft_equal_plain_and_telemetry_adds_up(fixtur
                 spec_ids, _, spec, _ = await collect(node, job)
                 plain_ids, _, plain, _ = await collect(node, off)
                 assert spec_ids == plain_ids, (model, i)
-                s = spec.telemetry["speculation"]
+                s = spec.telemetry.speculation.as_dict()
                 assert s["mode"] == mode and s["reason"] == "ok" and s["k"] == 3
                 assert s["accepted"] <= s["drafted"] == 3 * s["rounds"]
                 if spec.finish_reason == "length" and spec.usage.completion_tokens == s["accepted"] + s["target_forwards"]:
                     assert s["tokens_per_target_forward"] == round(
                         spec.usage.completion_tokens / s["target_forwards"], 4)
-                assert plain.telemetry["speculation"] == {"mode": "off", "reason": "policy_off"}
+                assert plain.telemetry.speculation.as_dict() == {"mode": "off", "reason": "policy_off"}
         await node.stop()
 
     run(main())
@@ -135,7 +135,7 @@ def test_emitted_equals_accepted_plus_target_forwards_when_nothing_is_cut(fixtur
 
     async def main():
         _, _, done, _ = await collect(node, Job("a", "llama", greedy(1 + 4 * 5), prompt="hello there"))
-        s = done.telemetry["speculation"]
+        s = done.telemetry.speculation.as_dict()
         assert done.usage.completion_tokens == 21 == s["accepted"] + s["target_forwards"]
         assert s["target_forwards"] == 6 and s["tokens_per_target_forward"] == 3.5 and s["acceptance_rate"] == 1.0
         await node.stop()
@@ -174,12 +174,12 @@ def test_reasons_when_speculation_is_off(fixtures_dir):
         ]
         for job, reason in cases:
             done = (await collect(node, job))[2]
-            assert done.telemetry["speculation"] == {"mode": "off", "reason": reason}
+            assert done.telemetry.speculation.as_dict() == {"mode": "off", "reason": reason}
         # `on` that cannot be honoured fails loudly with the reason.
         err = (await collect(node, Job("on", "qwen", greedy(3), prompt="x", speculation="on")))[2]
         assert isinstance(err, Error) and err.cause == Cause.SPECULATION_UNAVAILABLE and "not_mtp_capable" in err.message
         ok = (await collect(node, Job("on2", "gemma", greedy(3), prompt="x", speculation="on")))[2]
-        assert ok.telemetry["speculation"]["mode"] == "mtp"
+        assert ok.telemetry.speculation.mode == "mtp"
         await node.stop()
 
     run(main())
@@ -190,7 +190,7 @@ def test_a_gemma4_without_an_assistant_says_no_drafter(fixtures_dir):
 
     async def main():
         done = (await collect(node, Job("g", "gemma", greedy(3), prompt="x")))[2]
-        assert done.telemetry["speculation"] == {"mode": "off", "reason": "no_drafter"}
+        assert done.telemetry.speculation.as_dict() == {"mode": "off", "reason": "no_drafter"}
         await node.stop()
 
     run(main())
@@ -201,7 +201,7 @@ def test_node_policy_off_never_loads_a_drafter(fixtures_dir):
 
     async def main():
         done = (await collect(node, Job("g", "gemma", greedy(3), prompt="x")))[2]
-        assert done.telemetry["speculation"]["reason"] == "policy_off"
+        assert done.telemetry.speculation.reason == "policy_off"
         assert node.status().models[0].bytes > 0 and node.models._entries["gemma"].drafter_bytes == 0
         await node.stop()
 
@@ -217,7 +217,7 @@ def test_serving_qwen3_never_reads_drafter_weights(fixtures_dir, monkeypatch):
 
     async def main():
         done = (await collect(node, Job("q", "qwen", greedy(4), prompt="x")))[2]
-        assert isinstance(done, Done) and done.telemetry["speculation"]["mode"] == "off"
+        assert isinstance(done, Done) and done.telemetry.speculation.mode == "off"
         await node.stop()
 
     run(main())
@@ -225,7 +225,7 @@ def test_serving_qwen3_never_reads_drafter_weights(fixtures_dir, monkeypatch):
 
 
 def test_budget_too_small_for_the_drafter_serves_the_target_alone(fixtures_dir):
-    from provider.models.loader import read_config
+    from provider.models.checkpoint import read_config
     from provider.models.footprint import estimate_footprint
 
     target = estimate_footprint(fixtures_dir / "gemma4-tiny", read_config(fixtures_dir / "gemma4-tiny"),
@@ -237,7 +237,7 @@ def test_budget_too_small_for_the_drafter_serves_the_target_alone(fixtures_dir):
     async def main():
         done = (await collect(node, Job("g", "gemma", greedy(4), prompt="x")))[2]
         assert isinstance(done, Done)
-        assert done.telemetry["speculation"] == {"mode": "off", "reason": "insufficient_headroom"}
+        assert done.telemetry.speculation.as_dict() == {"mode": "off", "reason": "insufficient_headroom"}
         await node.stop()
 
     run(main())
@@ -354,7 +354,7 @@ def test_logits_processors_run_plain_with_a_reason_and_are_honoured(fixtures_dir
         biased = greedy(8, logit_bias=((42, 100.0),))
         ids, _, done, _ = await collect(node, Job("b", "llama", biased, prompt="hello"))
         assert ids == [42] * 8  # the bias was applied
-        assert done.telemetry["speculation"] == {"mode": "off", "reason": "ineligible_request:logits_processors"}
+        assert done.telemetry.speculation.as_dict() == {"mode": "off", "reason": "ineligible_request:logits_processors"}
         pen = greedy(16, repetition_penalty=1.5)
         ids, _, done, _ = await collect(node, Job("r", "llama", pen, prompt="hello"))
         from mlx_lm.sample_utils import make_logits_processors

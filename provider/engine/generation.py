@@ -9,21 +9,18 @@ so multi-byte characters are never split across chunks.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from ..jobs import Cause, Done, Event, Job, JobError, Tokens, Usage
+from ..speculation import SpecMode
+from ..telemetry import FinishReason, SpecTelemetry, Telemetry
 from ..models.loader import LoadedModel
 from .. import speculation
 from .sampling import logits_processors_for, sampler_for
 from .speculative import DraftModelDrafter, MTPDrafter, SpecStats, Target, speculative_tokens
 from .stops import StopMatcher
-
-# Telemetry of a job cancelled while it waited: it never reached the point of choosing.
-NOT_STARTED = {"mode": "off", "reason": "not_started"}
-
 
 class Generation:
     def __init__(self, job: Job, lm: LoadedModel, prompt: list[int], *, prefill_step_size: int, arrived: float,
@@ -71,39 +68,37 @@ class Generation:
         self.t_started = time.perf_counter()
         self.t_first: float | None = None
         self.t_last: float | None = None
-        self.finished = False
 
     def step(self) -> list[Event]:
         """Generate one token; return its events (a final `Done` when the job ends)."""
         try:
             token, _ = next(self._tokens)
         except StopIteration:
-            return self.finish("length")
+            return self.finish(FinishReason.LENGTH)
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
         self.t_last = now
         if token in self._eos:
-            return self.finish("stop")
+            return self.finish(FinishReason.STOP)
         self.completion_tokens += 1
         self._detok.add_token(token)
         text, hit_stop = self._stops.feed(self._detok.last_segment)
         events: list[Event] = [self._chunk(text, (token,))]
         if hit_stop:
-            return events + self.finish("stop", flush=False)
+            return events + self.finish(FinishReason.STOP, flush=False)
         if self.completion_tokens >= self.max_tokens:
-            return events + self.finish("length")
+            return events + self.finish(FinishReason.LENGTH)
         return events
 
     def close(self) -> None:
         """Stop generating (the generator's caches are freed with it)."""
         self._tokens.close()
 
-    def finish(self, reason: str, *, flush: bool = True) -> list[Event]:
-        self.finished = True
+    def finish(self, reason: FinishReason, *, flush: bool = True) -> list[Event]:
         self.close()
         events: list[Event] = []
-        if flush and reason != "cancelled":
+        if flush and reason != FinishReason.CANCELLED:
             self._detok.finalize()
             tail, hit_stop = self._stops.feed(self._detok.last_segment)
             tail += "" if hit_stop else self._stops.flush()
@@ -118,18 +113,18 @@ class Generation:
         self._seq += 1
         return ev
 
-    def telemetry(self, finish_reason: str) -> dict[str, Any]:
+    def telemetry(self, finish_reason: FinishReason) -> Telemetry:
         end = time.perf_counter()
         first = self.t_first
         decode_s = (self.t_last - first) if first is not None and self.t_last is not None else 0.0
-        return {
-            "ttft_ms": round((first - self.t_arrived) * 1000, 3) if first is not None else None,
-            "queue_ms": round((self.t_started - self.t_arrived) * 1000, 3),
-            "total_ms": round((end - self.t_arrived) * 1000, 3),
-            "prefill_tokens_per_s": round(self.prompt_tokens / (first - self.t_started), 3) if first else None,
+        return Telemetry(
+            finish_reason=finish_reason,
+            speculation=self.spec_stats.telemetry() if self.spec_stats else SpecTelemetry(SpecMode.OFF, self.plan.reason),
+            ttft_ms=round((first - self.t_arrived) * 1000, 3) if first is not None else None,
+            queue_ms=round((self.t_started - self.t_arrived) * 1000, 3),
+            total_ms=round((end - self.t_arrived) * 1000, 3),
+            prefill_tokens_per_s=round(self.prompt_tokens / (first - self.t_started), 3) if first else None,
             # Tokens after the first, over the time since the first: the steady decode rate.
-            "decode_tokens_per_s": round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else None,
-            "peak_memory_bytes": mx.get_peak_memory(),
-            "finish_reason": finish_reason,
-            "speculation": self.spec_stats.as_dict() if self.spec_stats else {"mode": "off", "reason": self.plan.reason},
-        }
+            decode_tokens_per_s=round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else None,
+            peak_memory_bytes=mx.get_peak_memory(),
+        )

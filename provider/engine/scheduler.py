@@ -25,7 +25,8 @@ from .. import logs
 from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
 from ..models.residency import Residency
 from ..prompts import Prepared
-from .generation import NOT_STARTED, Generation
+from ..telemetry import NOT_STARTED, FinishReason
+from .generation import Generation
 
 Sink = Callable[[Event], None]
 log = logs.get("engine")
@@ -39,6 +40,21 @@ class _Pending:
     sink: Sink
     arrived: float
     prepared: concurrent.futures.Future  # of Prepared: the prompt, tokenized off the engine thread
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    grace_s: float  # in-flight jobs get this long to finish
+
+
+_WAKE = object()  # a prompt or a model became ready: look at the queue again
+
+# The inbox carries _Pending (a submitted job), _Cancel, _Stop and _WAKE.
 
 
 @dataclass
@@ -90,11 +106,11 @@ class Engine:
                 _safe(sink, Error(job.id, Cause.DRAINING, DRAINING_MESSAGE))
             else:
                 prepared = prepare(job)
-                self._inbox.put(("submit", _Pending(job, sink, time.perf_counter(), prepared)))
-                prepared.add_done_callback(lambda _: self._inbox.put(("wake", None)))
+                self._inbox.put(_Pending(job, sink, time.perf_counter(), prepared))
+                prepared.add_done_callback(lambda _: self._inbox.put(_WAKE))
 
     def cancel(self, job_id: str) -> None:
-        self._inbox.put(("cancel", job_id))
+        self._inbox.put(_Cancel(job_id))
 
 
     def drain(self) -> None:
@@ -112,7 +128,7 @@ class Engine:
     def stop(self, grace_s: float = 10.0) -> None:
         """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread."""
         self.drain()
-        self._inbox.put(("stop", grace_s))
+        self._inbox.put(_Stop(grace_s))
         self._thread.join()
 
     # --- engine thread ----------------------------------------------------------
@@ -132,11 +148,11 @@ class Engine:
         sinks |= {p.job.id: p.sink for p in [*self._waiting, *(p for p, _ in self._loading)]}
         while True:  # jobs submitted but never read
             try:
-                kind, arg = self._inbox.get_nowait()
+                msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "submit":
-                sinks[arg.job.id] = arg.sink
+            if isinstance(msg, _Pending):
+                sinks[msg.job.id] = msg.sink
         for job_id, sink in sinks.items():
             _safe(sink, Error(job_id, Cause.INTERNAL, message))
         self._active.clear()
@@ -182,13 +198,12 @@ class Engine:
             self.last_tick = time.monotonic()
             return
         while True:
-            kind, arg = msg
-            if kind == "submit":
-                self._enqueue(arg)
-            elif kind == "cancel":
-                self._cancel(arg)
-            elif kind == "stop":
-                self._stop_at = time.monotonic() + arg
+            if isinstance(msg, _Pending):
+                self._enqueue(msg)
+            elif isinstance(msg, _Cancel):
+                self._cancel(msg.job_id)
+            elif isinstance(msg, _Stop):
+                self._stop_at = time.monotonic() + msg.grace_s
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
@@ -226,7 +241,7 @@ class Engine:
                 continue
             if isinstance(loaded, concurrent.futures.Future):
                 self._loading.append((p, loaded))
-                loaded.add_done_callback(lambda _: self._inbox.put(("wake", None)))
+                loaded.add_done_callback(lambda _: self._inbox.put(_WAKE))
                 continue
             self._start(p, prepared, loaded.id)
         self._update_counts()
@@ -252,7 +267,7 @@ class Engine:
     def _cancel(self, job_id: str) -> None:
         if job_id in self._active:
             gen, sink = self._active[job_id]
-            self._deliver(gen.model_id, gen.finish("cancelled"), sink)
+            self._deliver(gen.model_id, gen.finish(FinishReason.CANCELLED), sink)
             return
         parked = [p for p, _ in self._loading]
         for p in [*self._waiting, *parked]:
@@ -262,7 +277,7 @@ class Engine:
                     p.prepared.cancel()
                 else:
                     self._loading = [x for x in self._loading if x[0] is not p]
-                done = Done(job_id, "cancelled", Usage(0, 0), {"speculation": dict(NOT_STARTED)})
+                done = Done(job_id, FinishReason.CANCELLED, Usage(0, 0), NOT_STARTED)
                 self.stats.jobs_cancelled += 1
                 _safe(p.sink, done)
                 break
@@ -271,33 +286,27 @@ class Engine:
     def _deliver(self, model_id: str, events: list[Event], sink: Sink) -> None:
         for ev in events:
             _safe(sink, ev)
-            if isinstance(ev, (Done, Error)):
-                self._active.pop(ev.job_id, None)
-                self.models.release(model_id)
-                if isinstance(ev, Error):
-                    self.stats.jobs_failed += 1
-                elif ev.finish_reason == "cancelled":
+            if not isinstance(ev, (Done, Error)):
+                continue
+            self._active.pop(ev.job_id, None)
+            self.models.release(model_id)
+            if isinstance(ev, Error):
+                self.stats.jobs_failed += 1
+                log.info("job_finished", job_id=ev.job_id, model=model_id, cause=ev.cause.value)
+            else:
+                if ev.finish_reason == FinishReason.CANCELLED:
                     self.stats.jobs_cancelled += 1
                 else:
                     self.stats.jobs_completed += 1
-                if isinstance(ev, Done):
-                    spec = ev.telemetry.get("speculation", {})
-                    self.stats.tokens_generated += ev.usage.completion_tokens
-                    self.stats.spec_drafted += spec.get("drafted", 0)
-                    self.stats.spec_accepted += spec.get("accepted", 0)
-                    self.stats.spec_target_forwards += spec.get("target_forwards", 0)
-                log.info(
-                    "job_finished",
-                    job_id=ev.job_id,
-                    model=model_id,
-                    finish_reason=getattr(ev, "finish_reason", None),
-                    cause=getattr(ev, "cause", None),
-                    completion_tokens=ev.usage.completion_tokens if isinstance(ev, Done) else None,
-                    ttft_ms=ev.telemetry.get("ttft_ms") if isinstance(ev, Done) else None,
-                    decode_tokens_per_s=ev.telemetry.get("decode_tokens_per_s") if isinstance(ev, Done) else None,
-                    speculation=ev.telemetry.get("speculation") if isinstance(ev, Done) else None,
-                )
-                self._update_counts()
+                t, spec = ev.telemetry, ev.telemetry.speculation
+                self.stats.tokens_generated += ev.usage.completion_tokens
+                self.stats.spec_drafted += spec.drafted
+                self.stats.spec_accepted += spec.accepted
+                self.stats.spec_target_forwards += spec.target_forwards
+                log.info("job_finished", job_id=ev.job_id, model=model_id, finish_reason=ev.finish_reason.value,
+                         completion_tokens=ev.usage.completion_tokens, ttft_ms=t.ttft_ms,
+                         decode_tokens_per_s=t.decode_tokens_per_s, speculation=spec.as_dict())
+            self._update_counts()
 
     def _update_counts(self) -> None:
         self.stats.active = len(self._active)

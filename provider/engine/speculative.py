@@ -19,6 +19,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..models.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
+from ..speculation import SpecMode
+from ..telemetry import SpecTelemetry
 
 
 @dataclass
@@ -33,15 +35,13 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
 
-    def as_dict(self, reason: str = "ok") -> dict:
-        return {
-            "mode": self.mode, "reason": reason, "k": self.k, "rounds": self.rounds, "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
-            "target_forwards": self.target_forwards,
-            "tokens_per_target_forward": round(self.emitted / self.target_forwards, 4) if self.target_forwards else 0.0,
-            "draft_ms": round(self.draft_s * 1000, 3), "verify_ms": round(self.verify_s * 1000, 3),
-        }
+    def telemetry(self) -> SpecTelemetry:
+        return SpecTelemetry(
+            mode=SpecMode(self.mode), reason="ok", k=self.k, rounds=self.rounds, drafted=self.drafted,
+            accepted=self.accepted, acceptance_rate=round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            target_forwards=self.target_forwards,
+            tokens_per_target_forward=round(self.emitted / self.target_forwards, 4) if self.target_forwards else 0.0,
+            draft_ms=round(self.draft_s * 1000, 3), verify_ms=round(self.verify_s * 1000, 3))
 
 
 def rollback(caches: list, n: int) -> None:

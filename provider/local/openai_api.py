@@ -192,7 +192,7 @@ def chat_response(job_id: str, model: str, text: str, done: Done, created: int) 
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "finish_reason": done.finish_reason, "logprobs": None}],
         "usage": done.usage.as_dict(),
-        "telemetry": done.telemetry,
+        "telemetry": done.telemetry.as_dict(),
     }
 
 
@@ -200,7 +200,7 @@ def completion_response(job_id: str, model: str, text: str, done: Done, created:
     return _envelope(job_id, model, "text_completion", created) | {
         "choices": [{"index": 0, "text": text, "finish_reason": done.finish_reason, "logprobs": None}],
         "usage": done.usage.as_dict(),
-        "telemetry": done.telemetry,
+        "telemetry": done.telemetry.as_dict(),
     }
 
 
@@ -226,7 +226,7 @@ def completion_chunk(job_id: str, model: str, created: int, *, text: str = "",
 def usage_chunk(job_id: str, model: str, created: int, obj: str, done: Done) -> dict[str, Any]:
     """The last chunk before [DONE]: no choices, usage and telemetry (as with include_usage)."""
     return _envelope(job_id, model, obj, created) | {
-        "choices": [], "usage": done.usage.as_dict(), "telemetry": done.telemetry
+        "choices": [], "usage": done.usage.as_dict(), "telemetry": done.telemetry.as_dict()
     }
 
 

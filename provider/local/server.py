@@ -141,13 +141,12 @@ class LocalAPI:
             await send(api.chat_chunk(job_id, model, created, role=True, text=""))
         async for ev in stream:
             # Coalesce whatever else is already waiting, so a slow client never falls behind per token.
-            batch = [ev, *stream.drain_ready()]
-            text = "".join(e.text for e in batch if isinstance(e, Tokens))
+            batch, end = await stream.coalesce(ev) if isinstance(ev, Tokens) else ([], ev)
+            text = "".join(e.text for e in batch)
             if text:
                 chunk = (api.chat_chunk(job_id, model, created, text=text) if chat
                          else api.completion_chunk(job_id, model, created, text=text))
                 await send(chunk)
-            end = batch[-1]
             if isinstance(end, Error):
                 await send(api.error_for(end.cause, end.message, end.param).body())
             elif isinstance(end, Done):
@@ -155,7 +154,7 @@ class LocalAPI:
                          else api.completion_chunk(job_id, model, created, finish_reason=end.finish_reason))
                 # usage + telemetry ride on the finishing chunk for every client, and on an
                 # extra choices-less chunk for clients that asked for include_usage.
-                final |= {"usage": end.usage.as_dict(), "telemetry": end.telemetry}
+                final |= {"usage": end.usage.as_dict(), "telemetry": end.telemetry.as_dict()}
                 await send(final)
                 if include_usage:
                     await send(api.usage_chunk(job_id, model, created, obj, end))

@@ -1,58 +1,18 @@
-"""Footprint estimates from files alone: safetensors headers and config.json. Nothing is loaded."""
+"""Footprint arithmetic over what a checkpoint's files say (its config and tensor table). Pure: the files are
+read by provider.models.checkpoint; nothing here opens one."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-MAX_HEADER_BYTES = 100 << 20
 # Tensors mlx-lm's sanitize drops for text serving: vision/audio towers and, in Gemma 4,
 # the K/V projections of KV-shared layers (their K/V come from an earlier layer).
 DROPPED = re.compile(r"(vision_tower|audio_tower|multi_modal_projector|embed_vision|embed_audio|rotary_emb)")
 SHARED_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
-
-
-class HeaderError(ValueError):
-    """A safetensors file is truncated or its header is not valid."""
-
-
-def read_safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise HeaderError(f"{path.name}: shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES:
-            raise HeaderError(f"{path.name}: header length {n} is not plausible")
-        data = f.read(n)
-    if len(data) != n:
-        raise HeaderError(f"{path.name}: header is truncated")
-    try:
-        header = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HeaderError(f"{path.name}: header is not JSON: {e}") from None
-    header.pop("__metadata__", None)
-    size = path.stat().st_size
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    if 8 + n + end > size:
-        raise HeaderError(f"{path.name}: tensors end at byte {8 + n + end} but the file has {size}")
-    return header
-
-
-def tensor_names(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) over every safetensors file of a checkpoint."""
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        for name, t in read_safetensors_header(f).items():
-            out[name] = (t["dtype"], tuple(t["shape"]))
-    return out
 
 
 def text_config(config: dict) -> dict:
@@ -60,12 +20,12 @@ def text_config(config: dict) -> dict:
     return text if isinstance(text, dict) and text else config
 
 
-def weight_bytes(model_dir: Path, config: dict, tensors: dict | None = None) -> int:
+def weight_bytes(config: dict, tensors: dict) -> int:
     """Bytes of the tensors mlx-lm will keep after loading this checkpoint for text generation."""
     tc = text_config(config)
     first_shared = tc.get("num_hidden_layers", 0) - (tc.get("num_kv_shared_layers") or 0)
     total = 0
-    for name, (dtype, shape) in (tensors if tensors is not None else tensor_names(model_dir)).items():
+    for name, (dtype, shape) in tensors.items():
         if DROPPED.search(name):
             continue
         m = SHARED_KV.search(name)

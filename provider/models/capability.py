@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..memory.estimate import HeaderError, tensor_names, text_config
+from ..memory.estimate import text_config
+from .checkpoint import HeaderError, open_checkpoint, read_config
 from .loader import context_length
 
 ASSISTANT_TYPES = {"gemma4_assistant"}
@@ -34,17 +35,9 @@ class Capabilities:
     mtp_capable: bool = False  # Gemma 4 target with a validly paired assistant
     draft_compatible: bool = False  # a configured draft model with an identical vocabulary
     drafter_reason: str = "no_drafter"
-    extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def read_config(path: Path) -> dict:
-    """config.json as a dict, or JobError(MODEL_LOAD_FAILED) saying what is wrong with it."""
-    from .loader import read_config as read
-
-    return read(path)
 
 
 def quantization(config: dict) -> str | None:
@@ -84,7 +77,7 @@ def detect(path: Path, config: dict | None = None) -> Capabilities:
     native = False
     if declared:
         try:
-            native = has_mtp_tensors(list(tensor_names(path)), config)
+            native = has_mtp_tensors(list(open_checkpoint(path).tensors), config)
         except (HeaderError, OSError):
             native = False
     return Capabilities(

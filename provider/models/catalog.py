@@ -13,6 +13,7 @@ from ..jobs import Cause, JobError
 from ..memory import estimate
 from ..status import ModelFacts
 from . import loader
+from .checkpoint import open_checkpoint, read_config
 from .store import StoredModel
 
 
@@ -45,7 +46,7 @@ class Catalog:
         """The model's directory and config (downloading it if it is a repo id not yet cached)."""
         stored = self._models[model_id]
         path = stored.path or loader.resolve(stored.source, allow_download=self._allow_download)
-        return path, loader.read_config(path)
+        return path, read_config(path)
 
     def facts(self, model_id: str) -> ModelFacts | None:
         """What the files say the model is; None while not downloaded or when its files cannot be read."""
@@ -62,8 +63,8 @@ class Catalog:
 def _facts(path: Path, mtime_ns: int) -> ModelFacts:
     from . import capability
 
-    config = loader.read_config(path)
-    caps = capability.detect(path, config)
-    return ModelFacts(size_bytes=estimate.weight_bytes(path, config), family=caps.family,
+    ckpt = open_checkpoint(path)
+    caps = capability.detect(path, ckpt.config)
+    return ModelFacts(size_bytes=estimate.weight_bytes(ckpt.config, ckpt.tensors), family=caps.family,
                       quantization=caps.quantization, context_length=caps.context_length,
                       native_mtp_heads=caps.native_mtp_heads, vision=caps.vision)

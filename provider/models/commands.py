@@ -9,6 +9,7 @@ from pathlib import Path
 from ..jobs import JobError
 from ..settings import Settings
 from . import capability, loader, manifest, store
+from .checkpoint import read_config
 from .footprint import estimate_footprint
 
 MiB = 1 << 20
@@ -27,7 +28,7 @@ def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
     if m.path is None:
         return row | {"status": "not downloaded"}
     try:
-        config = loader.read_config(m.path)
+        config = read_config(m.path)
         caps = capability.detect(m.path, config)
         drafter = Path(m.drafter).expanduser() if m.drafter else None  # discovery already paired one
         caps = capability.with_drafter(caps, m.path, drafter, config)

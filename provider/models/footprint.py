@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..memory import estimate
 from ..speculation import SpecMode
+from .checkpoint import open_checkpoint
 from .loader import context_length
 
 
@@ -22,8 +23,8 @@ class Footprint:
 
 
 def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int) -> Footprint:
-    tensors = estimate.tensor_names(path)  # the headers, read once
-    weights = estimate.weight_bytes(path, config, tensors)
+    tensors = open_checkpoint(path).tensors
+    weights = estimate.weight_bytes(config, tensors)
     dtype_bytes = _dominant_float_bytes(tensors)
     tokens = min(kv_tokens, context_length(config))
     return Footprint(weights, estimate.kv_shape(config, dtype_bytes).bytes_for(tokens),
@@ -33,7 +34,7 @@ def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step
 def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:
     """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
     prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
-    weights = estimate.weight_bytes(path, config)
+    weights = estimate.weight_bytes(config, open_checkpoint(path).tensors)
     if mode is SpecMode.MTP:
         return weights + estimate.activation_bytes(config, k + 1)
     return weights + estimate.activation_bytes(config, prefill_step) + estimate.kv_shape(config).bytes_for(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,17 +68,6 @@ def resolve(source: str, *, allow_download: bool = True) -> Path:
         return Path(snapshot_download(source, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as e:
         raise JobError(Cause.UNKNOWN_MODEL, f"cannot fetch model {source!r}: {type(e).__name__}: {e}") from None
-
-
-def read_config(path: Path) -> dict:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, RecursionError) as e:  # ValueError covers bad JSON and bad UTF-8
-        raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read {path / 'config.json'}: {e}") from None
-    if not isinstance(config, dict):
-        raise JobError(Cause.MODEL_LOAD_FAILED, f"{path / 'config.json'} is not a JSON object "
-                                                f"(it holds a {type(config).__name__})")
-    return config
 
 
 def parameter_bytes(lm: LoadedModel) -> int:

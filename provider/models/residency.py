@@ -19,13 +19,13 @@ from pathlib import Path
 
 from .. import logs
 from ..jobs import Cause, JobError
-from ..memory import estimate
 from ..memory.admission import Resident, idle_to_unload, plan_load
 from ..memory.budget import Budget
 from ..speculation import INSUFFICIENT_HEADROOM, SpecMode, SpeculationConfig, plan_drafter
 from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
+from .checkpoint import HeaderError, read_config
 from .footprint import Footprint, drafter_footprint, estimate_footprint
 from .loader import LoadedModel
 from .store import StoredModel
@@ -177,7 +177,7 @@ class Residency:
             verify_pin(model_id, path, stored.sha256)
         try:
             fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step)
-        except (estimate.HeaderError, OSError) as e:
+        except (HeaderError, OSError) as e:
             raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read the weights of {model_id}: {e}") from None
         caps, drafter_path, drafter_need = self._drafter_need(stored, path, config)
         with self._lock:
@@ -223,7 +223,7 @@ class Residency:
                 log.warning("drafter_not_paired", model=stored.id, drafter=str(drafter_path), why=caps.drafter_reason)
             return caps, drafter_path, 0
         mode = SpecMode.MTP if caps.mtp_capable else SpecMode.DRAFT
-        need = drafter_footprint(drafter_path, loader.read_config(drafter_path), mode, self.speculation.k,
+        need = drafter_footprint(drafter_path, read_config(drafter_path), mode, self.speculation.k,
                                  self._prefill_step)
         return caps, drafter_path, need
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .. import logs
 from ..jobs import JobError
@@ -24,10 +26,10 @@ class StoredModel:
 
 
 def _config(path: Path) -> dict | None:
-    from .loader import read_config
+    from .checkpoint import open_checkpoint
 
     try:
-        return read_config(path)
+        return open_checkpoint(path).config  # read once per state of the files
     except JobError:
         return None
 
@@ -83,13 +85,15 @@ def discover(settings: Settings, extra: list[ModelSpec] = ()) -> list[StoredMode
         for p in sorted(root.iterdir()):
             if p.is_dir() and _is_servable(p):
                 add(StoredModel(p.name, str(p), p, "models_dir"))
-    for repo_id, snap in hf_cache_models():
+    snapshots = hf_cache_models()  # the cache is scanned once per discovery
+    for repo_id, snap in snapshots:
         if _is_servable(snap):
             add(StoredModel(repo_id, repo_id, snap, "hf_cache"))
-    return [_with_found_drafter(m, settings) for m in found.values()]
+    assistants = functools.cache(lambda: assistant_dirs(settings, snapshots))  # only if a Gemma 4 needs one
+    return [_with_found_drafter(m, assistants) for m in found.values()]
 
 
-def _with_found_drafter(m: StoredModel, settings: Settings) -> StoredModel:
+def _with_found_drafter(m: StoredModel, assistants: Callable[[], list[Path]]) -> StoredModel:
     """A Gemma 4 target with no configured drafter gets a paired assistant from the store, if one fits."""
     from dataclasses import replace
 
@@ -97,7 +101,7 @@ def _with_found_drafter(m: StoredModel, settings: Settings) -> StoredModel:
 
     if m.drafter or m.path is None or (_config(m.path) or {}).get("model_type") not in GEMMA4_TYPES:
         return m
-    found = find_drafter_for(m.path, assistant_dirs(settings))
+    found = find_drafter_for(m.path, assistants())
     return replace(m, drafter=str(found)) if found else m
 
 
@@ -113,8 +117,8 @@ def find_drafter_for(target: Path, candidates: list[Path]) -> Path | None:
     return None
 
 
-def assistant_dirs(settings: Settings) -> list[Path]:
+def assistant_dirs(settings: Settings, snapshots: list[tuple[str, Path]] | None = None) -> list[Path]:
     root = models_dir(settings)
     dirs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-    dirs += [snap for _, snap in hf_cache_models()]
+    dirs += [snap for _, snap in (hf_cache_models() if snapshots is None else snapshots)]
     return [d for d in dirs if (_config(d) or {}).get("model_type") in ASSISTANT_TYPES]
