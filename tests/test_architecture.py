@@ -66,6 +66,13 @@ def test_transports_do_not_reach_below_the_node():
     assert not {m: t for m, t in bad.items() if t}, bad
 
 
+def test_tools_do_not_import_tests():
+    # What tools and tests share lives in tools/ (daemon, harness, hostile); tests may import it, not the reverse.
+    found = {p.name: sorted(t for t in _imports(f"tools.{p.stem}", p, {}) if t.split(".")[0] == "tests")
+             for p in (ROOT / "tools").glob("*.py")}
+    assert not {k: v for k, v in found.items() if v}, found
+
+
 def test_no_import_cycles():
     graph = {m: {t for t in ts if t.split(".")[0] in PACKAGES} for m, ts in _graph().items()}
     state: dict[str, int] = {}  # 1: on the stack, 2: done

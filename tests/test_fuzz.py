@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator_client.pb import provider_pb2 as pb
-from tests.coordinator_harness import harness, job
+from tools.harness import harness, job
 from tests.helpers import LocalServer
 from tools.hostile import BOUNDARY_IDS, garbage_frames, http_cases, job_requests, token_ids
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from provider import logs  # noqa: E402
 from provider.models import fixtures  # noqa: E402
-from tests.coordinator_harness import kill_restart_scenario  # noqa: E402
+from tools.harness import kill_restart_scenario  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""A node with a live coordinator session against the reference coordinator, all on loopback."""
+"""In-process nodes over local checkpoints, and a node with a live coordinator session against the reference
+coordinator on loopback: what the tests, tools/fault_report.py and the fuzz campaign drive."""
 
 from __future__ import annotations
 
@@ -15,8 +16,30 @@ from coordinator_client.identity import Identity
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.session import CoordinatorSession
+from provider.memory.budget import Budget
+from provider.models.catalog import Catalog
+from provider.models.residency import Residency
+from provider.models.store import StoredModel
+from provider.node import Node
 from provider.settings import Settings
-from tests.helpers import make_node
+from provider.speculation import SpeculationConfig
+
+
+def make_manager(models: dict[str, Path], budget_bytes: int = 4 << 30, drafters: dict[str, Path] | None = None,
+                 **kw) -> Residency:
+    drafters = drafters or {}
+    stored = [StoredModel(k, str(v), v if v.is_dir() else None, "configured",
+                          drafter=str(drafters[k]) if k in drafters else None) for k, v in models.items()]
+    return Residency(Catalog(stored, allow_download=False), Budget(budget_bytes, 0, "test"), **kw)
+
+
+def make_node(models: dict[str, Path], budget_bytes: int = 4 << 30, manager_kw: dict | None = None,
+              **settings) -> Node:
+    s = Settings(**settings)  # the one place the speculation policy and k are set
+    node = Node(s, make_manager(models, budget_bytes, speculation=SpeculationConfig.of(s), **(manager_kw or {})))
+    node.start()
+    return node
+
 
 FAST_RECONNECT = dict(reconnect_base_delay_s=0.05, reconnect_max_delay_s=0.5, healthy_session_s=0.5)
 
