@@ -177,8 +177,7 @@ class Node:
             health=health, failure=engine.failure, default_model=self.catalog.default_id,
             models=tuple(self.models.statuses()), memory=self.models.memory_status(self._platform_memory),
             active_jobs=stats.active, queued_jobs=stats.queued, max_concurrent_jobs=self.settings.max_concurrent_jobs,
-            counters=Counters(stats.jobs_completed, stats.jobs_failed, stats.jobs_cancelled, stats.tokens_generated,
-                              stats.spec_drafted, stats.spec_accepted, stats.spec_target_forwards),
+            counters=Counters(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(Counters)}),
             platform=self._platform, last_tick=engine.last_tick)
 
     def run(self, job: Job) -> JobStream:
