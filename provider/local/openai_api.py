@@ -146,10 +146,10 @@ def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
     bias = _given(body, "logit_bias", {})
     if not isinstance(bias, dict):
         raise RequestError("logit_bias must map token ids to numbers", "logit_bias")
-    try:  # JSON object keys are strings; only plain decimal ones name a token
-        logit_bias = tuple(sorted((int(k) if k.isascii() and k.isdigit() else int("x"), v) for k, v in bias.items()))
-    except ValueError:
-        raise RequestError("logit_bias must map token ids (decimal strings) to numbers", "logit_bias") from None
+    # JSON object keys are strings; only plain decimal ones name a token (int() would also take "1_0", " 7").
+    if not all(k.isascii() and k.isdigit() for k in bias):
+        raise RequestError("logit_bias must map token ids (decimal strings) to numbers", "logit_bias")
+    logit_bias = tuple(sorted((int(k), v) for k, v in bias.items()))
     return SamplingParams(
         max_tokens=resolve_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")),
                                       limits.default_max_tokens, limits.max_tokens_limit),
