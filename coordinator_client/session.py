@@ -48,6 +48,20 @@ def _lenient_frame(data: bytes) -> pb.CoordinatorFrame | None:
         return None
 
 
+def _access_log(job_id: str, frame: pb.ProviderFrame, started: float | None) -> None:
+    """One line per coordinator job: how it ended, how long it took, its token counts; never its text."""
+    kind = frame.WhichOneof("frame")
+    fields = {"job_id": job_id, "outcome": kind,
+              "duration_ms": round((time.perf_counter() - started) * 1000, 3) if started else 0.0}
+    if kind == "job_done":
+        u = frame.job_done.usage
+        fields |= {"finish_reason": frame.job_done.finish_reason, "prompt_tokens": u.prompt_tokens,
+                   "completion_tokens": u.completion_tokens}
+    else:
+        fields["cause"] = pb.ErrorCause.Name(frame.job_error.cause)
+    log.info("coordinator_job", **fields)
+
+
 class SessionRejected(Exception):
     """The coordinator refused the registration."""
 
@@ -78,6 +92,7 @@ class CoordinatorSession:
         self.welcomed = asyncio.Event()
         self._unacked: dict[str, pb.ProviderFrame] = {}  # job outcomes not yet acknowledged, oldest first
         self._jobs: dict[str, asyncio.Task] = {}
+        self._started: dict[str, float] = {}  # job id -> when it was accepted, for the access log
         self._background: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
         self._draining = False
 
@@ -237,6 +252,7 @@ class CoordinatorSession:
         except JobError as e:
             self._outcome(outbox, convert.error_frame(req.job_id, e.cause, e.message), req.job_id)
             return
+        self._started[job.id] = time.perf_counter()
         task = asyncio.create_task(self._serve(job.id, self.node.run(job), req.deadline_ms, outbox))
         self._jobs[job.id] = task
         task.add_done_callback(lambda _: self._jobs.pop(job.id, None))
@@ -276,6 +292,7 @@ class CoordinatorSession:
 
     def _outcome(self, outbox: asyncio.Queue | None, frame: pb.ProviderFrame, job_id: str) -> None:
         """Record a job's single outcome until the coordinator acks it, and send it if a stream is up."""
+        _access_log(job_id, frame, self._started.pop(job_id, None))
         if len(self._unacked) >= MAX_UNACKED:  # a coordinator that never acks must not grow us forever
             self._unacked.pop(next(iter(self._unacked)))
         self._unacked[job_id] = frame

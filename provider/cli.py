@@ -15,8 +15,16 @@ from .settings import Settings, SettingsError, is_loopback
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; the service manager restarts the node
 
 
+def _config_option() -> argparse.ArgumentParser:
+    """`--config FILE`, accepted before or after any subcommand (the innermost one given wins)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", type=Path, default=argparse.SUPPRESS,
+                   help="TOML config file (default: $XDG_CONFIG_HOME/provider/config.toml)")
+    return p
+
+
 def _add_start(sub) -> None:
-    p = sub.add_parser("start", help="run the node (local API and/or coordinator session)")
+    p = sub.add_parser("start", help="run the node (local API and/or coordinator session)", parents=[_config_option()])
     p.add_argument("--local", action="store_true", help="serve a local OpenAI-compatible API")
     p.add_argument("--coordinator", help="coordinator URL (grpcs://host:port; grpc:// only on loopback)")
     p.add_argument("--model", help="model directory or Hugging Face repo id (default: the bundled model)")
@@ -27,27 +35,29 @@ def _add_start(sub) -> None:
     p.add_argument("--no-auth", dest="auth", action="store_const", const=False, help="serve without a bearer token")
     p.add_argument("--allow-unauthenticated-public", action="store_const", const=True,
                    help="with --no-auth, allow a non-loopback --bind (anyone who reaches the port can use the node)")
-    p.add_argument("--config", type=Path, help="TOML config file (default: $XDG_CONFIG_HOME/provider/config.toml)")
     p.add_argument("--log-format", choices=["auto", "console", "json"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="provider", description="Provider node for decentralized LLM inference.")
+    parser = argparse.ArgumentParser(prog="provider", description="Provider node for decentralized LLM inference.",
+                                     parents=[_config_option()])
     parser.add_argument("--version", action="version", version=f"provider {__version__}")
+    parser.set_defaults(config=None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_start(sub)
     fx = sub.add_parser("fixtures", help="write small deterministic test checkpoints into DIR")
     fx.add_argument("dir", type=Path)
-    models = sub.add_parser("models", help="list, download, delete and verify models")
-    models.add_argument("--config", type=Path)
+    config = [_config_option()]
+    models = sub.add_parser("models", help="list, download, delete and verify models", parents=config)
     msub = models.add_subparsers(dest="models_command", required=True)
-    msub.add_parser("list", help="models found, their capabilities and estimated footprint")
-    msub.add_parser("pull", help="download a Hugging Face repo into the HF cache").add_argument("repo")
-    rm = msub.add_parser("rm", help="delete a downloaded model")
+    msub.add_parser("list", help="models found (the bundled pair included), their capabilities and footprint",
+                    parents=config)
+    msub.add_parser("pull", help="download a Hugging Face repo into the HF cache", parents=config).add_argument("repo")
+    rm = msub.add_parser("rm", help="delete a downloaded model", parents=config)
     rm.add_argument("model")
     rm.add_argument("--yes", action="store_true")
-    msub.add_parser("verify", help="recompute and print the SHA-256 manifest").add_argument("model")
+    msub.add_parser("verify", help="recompute and print the SHA-256 manifest", parents=config).add_argument("model")
     bench = sub.add_parser("bench", help="speculation off vs on, k in a range, same model and prompts; JSON out")
     bench.add_argument("--model", type=Path, help="target model directory (default: the bundled model)")
     bench.add_argument("--drafter", type=Path, help="assistant or draft model (default: the bundled pair's)")
@@ -56,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts-file", help="one prompt per line instead of the built-in ones")
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--out", type=Path, default=Path("bench.json"))
-    doc = sub.add_parser("doctor", help="check platform, memory budget, models and coordinator")
-    doc.add_argument("--config", type=Path)
+    sub.add_parser("doctor", help="check platform, memory budget, models and coordinator", parents=config)
     return parser
 
 

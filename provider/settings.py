@@ -133,7 +133,11 @@ class Settings:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
 
-        path = config_file or Path(env.get(ENV_PREFIX + "CONFIG") or paths.config_file())
+        named = config_file or env.get(ENV_PREFIX + "CONFIG")
+        path = Path(named) if named else paths.config_file()
+        if named and not path.is_file():  # a file asked for by name must exist; the default one may not
+            raise SettingsError(f"config file {path} does not exist (given by "
+                                f"{'--config' if config_file else ENV_PREFIX + 'CONFIG'})")
         if path.exists():
             try:
                 data = tomllib.loads(path.read_text())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +45,8 @@ class LocalAPI:
         self.token = token
         s = node.settings
         self.limits = api.Limits(s.max_tokens_limit, s.default_max_tokens)
-        self.app = web.Application(client_max_size=s.max_body_bytes, middlewares=[self._errors, self._auth])
+        self.app = web.Application(client_max_size=s.max_body_bytes,
+                                   middlewares=[self._access, self._errors, self._preflight, self._auth])
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
@@ -53,6 +55,34 @@ class LocalAPI:
         ])
 
     # --- middlewares ----------------------------------------------------------------
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """One line per request: method, path, status, duration, and the job's id and token counts if it ran
+        one. Never the prompt or the completion."""
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            usage = request.get("usage")
+            log.info("http_request", method=request.method, path=request.path, status=status,
+                     duration_ms=round((time.perf_counter() - started) * 1000, 3), job_id=request.get("job_id"),
+                     prompt_tokens=usage.prompt_tokens if usage else None,
+                     completion_tokens=usage.completion_tokens if usage else None)
+
+    @web.middleware
+    async def _preflight(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        # CORS is off: a browser's preflight gets a clear refusal, not the 401 meant for missing tokens.
+        if request.method == "OPTIONS":
+            raise api.RequestError("cross-origin requests are not enabled on this node", status=403,
+                                   code="cors_disabled", type_="permission_error")
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -105,6 +135,7 @@ class LocalAPI:
         body = _parse_json(await _read_body(request, self.node.settings.max_body_bytes))
         req = parse(body, self.node.new_job_id(prefix), self.limits)
         job = req.job
+        request["job_id"] = job.id
         async with self.node.run(job) as stream:
             first = await anext(stream)
             if isinstance(first, Error):
@@ -112,9 +143,10 @@ class LocalAPI:
             assert isinstance(first, Accepted)
             if req.stream:
                 return await self._stream(request, stream, job.id, first.model, chat, req.include_usage)
-            return await self._collect(stream, job.id, first.model, chat)
+            return await self._collect(request, stream, job.id, first.model, chat)
 
-    async def _collect(self, stream: JobStream, job_id: str, model: str, chat: bool) -> web.Response:
+    async def _collect(self, request: web.Request, stream: JobStream, job_id: str, model: str,
+                       chat: bool) -> web.Response:
         parts: list[str] = []
         async for ev in stream:
             if isinstance(ev, Tokens):
@@ -122,6 +154,7 @@ class LocalAPI:
             elif isinstance(ev, Error):
                 raise api.error_for(ev.cause, ev.message, ev.param)
             elif isinstance(ev, Done):
+                request["usage"] = ev.usage
                 build = api.chat_response if chat else api.completion_response
                 return web.json_response(build(job_id, model, "".join(parts), ev, api.now()))
         raise api.RequestError("the job ended without a result", status=500, type_="server_error")
@@ -150,6 +183,7 @@ class LocalAPI:
             if isinstance(end, Error):
                 await send(api.error_for(end.cause, end.message, end.param).body())
             elif isinstance(end, Done):
+                request["usage"] = end.usage
                 final = (api.chat_chunk(job_id, model, created, finish_reason=end.finish_reason) if chat
                          else api.completion_chunk(job_id, model, created, finish_reason=end.finish_reason))
                 # usage + telemetry ride on the finishing chunk for every client, and on an

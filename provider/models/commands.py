@@ -15,8 +15,15 @@ from .footprint import estimate_footprint
 MiB = 1 << 20
 
 
+def _served(settings: Settings) -> list[store.StoredModel]:
+    """Exactly what `provider start` would serve: the bundled pair or --model first, then the store."""
+    from .default import primary_models
+
+    return store.discover(settings, primary_models(settings))
+
+
 def _find(settings: Settings, model_id: str) -> store.StoredModel:
-    for m in store.discover(settings):
+    for m in _served(settings):
         if m.id == model_id or m.source == model_id:
             return m
     raise SystemExit(f"provider: no model {model_id!r} here; see `provider models list`")
@@ -47,7 +54,7 @@ def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
 
 
 def cmd_list(settings: Settings, usable: int) -> int:
-    rows = [describe(settings, m, usable) for m in store.discover(settings)]
+    rows = [describe(settings, m, usable) for m in _served(settings)]
     if not rows:
         print("no models found; `provider models pull ORG/NAME` downloads one")
         return 0
