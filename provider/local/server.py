@@ -13,12 +13,15 @@ from typing import Any, Callable
 from aiohttp import web
 
 from .. import logs, paths
-from ..jobs import Accepted, Done, Error, Tokens
+from ..jobs import Accepted, Done, Error, Tokens, Usage
 from ..node import JobStream, Node
 from . import openai_api as api
 
 log = logs.get("local")
 TOKEN_FILE = "local-api-token"
+# What the access line reports of a request that ran a job.
+JOB_ID = web.RequestKey("job_id", str)
+USAGE = web.RequestKey("usage", Usage)
 
 
 def load_or_mint_token(state_dir: Path | None = None) -> tuple[str, Path]:
@@ -70,9 +73,9 @@ class LocalAPI:
             status = e.status
             raise
         finally:
-            usage = request.get("usage")
+            usage = request.get(USAGE)
             log.info("http_request", method=request.method, path=request.path, status=status,
-                     duration_ms=round((time.perf_counter() - started) * 1000, 3), job_id=request.get("job_id"),
+                     duration_ms=round((time.perf_counter() - started) * 1000, 3), job_id=request.get(JOB_ID),
                      prompt_tokens=usage.prompt_tokens if usage else None,
                      completion_tokens=usage.completion_tokens if usage else None)
 
@@ -135,7 +138,7 @@ class LocalAPI:
         body = _parse_json(await _read_body(request, self.node.settings.max_body_bytes))
         req = parse(body, self.node.new_job_id(prefix), self.limits)
         job = req.job
-        request["job_id"] = job.id
+        request[JOB_ID] = job.id
         async with self.node.run(job) as stream:
             first = await anext(stream)
             if isinstance(first, Error):
@@ -154,7 +157,7 @@ class LocalAPI:
             elif isinstance(ev, Error):
                 raise api.error_for(ev.cause, ev.message, ev.param)
             elif isinstance(ev, Done):
-                request["usage"] = ev.usage
+                request[USAGE] = ev.usage
                 build = api.chat_response if chat else api.completion_response
                 return web.json_response(build(job_id, model, "".join(parts), ev, api.now()))
         raise api.RequestError("the job ended without a result", status=500, type_="server_error")
@@ -183,7 +186,7 @@ class LocalAPI:
             if isinstance(end, Error):
                 await send(api.error_for(end.cause, end.message, end.param).body())
             elif isinstance(end, Done):
-                request["usage"] = end.usage
+                request[USAGE] = end.usage
                 final = (api.chat_chunk(job_id, model, created, finish_reason=end.finish_reason) if chat
                          else api.completion_chunk(job_id, model, created, finish_reason=end.finish_reason))
                 # usage + telemetry ride on the finishing chunk for every client, and on an
