@@ -125,13 +125,14 @@ def _start(args: argparse.Namespace) -> int:
     except SettingsError as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
         return 2
-    if args.local and not settings.auth and not is_loopback(settings.bind) and not settings.allow_unauthenticated_public:
+    public_without_auth = args.local and not settings.auth and not is_loopback(settings.bind)
+    if public_without_auth and not settings.allow_unauthenticated_public:
         print(f"provider: refusing to start: auth is off and --bind {settings.bind} is not a loopback address, so "
               "anyone who reaches the port could use the node; drop --no-auth, bind to 127.0.0.1, or pass "
               "--allow-unauthenticated-public if that is really meant", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
-    if args.local and not settings.auth and not is_loopback(settings.bind):
+    if public_without_auth:
         logs.get("cli").warning("unauthenticated_public_api", bind=settings.bind)
         print(f"provider: WARNING: serving without auth on {settings.bind}; anyone who reaches the port can use "
               "this node", file=sys.stderr)

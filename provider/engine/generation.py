@@ -14,7 +14,6 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from ..jobs import Cause, Done, Event, Job, JobError, Tokens, Usage
-from ..speculation import SpecMode
 from ..telemetry import FinishReason, SpecTelemetry, Telemetry
 from ..models.loader import LoadedModel
 from .. import speculation
@@ -25,17 +24,11 @@ from .stops import StopMatcher
 class Generation:
     def __init__(self, job: Job, lm: LoadedModel, prompt: list[int], *, prefill_step_size: int, arrived: float,
                  config: speculation.SpeculationConfig):
-        room = lm.context_length - len(prompt)
-        if room < 1:
-            raise JobError(
-                Cause.CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt is {len(prompt)} tokens but {lm.id} has a context of {lm.context_length}; "
-                "shorten the prompt",
-            )
         self.job = job
         self.model_id = lm.id
         self.prompt_tokens = len(prompt)
-        self.max_tokens = min(job.sampling.max_tokens, room)
+        # provider.prompts refused prompts that leave no room; generate only up to the context.
+        self.max_tokens = min(job.sampling.max_tokens, lm.context_length - len(prompt))
         self.completion_tokens = 0
         self._seq = 0
         policy = speculation.effective_policy(config.policy, job.speculation)
@@ -117,9 +110,11 @@ class Generation:
         end = time.perf_counter()
         first = self.t_first
         decode_s = (self.t_last - first) if first is not None and self.t_last is not None else 0.0
+        spec = (self.spec_stats.telemetry() if self.spec_stats
+                else SpecTelemetry(speculation.SpecMode.OFF, self.plan.reason))
         return Telemetry(
             finish_reason=finish_reason,
-            speculation=self.spec_stats.telemetry() if self.spec_stats else SpecTelemetry(SpecMode.OFF, self.plan.reason),
+            speculation=spec,
             ttft_ms=round((first - self.t_arrived) * 1000, 3) if first is not None else None,
             queue_ms=round((self.t_started - self.t_arrived) * 1000, 3),
             total_ms=round((end - self.t_arrived) * 1000, 3),
