@@ -89,7 +89,7 @@ def done_frame(ev: Done) -> pb.ProviderFrame:
     return pb.ProviderFrame(job_done=pb.JobDone(
         job_id=ev.job_id, finish_reason=ev.finish_reason.value,
         usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                       total_tokens=u.total_tokens),
+                       total_tokens=u.total_tokens, cached_prompt_tokens=u.cached_prompt_tokens),
         telemetry=telemetry_to_pb(ev.telemetry)))
 
 

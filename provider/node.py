@@ -26,7 +26,7 @@ from .models.residency import Residency
 from .prompts import PromptPreparer
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
-from .status import Counters, NodeStatus, Platform
+from .status import Counters, NodeStatus, Platform, QueueStatus
 
 log = logs.get("node")
 
@@ -128,6 +128,7 @@ class Node:
             max_concurrent=settings.max_concurrent_jobs,
             max_queued=settings.max_queued_jobs,
             prefill_step_size=settings.prefill_step_size,
+            prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)),
         )
         self.catalog = models.catalog
         self.prompts = PromptPreparer(self.catalog.checkpoint)
@@ -178,7 +179,8 @@ class Node:
             models=tuple(self.models.statuses()), memory=self.models.memory_status(self._platform_memory),
             active_jobs=stats.active, queued_jobs=stats.queued, max_concurrent_jobs=self.settings.max_concurrent_jobs,
             counters=Counters(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(Counters)}),
-            platform=self._platform, last_tick=engine.last_tick)
+            platform=self._platform, last_tick=engine.last_tick,
+            queue=QueueStatus(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(QueueStatus)}))
 
     def run(self, job: Job) -> JobStream:
         """Submit a job; its prompt is checked against its model and tokenized off the engine thread."""

@@ -27,6 +27,7 @@ log = logs.get("prompts")
 class Prepared:
     job: Job  # its sampling fitted to the model
     prompt: tuple[int, ...]  # token ids, templated
+    shared_prefix: int = 0  # tokens of the leading system messages, a prefix other chats are likely to share
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,34 @@ class PromptPreparer:
                 "tokenizer); shorten the prompt", where)
         with m.lock:
             ids = encode_prompt(job, m.tokenizer)
+            shared = system_prefix_length(job, m.tokenizer, ids)
         if len(ids) >= m.context_length:  # at least one token of room to generate
             raise JobError(
                 Cause.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt is {len(ids)} tokens but {job.model} has a context of {m.context_length}; "
                 "shorten the prompt", where)
-        return Prepared(replace(job, sampling=sampling), tuple(ids))
+        return Prepared(replace(job, sampling=sampling), tuple(ids), shared)
+
+
+def system_prefix_length(job: Job, tok: Any, ids: list[int]) -> int:
+    """How many leading tokens of `ids` render the leading system messages, found as mlx_lm.server does:
+    template the system messages before an empty user turn and keep what agrees with the prompt. Those
+    tokens' KV is kept apart so the next chat with the same system prompt reuses it."""
+    if not job.messages or job.messages[-1].get("role") != "user":
+        return 0
+    system = [m for m in job.messages[: next((i for i, m in enumerate(job.messages) if m.get("role") != "system"),
+                                             len(job.messages))]]
+    if not system:
+        return 0
+    try:
+        rendered = tok.apply_chat_template([*system, {"role": "user", "content": ""}], add_generation_prompt=False,
+                                           tokenize=True)
+        if isinstance(rendered, dict):
+            rendered = rendered["input_ids"]
+    except Exception:  # a template that refuses this shape: no shared prefix, nothing lost
+        return 0
+    n = next((i for i, (a, b) in enumerate(zip(rendered, ids)) if a != b), min(len(rendered), len(ids)))
+    return n if 0 < n < len(ids) - 1 else 0
 
 
 def encode_prompt(job: Job, tok: Any) -> list[int]:

@@ -87,11 +87,15 @@ class Settings:
     healthy_session_s: float = field(default=10.0, metadata=_range(0, 3600))
 
     # Engine.
-    max_concurrent_jobs: int = field(default=4, metadata=_range(1, 256))
+    # Jobs decoding at once (one batch per model); each is also admitted only if its KV fits the memory budget.
+    max_concurrent_jobs: int = field(default=32, metadata=_range(1, 256))
     max_queued_jobs: int = field(default=256, metadata=_range(0, 100_000))
     max_tokens_limit: int = field(default=32768, metadata=_range(1, 1 << 20))
     default_max_tokens: int = field(default=1024, metadata=_range(1, 1 << 20))
-    prefill_step_size: int = field(default=2048, metadata=_range(16, 1 << 16))
+    # Prompt tokens per prefill chunk; decoding streams wait about one chunk while another job prefills.
+    prefill_step_size: int = field(default=512, metadata=_range(16, 1 << 16))
+    # KV of recent prompts kept per model for prefix reuse (dropped first when the budget needs room); 0: off.
+    prefix_cache_gb: float = field(default=1.0, metadata=_range(0, 4096))
     # On SIGTERM/Ctrl-C, in-flight jobs get this long to finish before they are cancelled.
     shutdown_grace_s: float = field(default=10.0, metadata=_range(0, 3600))
 

@@ -31,6 +31,7 @@ class SpecMode(str, enum.Enum):
 # Why a target has no drafter; the stable reasons telemetry carries.
 NOT_MTP_CAPABLE, NO_DRAFTER, INSUFFICIENT_HEADROOM, POLICY_OFF = (
     "not_mtp_capable", "no_drafter", "insufficient_headroom", "policy_off")
+BATCH_TOO_LARGE = "batch_too_large"  # other jobs share the model: the job decodes in their batch instead
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ def ineligibility(sampling: "SamplingParams") -> str | None:
 
 
 def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_reason: str,
-         sampling: "SamplingParams", k: int) -> SpecPlan:
-    """One job's plan. `drafter_mode` is the loaded drafter's, or None with `drafter_reason` saying why."""
+         sampling: "SamplingParams", k: int, sharing: int = 0, max_batch: int = 1) -> SpecPlan:
+    """One job's plan. `drafter_mode` is the loaded drafter's, or None with `drafter_reason` saying why.
+    `sharing` jobs already run on the model; under `auto`, a job speculates only while the model's jobs
+    number at most `max_batch` (speculating rows run alone, so past that the batch's throughput wins)."""
     if policy == Policy.OFF:
         return SpecPlan(SpecMode.OFF, POLICY_OFF)
     if drafter_mode is None:
@@ -98,4 +101,6 @@ def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_r
     why = ineligibility(sampling)
     if why is not None:
         return SpecPlan(SpecMode.OFF, f"ineligible_request:{why}")
+    if policy == Policy.AUTO and sharing + 1 > max_batch:
+        return SpecPlan(SpecMode.OFF, BATCH_TOO_LARGE)
     return SpecPlan(SpecMode(drafter_mode), "ok", k)

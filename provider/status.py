@@ -43,10 +43,13 @@ class MemoryStatus:
     reserve_bytes: int
     usable_bytes: int
     source: str  # where the budget came from
-    reserved_bytes: int  # what resident models hold in the budget
-    free_bytes: int  # usable minus reserved: what a load may take
+    reserved_bytes: int  # models + jobs' KV + prefix caches
+    free_bytes: int  # usable minus reserved: what a load or a job's KV may take
     mlx_active_bytes: int
     mlx_peak_bytes: int
+    models_bytes: int = 0  # resident models' weights, activations and drafters
+    jobs_kv_bytes: int = 0  # KV admitted for running jobs (prompt + max_tokens each)
+    prefix_cache_bytes: int = 0  # KV kept for prefix reuse (dropped first when room is needed)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,16 @@ class Counters:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_target_forwards: int = 0
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    waiting_for_memory: int = 0  # queued jobs whose KV does not fit until running jobs finish
+    oldest_wait_s: float = 0.0  # how long the longest-waiting queued job has waited
+    batch_steps: int = 0  # batched decode steps run
+    batch_rows: int = 0  # rows decoded over those steps (batch_rows / batch_steps: the mean batch size)
+    prefix_hits: int = 0  # jobs that reused a cached prompt prefix
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,7 @@ class NodeStatus:
     counters: Counters
     platform: Platform
     last_tick: float  # monotonic time of the engine loop's last pass (the service watchdog reads it)
+    queue: QueueStatus = QueueStatus()  # the queue and batching, from the engine
 
     @property
     def draining(self) -> bool:

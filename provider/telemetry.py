@@ -47,9 +47,10 @@ class Telemetry:
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None  # after the first token
     peak_memory_bytes: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ttft_ms": self.ttft_ms, "queue_ms": self.queue_ms, "total_ms": self.total_ms,
+        return {"ttft_ms": self.ttft_ms, "cached_prompt_tokens": self.cached_prompt_tokens, "queue_ms": self.queue_ms, "total_ms": self.total_ms,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
                 "peak_memory_bytes": self.peak_memory_bytes, "finish_reason": self.finish_reason.value,
                 "speculation": self.speculation.as_dict()}

@@ -1,6 +1,6 @@
 """Memory decisions are pure functions over plain numbers."""
 
-from provider.memory.admission import Resident, idle_to_unload, plan_load
+from provider.memory.admission import ADMIT, NEVER, WAIT, Resident, idle_to_unload, plan_job, plan_load
 from provider.memory.budget import SystemFacts, decide_budget
 
 GB = 1 << 30
@@ -49,3 +49,52 @@ def test_idle_timeout():
     residents = [Resident("a", 1, False, 0.0), Resident("b", 1, True, 0.0), Resident("c", 1, False, 95.0)]
     assert idle_to_unload(residents, now=100.0, idle_timeout=10) == ["a"]
     assert idle_to_unload(residents, now=100.0, idle_timeout=0) == []
+
+
+def test_a_job_is_admitted_from_free_memory_then_from_prefix_caches_then_by_evicting_idle_models():
+    residents = [Resident("m", 50, True, 1.0), Resident("idle", 20, False, 0.5)]
+    assert plan_job(10, 100, residents, "m", jobs_kv=10, prefix_bytes=5).decision == ADMIT  # 15 free
+    from_prefix = plan_job(20, 100, residents, "m", jobs_kv=10, prefix_bytes=10)  # 10 free + 10 of prefixes
+    assert from_prefix.decision == ADMIT and from_prefix.prefix_keep == 0 and not from_prefix.evict
+    partly = plan_job(14, 100, residents, "m", jobs_kv=10, prefix_bytes=10)
+    assert partly.prefix_keep == 6  # only what it needs is dropped
+    evicting = plan_job(35, 100, residents, "m", jobs_kv=10, prefix_bytes=5)
+    assert evicting.decision == ADMIT and evicting.evict == ("idle",) and evicting.prefix_keep == 0
+
+
+def test_a_job_waits_for_running_jobs_and_is_refused_only_when_it_could_never_fit():
+    residents = [Resident("m", 50, True, 1.0), Resident("other", 30, True, 0.5)]  # busy: not evictable
+    wait = plan_job(30, 100, residents, "m", jobs_kv=15, prefix_bytes=0)
+    assert wait.decision == WAIT and wait.free == 5
+    assert plan_job(50, 100, residents, "m", jobs_kv=0, prefix_bytes=0).decision == WAIT  # once "other" goes
+    never = plan_job(51, 100, residents, "m", jobs_kv=0, prefix_bytes=0)
+    assert never.decision == NEVER and "MiB" in never.message("m")
+
+
+def test_a_job_waiting_for_memory_is_passed_over_a_bounded_number_of_times():
+    import concurrent.futures
+
+    from provider.engine.waiting import MAX_PASSED_OVER, Pending, Verdict, WaitingJobs
+    from provider.jobs import Job, SamplingParams
+
+    def pending(name):
+        ready = concurrent.futures.Future()
+        ready.set_result(None)
+        return Pending(Job(name, "m", SamplingParams(max_tokens=1), prompt="x"), print, 0.0, ready)
+
+    line = WaitingJobs()
+    big = pending("big")
+    line.append(big)
+    started = []
+
+    def try_start(p):
+        if p is big:
+            return Verdict.WAIT
+        started.append(p.job.id)
+        return Verdict.STARTED
+
+    for i in range(MAX_PASSED_OVER + 3):
+        line.append(pending(f"small{i}"))
+        line.start_in_order(try_start)
+    assert started == [f"small{i}" for i in range(MAX_PASSED_OVER)]  # then the big one blocks the line
+    assert big.passed_over == MAX_PASSED_OVER and line.waiting_for_memory == 1 and len(line) == 4

@@ -1,9 +1,12 @@
-"""The engine loop: one thread owns MLX and advances every active job one token per pass.
+"""The engine loop: one thread owns MLX. Each pass is, per model, one batched step over that model's jobs
+(one decode forward for every decoding row and at most one prefill chunk: provider.engine.batch), plus one
+round of each job that speculates on its own.
 
-Front ends hand jobs in through a thread-safe inbox and receive events through
-a sink callback (called on this thread; it must not block). A job waits, in
-arrival order, until its prompt is prepared off this thread. Cancels are read
-between decode steps, so a cancelled job stops within one step.
+Front ends hand jobs in through a thread-safe inbox and receive events through a sink callback (called on
+this thread; it must not block). A job waits, in arrival order, until its prompt is prepared off this
+thread, its model is resident and its KV fits the memory budget (Residency.admit_job): a job that could
+never fit is refused with the numbers; one that must wait may be passed over by later jobs a bounded
+number of times (provider.engine.waiting). Cancels are read between steps, so a cancelled job stops within one step.
 
 Supervised: whatever one job raises fails that job alone. If the loop itself
 dies, the engine is `failed`: every job, queued or new, gets a typed error at
@@ -12,10 +15,8 @@ once, and `on_failure` tells the owner, who exits for its supervisor to restart.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import queue
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -23,23 +24,18 @@ from typing import Callable
 
 from .. import logs
 from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
+from ..memory.admission import NEVER, WAIT
 from ..models.residency import Residency
 from ..prompts import Prepared
 from ..telemetry import NOT_STARTED, FinishReason
-from .generation import Generation
+from . import generation
+from .running import Running, restore_random_state
+from .waiting import Pending, Verdict, WaitingJobs
 
 Sink = Callable[[Event], None]
 log = logs.get("engine")
 DRAINING_MESSAGE = "the node is draining and accepts no new jobs; retry elsewhere"
 FAILED_MESSAGE = "the node's engine stopped after an internal failure ({}); the node is restarting, retry elsewhere"
-
-
-@dataclass
-class _Pending:
-    job: Job
-    sink: Sink
-    arrived: float
-    prepared: concurrent.futures.Future  # of Prepared: the prompt, tokenized off the engine thread
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ class _Stop:
 
 _WAKE = object()  # a prompt or a model became ready: look at the queue again
 
-# The inbox carries _Pending (a submitted job), _Cancel, _Stop and _WAKE.
+# The inbox carries Pending (a submitted job), _Cancel, _Stop and _WAKE.
 
 
 @dataclass
@@ -68,19 +64,24 @@ class EngineStats:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_target_forwards: int = 0
+    waiting_for_memory: int = 0
+    oldest_wait_s: float = 0.0
+    batch_steps: int = 0
+    batch_rows: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class Engine:
-    def __init__(self, models: Residency, *, max_concurrent: int, max_queued: int, prefill_step_size: int):
+    def __init__(self, models: Residency, *, max_concurrent: int, max_queued: int, prefill_step_size: int,
+                 prefix_cache_bytes: int = 0):
         self.models = models
         self._max_concurrent = max_concurrent
         self._max_queued = max_queued
-        self._prefill_step_size = prefill_step_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: collections.deque[_Pending] = collections.deque()
-        self._active: dict[str, tuple[Generation, Sink]] = {}
-        # Jobs whose model is loading on the loader thread; they hold no decode slot meanwhile.
-        self._loading: list[tuple[_Pending, concurrent.futures.Future]] = []
+        self._waiting = WaitingJobs()
+        self._running = Running(prefill_step_size=prefill_step_size, max_rows=max_concurrent,
+                                prefix_cache_bytes=prefix_cache_bytes)
         self._next_idle_check = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._draining = threading.Event()
@@ -106,12 +107,11 @@ class Engine:
                 _safe(sink, Error(job.id, Cause.DRAINING, DRAINING_MESSAGE))
             else:
                 prepared = prepare(job)
-                self._inbox.put(_Pending(job, sink, time.perf_counter(), prepared))
+                self._inbox.put(Pending(job, sink, time.perf_counter(), prepared))
                 prepared.add_done_callback(lambda _: self._inbox.put(_WAKE))
 
     def cancel(self, job_id: str) -> None:
         self._inbox.put(_Cancel(job_id))
-
 
     def drain(self) -> None:
         """Accept no new jobs; in-flight and queued ones run to the end."""
@@ -123,7 +123,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self._active and not self._waiting and not self._loading
+        return not len(self._running) and not len(self._waiting)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread."""
@@ -144,20 +144,19 @@ class Engine:
             self.failure = why
         log.critical("engine_failed", error=why)
         message = FAILED_MESSAGE.format(why)
-        sinks = {job_id: sink for job_id, (_, sink) in self._active.items()}
-        sinks |= {p.job.id: p.sink for p in [*self._waiting, *(p for p, _ in self._loading)]}
+        sinks = self._running.sinks()
+        sinks |= {p.job.id: p.sink for p in self._waiting.all()}
         while True:  # jobs submitted but never read
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(msg, _Pending):
+            if isinstance(msg, Pending):
                 sinks[msg.job.id] = msg.sink
         for job_id, sink in sinks.items():
             _safe(sink, Error(job_id, Cause.INTERNAL, message))
-        self._active.clear()
-        self._waiting.clear()
-        self._loading.clear()
+        self._running.clear()
+        self._waiting = WaitingJobs()
         self._update_counts()
         if self.on_failure is not None:
             try:
@@ -167,29 +166,23 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            self._pump(block=not self._active and not any(p.prepared.done() for p in self._waiting))
+            # With nothing running, sleep until a message: a prompt or a model ready, a submit, a cancel.
+            self._pump(block=not len(self._running))
             if self._stop_at is not None and (time.monotonic() >= self._stop_at or self.idle):
                 break
             self._admit()
             if time.monotonic() >= self._next_idle_check:
                 self.models.unload_idle()
+                self._running.keep_prefix_caches_of(set(self.models.resident()))
                 self._next_idle_check = time.monotonic() + 1.0
-            for job_id, (gen, sink) in list(self._active.items()):
-                try:
-                    events = gen.step()
-                except Exception as e:  # a bug or MLX failure (in a forward, sampler, processor) ends this job
-                    log.exception("job_step_failed", job_id=job_id)
-                    _restore_random_state()
-                    gen.close()
-                    events = [Error(job_id, Cause.INTERNAL, f"generation failed: {type(e).__name__}")]
-                self._deliver(gen.model_id, events, sink)
+            for events, sink in self._running.step():
+                self._deliver(events, sink)
+            self.models.prefix_bytes = self._running.prefix_bytes
             self.last_tick = time.monotonic()
-        for job_id in list(self._active):
+        for job_id in self._running.job_ids():
             self._cancel(job_id)
-        while self._waiting:
-            self._cancel(self._waiting[0].job.id)
-        while self._loading:
-            self._cancel(self._loading[0][0].job.id)
+        while (p := self._waiting.pop_any()) is not None:
+            self._cancelled_before_start(p)
 
     def _pump(self, block: bool) -> None:
         try:
@@ -198,7 +191,7 @@ class Engine:
             self.last_tick = time.monotonic()
             return
         while True:
-            if isinstance(msg, _Pending):
+            if isinstance(msg, Pending):
                 self._enqueue(msg)
             elif isinstance(msg, _Cancel):
                 self._cancel(msg.job_id)
@@ -210,86 +203,92 @@ class Engine:
                 break
         self._update_counts()
 
-    def _enqueue(self, p: _Pending) -> None:
+    def _enqueue(self, p: Pending) -> None:
         if self.draining:
             _safe(p.sink, Error(p.job.id, Cause.DRAINING, DRAINING_MESSAGE))
-        elif len(self._waiting) + len(self._loading) >= self._max_queued + max(0, self._max_concurrent - len(self._active)):
+        elif len(self._waiting) >= self._max_queued + max(0, self._max_concurrent - len(self._running)):
             _safe(p.sink, Error(p.job.id, Cause.OVERLOADED, f"the queue is full ({self._max_queued} jobs); retry later"))
         else:
             self._waiting.append(p)
 
     def _admit(self) -> None:
-        for p, fut in [x for x in self._loading if x[1].done()]:
-            self._loading.remove((p, fut))
-            error = fut.exception()
-            if error is None:
-                self._waiting.appendleft(p)
-            else:
-                self._fail(p, error if isinstance(error, JobError) else JobError(Cause.MODEL_LOAD_FAILED, str(error)))
-        # First come, first served among jobs whose prompt is ready; one still tokenizing keeps its place.
-        for p in list(self._waiting):
-            if len(self._active) >= self._max_concurrent:
-                break
-            if not p.prepared.done():
-                continue
-            self._waiting.remove(p)
-            try:
-                prepared = p.prepared.result()
-                loaded = self.models.request(prepared.job.model)
-            except Exception as e:
-                self._fail(p, _as_job_error(e))
-                continue
-            if isinstance(loaded, concurrent.futures.Future):
-                self._loading.append((p, loaded))
-                loaded.add_done_callback(lambda _: self._inbox.put(_WAKE))
-                continue
-            self._start(p, prepared, loaded.id)
+        for p, error in self._waiting.loads_ended():
+            self._fail(p, error if isinstance(error, JobError) else JobError(Cause.MODEL_LOAD_FAILED, str(error)))
+        self._waiting.start_in_order(self._try_start)
+        self.stats.waiting_for_memory = self._waiting.waiting_for_memory
         self._update_counts()
 
-    def _start(self, p: _Pending, prepared: Prepared, model_id: str) -> None:
-        lm = self.models.acquire(model_id)
+    def _try_start(self, p: Pending) -> Verdict:
+        if len(self._running) >= self._max_concurrent:
+            return Verdict.FULL
         try:
-            gen = Generation(prepared.job, lm, list(prepared.prompt), prefill_step_size=self._prefill_step_size,
-                             arrived=p.arrived, config=self.models.speculation)
+            prepared = p.prepared.result()
+            loaded = self.models.request(prepared.job.model)
+        except Exception as e:
+            self._fail(p, _as_job_error(e))
+            return Verdict.GONE
+        if isinstance(loaded, concurrent.futures.Future):
+            self._running.trim_prefix_caches(0)  # prefix caches go before any model is evicted to make room
+            self.models.prefix_bytes = 0
+            self._waiting.park(p, loaded)
+            loaded.add_done_callback(lambda _: self._inbox.put(_WAKE))
+            return Verdict.GONE
+        max_tokens = min(prepared.job.sampling.max_tokens, loaded.context_length - len(prepared.prompt))
+        admission = self.models.admit_job(p.job.id, loaded.id, len(prepared.prompt) + max_tokens)
+        if admission.decision == NEVER:
+            self._fail(p, JobError(Cause.INSUFFICIENT_MEMORY, admission.message(loaded.id)))
+            return Verdict.GONE
+        if admission.decision == WAIT:
+            return Verdict.WAIT
+        self._running.trim_prefix_caches(admission.prefix_keep)
+        self.models.prefix_bytes = self._running.prefix_bytes
+        return Verdict.STARTED if self._start(p, prepared, loaded.id, max_tokens) else Verdict.GONE
+
+    def _start(self, p: Pending, prepared: Prepared, model_id: str, max_tokens: int) -> bool:
+        lm = self.models.acquire(model_id)
+        job, prompt = prepared.job, list(prepared.prompt)
+        try:
+            plan = generation.job_plan(job, lm, self.models.speculation, sharing=self._running.on_model(model_id))
+            self._running.start(job, p.sink, lm, prompt, max_tokens=max_tokens, arrived=p.arrived, plan=plan,
+                                shared_prefix=prepared.shared_prefix)
         except Exception as e:
             self.models.release(model_id)
+            self.models.release_job(job.id)
             self._fail(p, _as_job_error(e))
-            return
-        self._active[p.job.id] = (gen, p.sink)
-        _safe(p.sink, Accepted(p.job.id, lm.id, gen.prompt_tokens))
-        log.info("job_started", job_id=p.job.id, model=lm.id, prompt_tokens=gen.prompt_tokens)
+            return False
+        _safe(p.sink, Accepted(job.id, lm.id, len(prompt)))
+        log.info("job_started", job_id=job.id, model=lm.id, prompt_tokens=len(prompt), speculation=plan.reason)
+        return True
 
-    def _fail(self, p: _Pending, e: JobError) -> None:
+    def _fail(self, p: Pending, e: JobError) -> None:
         self.stats.jobs_failed += 1
         log.info("job_rejected", job_id=p.job.id, cause=e.cause.value)
         _safe(p.sink, Error.of(p.job.id, e))
 
     def _cancel(self, job_id: str) -> None:
-        if job_id in self._active:
-            gen, sink = self._active[job_id]
-            self._deliver(gen.model_id, gen.finish(FinishReason.CANCELLED), sink)
+        delivery = self._running.cancel(job_id)
+        if delivery is not None:
+            self._deliver(*delivery)
             return
-        parked = [p for p, _ in self._loading]
-        for p in [*self._waiting, *parked]:
-            if p.job.id == job_id:
-                if p in self._waiting:
-                    self._waiting.remove(p)
-                    p.prepared.cancel()
-                else:
-                    self._loading = [x for x in self._loading if x[0] is not p]
-                done = Done(job_id, FinishReason.CANCELLED, Usage(0, 0), NOT_STARTED)
-                self.stats.jobs_cancelled += 1
-                _safe(p.sink, done)
-                break
+        p = self._waiting.remove(job_id)
+        if p is not None:
+            self._cancelled_before_start(p)
         self._update_counts()
 
-    def _deliver(self, model_id: str, events: list[Event], sink: Sink) -> None:
+    def _cancelled_before_start(self, p: Pending) -> None:
+        self.stats.jobs_cancelled += 1
+        _safe(p.sink, Done(p.job.id, FinishReason.CANCELLED, Usage(0, 0), NOT_STARTED))
+
+    def _deliver(self, events: list[Event], sink: Sink) -> None:
         for ev in events:
-            _safe(sink, ev)
             if not isinstance(ev, (Done, Error)):
+                _safe(sink, ev)
                 continue
-            self._active.pop(ev.job_id, None)
-            self.models.release(model_id)
+            # Accounted before the sink hears of it: whoever reads the status next sees the job gone.
+            model_id = self._running.ended(ev.job_id)
+            if model_id is not None:
+                self.models.release(model_id)
+            self.models.release_job(ev.job_id)
             if isinstance(ev, Error):
                 self.stats.jobs_failed += 1
                 log.info("job_finished", job_id=ev.job_id, model=model_id, cause=ev.cause.value)
@@ -304,29 +303,25 @@ class Engine:
                 self.stats.spec_accepted += spec.accepted
                 self.stats.spec_target_forwards += spec.target_forwards
                 log.info("job_finished", job_id=ev.job_id, model=model_id, finish_reason=ev.finish_reason.value,
-                         completion_tokens=ev.usage.completion_tokens, ttft_ms=t.ttft_ms,
-                         decode_tokens_per_s=t.decode_tokens_per_s, speculation=spec.as_dict())
+                         completion_tokens=ev.usage.completion_tokens, cached_prompt_tokens=t.cached_prompt_tokens,
+                         ttft_ms=t.ttft_ms, decode_tokens_per_s=t.decode_tokens_per_s, speculation=spec.as_dict())
             self._update_counts()
+            _safe(sink, ev)
 
     def _update_counts(self) -> None:
-        self.stats.active = len(self._active)
-        self.stats.queued = len(self._waiting) + len(self._loading)
+        self.stats.active = len(self._running)
+        for name in ("batch_steps", "batch_rows", "prefix_hits", "prefix_hit_tokens"):
+            setattr(self.stats, name, getattr(self._running, name))
+        self.stats.queued = len(self._waiting)
+        self.stats.oldest_wait_s = self._waiting.oldest_wait_s()
 
 
 def _as_job_error(e: Exception) -> JobError:
     if isinstance(e, JobError):
         return e
     log.error("job_start_failed", error=type(e).__name__, exc_info=e)
-    _restore_random_state()
+    restore_random_state()
     return JobError(Cause.INTERNAL, f"the job could not start: {type(e).__name__}")
-
-
-def _restore_random_state() -> None:
-    """A compiled sampler that raised mid-trace leaves MLX's global random state holding a placeholder,
-    and every later draw from it fails; jobs sample from keys of their own, but reseed to be sure."""
-    import mlx.core as mx
-
-    mx.random.seed(secrets.randbits(63))
 
 
 def _safe(sink: Sink, ev: Event) -> None:

@@ -241,6 +241,7 @@ def health_body(st: NodeStatus) -> dict[str, Any]:
         "memory": dataclasses.asdict(st.memory),
         "active_jobs": st.active_jobs,
         "queued_jobs": st.queued_jobs,
+        "queue": dataclasses.asdict(st.queue),
         "counters": dataclasses.asdict(st.counters),
     }
 

@@ -55,3 +55,44 @@ def idle_to_unload(residents: list[Resident], now: float, idle_timeout: float) -
     if idle_timeout <= 0:
         return []
     return [r.id for r in residents if not r.busy and now - r.last_used >= idle_timeout]
+
+
+ADMIT, WAIT, NEVER = "admit", "wait", "never"
+
+
+@dataclass(frozen=True)
+class JobAdmission:
+    decision: str  # admit | wait (until running jobs finish) | never (it could not fit even alone)
+    needed: int  # the job's KV bytes
+    free: int  # free now: usable minus resident models, running jobs' KV and the prefix caches
+    usable: int
+    prefix_keep: int  # bytes the prefix caches may keep (less than they hold when they must make room)
+    evict: tuple[str, ...]  # idle models to unload first, least recently used first
+
+    def message(self, model_id: str) -> str:
+        mib = 1 << 20
+        return (f"this job needs {self.needed / mib:.1f} MiB of KV cache on {model_id} (prompt + max_tokens), "
+                f"more than the {self.usable / mib:.1f} MiB budget leaves beside the model itself; lower "
+                "max_tokens or shorten the prompt, or raise memory_budget_gb / memory_fraction")
+
+
+def plan_job(needed: int, usable: int, residents: list[Resident], model_id: str, jobs_kv: int,
+             prefix_bytes: int) -> JobAdmission:
+    """Admit a job whose KV takes `needed` bytes on the resident model `model_id`: from what is free, then by
+    dropping prefix caches, then by evicting idle models (LRU first). Otherwise it waits for running jobs,
+    unless even an otherwise empty node could not hold it."""
+    held = sum(r.bytes for r in residents)
+    free = usable - held - jobs_kv - prefix_bytes
+    if free >= needed:
+        return JobAdmission(ADMIT, needed, free, usable, prefix_bytes, ())
+    if free + prefix_bytes >= needed:
+        return JobAdmission(ADMIT, needed, free, usable, prefix_bytes - (needed - free), ())
+    room, evict = free + prefix_bytes, []
+    for r in sorted((r for r in residents if not r.busy and r.id != model_id), key=lambda r: r.last_used):
+        evict.append(r.id)
+        room += r.bytes
+        if room >= needed:
+            return JobAdmission(ADMIT, needed, free, usable, 0, tuple(evict))
+    own = sum(r.bytes for r in residents if r.id == model_id)
+    decision = NEVER if needed > usable - own else WAIT
+    return JobAdmission(decision, needed, free, usable, prefix_bytes, ())

@@ -14,8 +14,9 @@ from .loader import context_length
 @dataclass(frozen=True)
 class Footprint:
     weights: int
-    kv: int  # one sequence of kv_reserve_tokens (sliding layers capped at their window)
+    kv: int  # one sequence of kv_reserve_tokens (sliding layers capped at their window): the load gate
     activations: int
+    kv_shape: estimate.KVShape  # per-token KV, from which each job's KV is admitted
 
     @property
     def total(self) -> int:
@@ -27,8 +28,8 @@ def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step
     weights = estimate.weight_bytes(config, tensors)
     dtype_bytes = _dominant_float_bytes(tensors)
     tokens = min(kv_tokens, context_length(config))
-    return Footprint(weights, estimate.kv_shape(config, dtype_bytes).bytes_for(tokens),
-                     estimate.activation_bytes(config, prefill_step))
+    shape = estimate.kv_shape(config, dtype_bytes)
+    return Footprint(weights, shape.bytes_for(tokens), estimate.activation_bytes(config, prefill_step), shape)
 
 
 def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import logs
 from ..jobs import Cause, JobError
-from ..memory.admission import Resident, idle_to_unload, plan_load
+from ..memory.admission import ADMIT, JobAdmission, Resident, idle_to_unload, plan_job, plan_load
 from ..memory.budget import Budget
 from ..speculation import INSUFFICIENT_HEADROOM, SpecMode, SpeculationConfig, plan_drafter
 from ..status import MemoryStatus, ModelStatus
@@ -51,10 +51,12 @@ class _Entry:
 
     @property
     def bytes(self) -> int:
+        """What the model holds: weights, activations, drafter. Jobs' KV is admitted per job (Residency.admit_job);
+        a load is gated on one sequence of kv_reserve_tokens fitting beside it."""
         if self.footprint is None:
             return 0
         weights = max(self.measured_weights or 0, self.footprint.weights)
-        return weights + self.footprint.kv + self.footprint.activations + self.drafter_bytes
+        return weights + self.footprint.activations + self.drafter_bytes
 
     def resident(self) -> Resident:
         return Resident(self.stored.id, self.bytes, busy=not self.ready or self.in_use > 0, last_used=self.last_used)
@@ -72,6 +74,8 @@ class Residency:
         self._prefill_step = prefill_step
         self.speculation = speculation  # the node's one owner of policy and k; the engine reads it here
         self._entries: dict[str, _Entry] = {}
+        self._job_kv: dict[str, int] = {}  # admitted jobs' KV bytes, by job id
+        self.prefix_bytes = 0  # what the engine's prefix caches hold; set by the engine thread
         self._lock = threading.Lock()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
         self.loads_started = 0
@@ -87,12 +91,16 @@ class Residency:
         import mlx.core as mx
 
         with self._lock:
-            used = sum(e.bytes for e in self._entries.values())
+            models = sum(e.bytes for e in self._entries.values())
+            jobs = sum(self._job_kv.values())
+        prefix = self.prefix_bytes
+        used = models + jobs + prefix
         b = self.budget
         return MemoryStatus(system_bytes=system_bytes, budget_bytes=b.total, reserve_bytes=b.reserve,
                             usable_bytes=b.usable, source=b.source, reserved_bytes=used,
                             free_bytes=max(0, b.usable - used), mlx_active_bytes=mx.get_active_memory(),
-                            mlx_peak_bytes=mx.get_peak_memory())
+                            mlx_peak_bytes=mx.get_peak_memory(), models_bytes=models, jobs_kv_bytes=jobs,
+                            prefix_cache_bytes=prefix)
 
     def statuses(self) -> list[ModelStatus]:
         """Every model served, resident or not, with what its files say it is."""
@@ -145,6 +153,31 @@ class Residency:
                 e.in_use -= 1
                 e.last_used = time.monotonic()
 
+    def job_kv_bytes(self, model_id: str, tokens: int) -> int:
+        with self._lock:
+            e = self._entries.get(model_id)
+            return e.footprint.kv_shape.bytes_for(tokens) if e is not None and e.footprint is not None else 0
+
+    def admit_job(self, job_id: str, model_id: str, tokens: int) -> JobAdmission:
+        """Reserve a job's KV (`tokens` of prompt + max_tokens) on a resident model, evicting idle models if
+        that makes it fit; the caller trims its prefix caches to `prefix_keep` and releases with release_job."""
+        needed = self.job_kv_bytes(model_id, tokens)
+        with self._lock:
+            residents = [e.resident() for e in self._entries.values()]
+            plan = plan_job(needed, self.budget.usable, residents, model_id, sum(self._job_kv.values()),
+                            self.prefix_bytes)
+            if plan.decision == ADMIT:
+                for victim in plan.evict:
+                    self._unload_locked(victim, "make_room_for_job")
+                self._job_kv[job_id] = needed
+        if plan.evict:
+            _free_mlx_cache()
+        return plan
+
+    def release_job(self, job_id: str) -> None:
+        with self._lock:
+            self._job_kv.pop(job_id, None)
+
     def unload_idle(self) -> list[str]:
         with self._lock:
             gone = idle_to_unload([e.resident() for e in self._entries.values()], time.monotonic(),
@@ -183,7 +216,8 @@ class Residency:
         with self._lock:
             entry = self._entries[model_id]
             others = [e.resident() for mid, e in self._entries.items() if mid != model_id]
-            plan = plan_load(fp.total, self.budget.usable, others, self._max_resident)
+            in_flight = sum(self._job_kv.values()) + self.prefix_bytes
+            plan = plan_load(fp.total, max(0, self.budget.usable - in_flight), others, self._max_resident)
             if not plan.admit:
                 log.warning("model_load_refused", model=model_id, needed=plan.needed, free=plan.free,
                             budget=plan.budget, reason=plan.reason)

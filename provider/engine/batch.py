@@ -1,0 +1,171 @@
+"""One model's running jobs, advanced together: each `step()` is one batched decode forward over every
+decoding row plus at most one prefill chunk of the rows still reading their prompts.
+
+The batching is mlx-lm's `BatchGenerator` (batch KV caches with left padding, rotating caches for sliding
+windows, rows joining and leaving between steps, per-row samplers and logits processors). Around it, for
+what it does not do:
+- text stop strings, seen only by the detokenized text (JobOutput), end a row from here;
+- a sampler or logits processor that raises fails its own row, not the forward every row shares;
+- the KV of finished rows, and of shared system prompts as soon as they are read, goes to the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from ..jobs import Event
+from ..models.loader import LoadedModel
+from ..telemetry import FinishReason
+from .output import JobOutput
+from .prefix_cache import COMPLETION, SYSTEM, PrefixCache
+
+Sink = Callable[[Event], None]
+
+
+@dataclass
+class Row:
+    uid: int
+    output: JobOutput
+    sink: Sink
+    shared_prefix: int  # prompt tokens of a system prefix to keep once read (0: none)
+    fault: BaseException | None = None
+
+
+class ModelBatch:
+    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, prefill_step_size: int, max_rows: int,
+                 prefill_rows: int = 8):
+        self.model_id = lm.id
+        self.lm = lm
+        self.prefix = prefix
+        self._gen = BatchGenerator(lm.model, completion_batch_size=max_rows, prefill_batch_size=min(prefill_rows,
+                                   max_rows), prefill_step_size=prefill_step_size)
+        self._rows: dict[int, Row] = {}
+        self._by_job: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def job_ids(self) -> list[str]:
+        return list(self._by_job)
+
+    def add(self, output: JobOutput, sink: Sink, prompt: list[int], *, cache, sampler, processors,
+            shared_prefix: int) -> None:
+        """Queue a row for the whole `prompt`; `cache` holds the KV of its first cached_prompt_tokens."""
+        cached = output.cached_prompt_tokens
+        rest = prompt[cached:]
+        row = Row(-1, output, sink, 0)
+        # Two segments when a system prefix remains to compute: the generator stops at its end, and its KV is
+        # kept then, before the rest of the prompt is read.
+        split = shared_prefix - cached
+        segments = [rest[:split], rest[split:]] if 0 < split < len(rest) - 1 else [rest]
+        row.uid = self._gen.insert_segments(
+            [segments], max_tokens=[output.max_tokens], caches=[cache], all_tokens=[prompt[:cached]],
+            samplers=[None if sampler is None else _guarded_sampler(sampler, row)],
+            logits_processors=[[_guarded_processor(p, row) for p in processors or ()]],
+            stop_sequences=[StopSequences([[t] for t in sorted(output.end_ids)])])[0]
+        row.shared_prefix = shared_prefix if len(segments) == 2 else 0
+        self._rows[row.uid] = row
+        self._by_job[output.job.id] = row.uid
+
+    def step(self) -> list[tuple[Row, list[Event]]]:
+        """One generator step; the events of every row that produced something."""
+        prompt_responses, gen_responses = self._gen.next()
+        self._keep_system_prefixes(prompt_responses)
+        out: list[tuple[Row, list[Event]]] = []
+        ended: list[int] = []
+        for r in gen_responses:
+            row = self._rows.get(r.uid)
+            if row is None:
+                continue
+            if row.fault is not None:
+                continue  # reported below
+            events = row.output.token(r.token)
+            if r.finish_reason is not None and not row.output.finished:  # its own length rule ended it first
+                events += row.output.finish(FinishReason.LENGTH)
+            if row.output.finished:
+                if r.finish_reason is not None:  # the generator dropped the row itself (EOS or max_tokens)
+                    self._forget(row)
+                    self.prefix.store(r.all_tokens, r.prompt_cache, COMPLETION)
+                else:  # a stop string, which only the text shows
+                    ended.append(r.uid)
+            out.append((row, events))
+        if ended:
+            caches = self._gen.remove(ended, return_prompt_caches=True)
+            for uid in ended:
+                self._forget(self._rows[uid])
+                cache, tokens = caches.get(uid, (None, None))
+                if cache:
+                    self.prefix.store(tokens, cache, COMPLETION)
+        return out
+
+    def faults(self) -> list[tuple[Row, BaseException]]:
+        """Rows whose sampler or logits processor raised in the last step; removed from the batch."""
+        bad = [row for row in self._rows.values() if row.fault is not None]
+        if bad:
+            self._gen.remove([row.uid for row in bad])
+            for row in bad:
+                self._forget(row)
+        return [(row, row.fault) for row in bad]
+
+    def cancel(self, job_id: str) -> Row | None:
+        uid = self._by_job.get(job_id)
+        if uid is None:
+            return None
+        self._gen.remove([uid])
+        row = self._rows[uid]
+        self._forget(row)
+        return row
+
+    def rows(self) -> list[Row]:
+        return list(self._rows.values())
+
+    def close(self) -> list[Row]:
+        """Drop every row (their jobs are the caller's to end) and the generator's caches."""
+        rows = list(self._rows.values())
+        self._rows.clear()
+        self._by_job.clear()
+        self._gen.close()
+        return rows
+
+    def _forget(self, row: Row) -> None:
+        self._rows.pop(row.uid, None)
+        self._by_job.pop(row.output.job.id, None)
+
+    def _keep_system_prefixes(self, prompt_responses) -> None:
+        done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
+                and r.uid in self._rows and self._rows[r.uid].shared_prefix]
+        if not done:
+            return
+        for uid, (cache, tokens) in self._gen.extract_cache(done).items():
+            if len(tokens) == self._rows[uid].shared_prefix:
+                self.prefix.store(tokens, cache, SYSTEM)
+            self._rows[uid].shared_prefix = 0
+
+
+def _guarded_sampler(sampler, row: Row):
+    """A sampler that records its failure on its row and returns a placeholder (argmax), so the step shared
+    with other rows completes; the engine then fails that row alone and removes it."""
+
+    def sample(logprobs: mx.array) -> mx.array:
+        try:
+            return sampler(logprobs)
+        except Exception as e:
+            row.fault = row.fault or e
+            return mx.argmax(logprobs, axis=-1)
+
+    return sample
+
+
+def _guarded_processor(processor, row: Row):
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        try:
+            return processor(tokens, logits)
+        except Exception as e:
+            row.fault = row.fault or e
+            return logits
+
+    return process

@@ -1,0 +1,104 @@
+"""One job's output: token ids in, events out (text chunks, a final Done), and the job's timestamps.
+
+The same for a batched row and a speculating job: EOS and stop ids end the job without being emitted;
+text comes from mlx-lm's streaming detokenizer, so a multi-byte character is never split across chunks;
+stop strings are matched on the text. The engine loop owns the timestamps (perf_counter seconds).
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from .. import speculation
+from ..jobs import Done, Event, Job, Tokens, Usage
+from ..telemetry import FinishReason, SpecTelemetry, Telemetry
+from .stops import StopMatcher
+
+
+class JobOutput:
+    def __init__(self, job: Job, tokenizer, *, prompt_tokens: int, max_tokens: int, arrived: float,
+                 cached_prompt_tokens: int = 0, spec_off_reason: str = ""):
+        self.job = job
+        self.prompt_tokens = prompt_tokens
+        self.cached_prompt_tokens = cached_prompt_tokens
+        self.max_tokens = max_tokens
+        self.completion_tokens = 0
+        self.emitted_ids: list[int] = []
+        self.spec_off_reason = spec_off_reason
+        self.spec_stats = None  # a speculating job's SpecStats
+        self._seq = 0
+        self._detok = tokenizer.detokenizer
+        self._stops = StopMatcher(job.sampling.stop)
+        self._eos = set(tokenizer.eos_token_ids) | set(job.sampling.stop_token_ids)
+        self.t_arrived = arrived
+        self.t_started = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.finished = False
+
+    @property
+    def end_ids(self) -> set[int]:
+        return self._eos
+
+    def token(self, token: int) -> list[Event]:
+        """Take one generated token; return its events (a final `Done` when the job ends)."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        self.t_last = now
+        if token in self._eos:
+            return self.finish(FinishReason.STOP)
+        self.completion_tokens += 1
+        self.emitted_ids.append(token)
+        self._detok.add_token(token)
+        text, hit_stop = self._stops.feed(self._detok.last_segment)
+        events: list[Event] = [self._chunk(text, (token,))]
+        if hit_stop:
+            return events + self.finish(FinishReason.STOP, flush=False)
+        if self.completion_tokens >= self.max_tokens:
+            return events + self.finish(FinishReason.LENGTH)
+        return events
+
+    def finish(self, reason: FinishReason, *, flush: bool = True) -> list[Event]:
+        if self.finished:
+            return []
+        self.finished = True
+        events: list[Event] = []
+        if flush and reason != FinishReason.CANCELLED:
+            self._detok.finalize()
+            tail, hit_stop = self._stops.feed(self._detok.last_segment)
+            tail += "" if hit_stop else self._stops.flush()
+            if tail:
+                events.append(self._chunk(tail, ()))
+        usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
+        events.append(Done(self.job.id, reason, usage, self.telemetry(reason)))
+        return events
+
+    def _chunk(self, text: str, ids: tuple[int, ...]) -> Tokens:
+        ev = Tokens(self.job.id, self._seq, text, ids)
+        self._seq += 1
+        return ev
+
+    def telemetry(self, finish_reason: FinishReason) -> Telemetry:
+        end = time.perf_counter()
+        first = self.t_first
+        decode_s = (self.t_last - first) if first is not None and self.t_last is not None else 0.0
+        spec = (self.spec_stats.telemetry() if self.spec_stats
+                else SpecTelemetry(speculation.SpecMode.OFF, self.spec_off_reason))
+        computed = self.prompt_tokens - self.cached_prompt_tokens
+        return Telemetry(
+            finish_reason=finish_reason,
+            speculation=spec,
+            ttft_ms=round((first - self.t_arrived) * 1000, 3) if first is not None else None,
+            queue_ms=round((self.t_started - self.t_arrived) * 1000, 3),
+            total_ms=round((end - self.t_arrived) * 1000, 3),
+            # Prompt tokens actually computed (a cached prefix costs nothing), over the time to the first token.
+            prefill_tokens_per_s=round(computed / (first - self.t_started), 3) if first and first > self.t_started
+            else None,
+            # Tokens after the first, over the time since the first: the steady decode rate.
+            decode_tokens_per_s=round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else None,
+            peak_memory_bytes=mx.get_peak_memory(),
+            cached_prompt_tokens=self.cached_prompt_tokens,
+        )

@@ -1,0 +1,178 @@
+"""The jobs running now, and one pass over them: per model, one batched step (provider.engine.batch), then
+one round of each job that speculates on its own; with each resident model's prefix cache.
+
+Engine thread only. The scheduler decides what starts; this runs it and returns the events. Whatever a job
+raises fails that job; a failure inside a forward shared by a batch fails that batch's jobs, not the node.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable
+
+from .. import logs
+from ..jobs import Cause, Error, Event, Job
+from ..models.loader import LoadedModel
+from ..speculation import SpecPlan
+from ..telemetry import FinishReason
+from . import generation
+from .batch import ModelBatch
+from .output import JobOutput
+from .prefix_cache import PrefixCache
+
+Sink = Callable[[Event], None]
+Delivery = tuple[list[Event], Sink]
+log = logs.get("engine")
+
+
+class Running:
+    def __init__(self, *, prefill_step_size: int, max_rows: int, prefix_cache_bytes: int):
+        self._prefill_step_size = prefill_step_size
+        self._max_rows = max_rows
+        self._prefix_cache_bytes = prefix_cache_bytes
+        self._batches: dict[str, ModelBatch] = {}  # by model id: the jobs that decode together
+        self._solo: dict[str, tuple[generation.SpeculativeGeneration, Sink]] = {}  # jobs speculating alone
+        self._model_of: dict[str, str] = {}  # job id -> model id
+        self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
+        self.batch_steps = 0
+        self.batch_rows = 0
+        self.prefix_hits = 0
+        self.prefix_hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._model_of)
+
+    def job_ids(self) -> list[str]:
+        return list(self._model_of)
+
+    def model_of(self, job_id: str) -> str | None:
+        return self._model_of.get(job_id)
+
+    def on_model(self, model_id: str) -> int:
+        return sum(1 for m in self._model_of.values() if m == model_id)
+
+    # --- starting -----------------------------------------------------------------
+
+    def start(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], *, max_tokens: int, arrived: float,
+              plan: SpecPlan, shared_prefix: int) -> None:
+        if plan.on:
+            output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived)
+            gen = generation.SpeculativeGeneration(output, lm, prompt, plan, prefill_step_size=self._prefill_step_size)
+            self._solo[job.id] = (gen, sink)
+        else:
+            self._start_row(job, sink, lm, prompt, max_tokens, arrived, plan.reason, shared_prefix)
+        self._model_of[job.id] = lm.id
+
+    def _start_row(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], max_tokens: int, arrived: float,
+                   spec_reason: str, shared_prefix: int) -> None:
+        prefix = self._prefix.get(lm.id)
+        if prefix is None:
+            prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes)
+        sampler = None if job.sampling.greedy else generation.sampler_for(job.sampling)
+        processors = generation.logits_processors_for(job.sampling)
+        cache, cached = prefix.lookup(prompt)
+        if cached:
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += cached
+        output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
+                           cached_prompt_tokens=cached, spec_off_reason=spec_reason)
+        batch = self._batches.get(lm.id)
+        if batch is None:
+            batch = self._batches[lm.id] = ModelBatch(lm, prefix, prefill_step_size=self._prefill_step_size,
+                                                      max_rows=self._max_rows)
+        batch.add(output, sink, prompt, cache=cache, sampler=sampler, processors=processors,
+                  shared_prefix=shared_prefix)
+
+    # --- one pass -------------------------------------------------------------------
+
+    def step(self) -> list[Delivery]:
+        out: list[Delivery] = []
+        for model_id, batch in list(self._batches.items()):
+            out += self._step_batch(model_id, batch)
+        for job_id, (gen, sink) in list(self._solo.items()):
+            try:
+                events = gen.step()
+            except Exception as e:  # a bug or MLX failure (in a forward or a drafter) ends this job
+                log.exception("job_step_failed", job_id=job_id)
+                restore_random_state()
+                gen.close()
+                events = [_failed(job_id, e)]
+            out.append((events, sink))
+        return out
+
+    def _step_batch(self, model_id: str, batch: ModelBatch) -> list[Delivery]:
+        try:
+            results = batch.step()
+        except Exception as e:  # a shared forward failed: every row in it fails, the rest of the node goes on
+            log.exception("batch_step_failed", model=model_id, jobs=batch.job_ids())
+            restore_random_state()
+            del self._batches[model_id]
+            return [([_failed(row.output.job.id, e)], row.sink) for row in batch.close()]
+        if results:
+            self.batch_steps += 1
+            self.batch_rows += len(results)
+        out = [(events, row.sink) for row, events in results]
+        for row, error in batch.faults():  # a row's own sampler or logits processor raised
+            log.error("job_step_failed", job_id=row.output.job.id, error=type(error).__name__, exc_info=error)
+            restore_random_state()
+            out.append(([_failed(row.output.job.id, error)], row.sink))
+        if not len(batch):  # an empty generator holds nothing worth keeping; a new one is cheap
+            batch.close()
+            del self._batches[model_id]
+        return out
+
+    # --- ending ---------------------------------------------------------------------
+
+    def ended(self, job_id: str) -> str | None:
+        """Forget a job that delivered its last event; its model id."""
+        self._solo.pop(job_id, None)
+        return self._model_of.pop(job_id, None)
+
+    def cancel(self, job_id: str) -> Delivery | None:
+        if job_id in self._solo:
+            gen, sink = self._solo[job_id]
+            return gen.finish(FinishReason.CANCELLED), sink
+        batch = self._batches.get(self._model_of.get(job_id, ""))
+        row = batch.cancel(job_id) if batch is not None else None
+        if row is None:
+            return None
+        return row.output.finish(FinishReason.CANCELLED), row.sink
+
+    def sinks(self) -> dict[str, Sink]:
+        sinks = {row.output.job.id: row.sink for batch in self._batches.values() for row in batch.rows()}
+        return sinks | {job_id: sink for job_id, (_, sink) in self._solo.items()}
+
+    def clear(self) -> None:
+        self._batches.clear()
+        self._solo.clear()
+        self._model_of.clear()
+
+    # --- prefix caches --------------------------------------------------------------
+
+    @property
+    def prefix_bytes(self) -> int:
+        return sum(c.nbytes for c in self._prefix.values())
+
+    def trim_prefix_caches(self, keep: int) -> None:
+        """Drop least recently used prefixes, largest caches first, until at most `keep` bytes remain."""
+        excess = self.prefix_bytes - keep
+        for cache in sorted(self._prefix.values(), key=lambda c: -c.nbytes):
+            if excess <= 0:
+                break
+            excess -= cache.trim_to(cache.nbytes - excess)
+
+    def keep_prefix_caches_of(self, resident: set[str]) -> None:
+        for model_id in [m for m in self._prefix if m not in resident]:
+            del self._prefix[model_id]  # its KV is of no use without the model
+
+
+def _failed(job_id: str, e: BaseException) -> Error:
+    return Error(job_id, Cause.INTERNAL, f"generation failed: {type(e).__name__}")
+
+
+def restore_random_state() -> None:
+    """A compiled sampler that raised mid-trace leaves MLX's global random state holding a placeholder,
+    and every later draw from it fails; jobs sample from keys of their own, but reseed to be sure."""
+    import mlx.core as mx
+
+    mx.random.seed(secrets.randbits(63))
