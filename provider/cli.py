@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
-from . import __version__, logs
+from . import __version__, logs, paths
 from .jobs import JobError
 from .settings import Settings, SettingsError, is_loopback
+from .startup import EXIT_CONFIG, InstanceLock, StartupError
 
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; the service manager restarts the node
+EXIT_NOT_RUNNING = 3  # `provider status`: no daemon runs on this state directory
 
 
 def _config_option() -> argparse.ArgumentParser:
@@ -25,7 +29,8 @@ def _config_option() -> argparse.ArgumentParser:
 
 def _add_start(sub) -> None:
     p = sub.add_parser("start", help="run the node (local API and/or coordinator session)", parents=[_config_option()])
-    p.add_argument("--local", action="store_true", help="serve a local OpenAI-compatible API")
+    p.add_argument("--local", action="store_const", const=True,
+                   help="serve a local OpenAI-compatible API (config: local = true)")
     p.add_argument("--coordinator", help="coordinator URL (grpcs://host:port; grpc:// only on loopback)")
     p.add_argument("--model", help="model directory or Hugging Face repo id (default: the bundled model)")
     p.add_argument("--drafter", help="Gemma 4 assistant or same-vocabulary draft model for --model")
@@ -67,6 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--out", type=Path, default=Path("bench.json"))
     sub.add_parser("doctor", help="check platform, memory budget, models and coordinator", parents=config)
+    svc = sub.add_parser("service", help="install, remove or inspect the systemd unit / launchd agent")
+    ssub = svc.add_subparsers(dest="service_command", required=True)
+    for name, what in (("install", "render the unit (or plist) from deploy/ with this installation's paths"),
+                       ("uninstall", "remove the installed unit (config and state are kept)"),
+                       ("status", "whether the unit is installed and the daemon runs")):
+        sp = ssub.add_parser(name, help=what)
+        kind = sp.add_mutually_exclusive_group()
+        kind.add_argument("--system", dest="kind", action="store_const", const="systemd-system",
+                          help="a system unit (/etc/systemd/system; needs root) instead of a user unit")
+        kind.add_argument("--launchd", dest="kind", action="store_const", const="launchd",
+                          help="a launchd agent (the default on macOS)")
+        kind.add_argument("--systemd-user", dest="kind", action="store_const", const="systemd-user",
+                          help="a systemd user unit (the default on Linux)")
+        if name == "install":
+            sp.add_argument("--dry-run", action="store_true", help="print what would be written; write nothing")
+    st = sub.add_parser("status", help="the running daemon's state (models, jobs, memory), from its state directory")
+    st.add_argument("--json", action="store_true", help="the whole status as JSON")
     return parser
 
 
@@ -86,6 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         return doctor.run(lambda: Settings.load(config_file=args.config))
     if args.command == "models":
         return _models(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "service":
+        from . import service_files
+
+        s = service_files.plan(args.kind or service_files.default_kind(), dict(os.environ), Path.home(),
+                               service_files.installed_provider())
+        if args.service_command == "install":
+            return service_files.install(s, dry_run=args.dry_run)
+        return service_files.uninstall(s) if args.service_command == "uninstall" else service_files.status(s)
     if args.command == "bench":
         from . import bench
         from .models.default import default_pair
@@ -95,6 +127,23 @@ def main(argv: list[str] | None = None) -> int:
             args.drafter = args.drafter or default_drafter
         return bench.main(args)
     return 2
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from . import status_file
+    from .startup import holder_pid
+
+    state = paths.state_dir()
+    pid = holder_pid(state)
+    body = status_file.read(state) if pid else None
+    if pid is None or body is None or body.get("pid") != pid:
+        why = "no provider daemon is running" if pid is None else f"provider pid {pid} is starting (no status yet)"
+        print(f"provider: {why} (state directory {state})", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    print(json.dumps(body, indent=2) if args.json else status_file.summary(body))
+    return 0
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -119,13 +168,14 @@ def _start(args: argparse.Namespace) -> int:
     cli = {"model": args.model, "drafter": args.drafter, "speculation": args.speculation,
            "port": args.port, "bind": args.bind, "auth": args.auth,
            "allow_unauthenticated_public": args.allow_unauthenticated_public,
-           "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator}
+           "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator,
+           "local": args.local}
     try:
         settings = Settings.load(cli=cli, config_file=args.config)
     except SettingsError as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
-        return 2
-    public_without_auth = args.local and not settings.auth and not is_loopback(settings.bind)
+        return EXIT_CONFIG
+    public_without_auth = settings.local and not settings.auth and not is_loopback(settings.bind)
     if public_without_auth and not settings.allow_unauthenticated_public:
         print(f"provider: refusing to start: auth is off and --bind {settings.bind} is not a loopback address, so "
               "anyone who reaches the port could use the node; drop --no-auth, bind to 127.0.0.1, or pass "
@@ -136,18 +186,31 @@ def _start(args: argparse.Namespace) -> int:
         logs.get("cli").warning("unauthenticated_public_api", bind=settings.bind)
         print(f"provider: WARNING: serving without auth on {settings.bind}; anyone who reaches the port can use "
               "this node", file=sys.stderr)
-    if not args.local and not settings.coordinator:
-        print("provider: nothing to run; pass --local, --coordinator URL, or set `coordinator` in the config",
+    if not settings.local and not settings.coordinator:
+        print("provider: nothing to run; pass --local or --coordinator URL, or set `local = true` or `coordinator` "
+              "in the config",
               file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     from coordinator_client.channel import ChannelError
     from coordinator_client.identity import IdentityError
+    from . import startup
 
+    lock = InstanceLock(paths.state_dir())
+    try:  # before any model loads: each failure is one line and its exit code
+        startup.check_state_dir(paths.state_dir())
+        lock.acquire()
+        if settings.local:
+            startup.check_port_free(settings.bind, settings.port)
+    except StartupError as e:
+        print(f"provider: cannot start: {e.message}", file=sys.stderr)
+        return e.exit_code
     try:
-        return asyncio.run(_run(settings, local=args.local))
+        return asyncio.run(_run(settings, local=settings.local))
     except (JobError, PermissionError, IdentityError, ChannelError) as e:
         print(f"provider: cannot start: {getattr(e, 'message', e)}", file=sys.stderr)
         return 1
+    finally:
+        lock.release()
 
 
 async def _run(settings: Settings, *, local: bool) -> int:
@@ -155,7 +218,7 @@ async def _run(settings: Settings, *, local: bool) -> int:
     from .local.server import load_or_mint_token, start_local_api
     from .models.default import primary_models
     from .node import Node, build_models
-    from . import service
+    from . import service, status_file
 
     session = identity = None
     if settings.coordinator:  # check the URL, then the key, before loading anything
@@ -176,6 +239,7 @@ async def _run(settings: Settings, *, local: bool) -> int:
     node.on_engine_failure(lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set())))
     node.start()
     model_id = node.resolve_model(None)
+    loading = asyncio.create_task(service.while_loading(model_id))
     try:
         await node.preload(model_id)  # load and warm up before saying we are ready
     except JobError as e:
@@ -184,11 +248,13 @@ async def _run(settings: Settings, *, local: bool) -> int:
             raise
         logs.get("cli").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
         print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
+    finally:
+        loading.cancel()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"provider {__version__}: serving {model_id}", flush=True)
-    runner = None
+    runner = url = None
     if local:
         runner, url = await start_local_api(node, settings.bind, settings.port, token)
         print(f"  local OpenAI-compatible API at {url}/v1", flush=True)
@@ -198,7 +264,28 @@ async def _run(settings: Settings, *, local: bool) -> int:
     if session is not None:
         session_task = asyncio.create_task(session.run(stop))
         print(f"  coordinator: {settings.coordinator} as {identity.node_id}", flush=True)
-    watchdog = asyncio.create_task(service.notify_loop(node, stop))
+    def session_state() -> str | None:
+        return None if session is None else "connected" if session.welcomed.is_set() else "connecting"
+
+    def describe() -> str:
+        st = node.status()
+        mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
+        return (f"{st.health}, {mode}; models {','.join(st.resident) or 'none'}; {st.active_jobs} active, "
+                f"{st.queued_jobs} queued" + (f"; coordinator {session_state()}" if session else ""))
+
+    async def publish_status() -> None:  # for `provider status`
+        started = time.time()
+        while not stop.is_set():
+            status_file.write(paths.state_dir(), status_file.snapshot(
+                node.status(), pid=os.getpid(), started=started, local_url=url, coordinator=settings.coordinator
+                or None, session=session_state()))
+            try:
+                await asyncio.wait_for(stop.wait(), 2.0)
+            except asyncio.TimeoutError:
+                pass
+
+    watchdog = asyncio.create_task(service.notify_loop(node, stop, describe))
+    publisher = asyncio.create_task(publish_status())
 
     await stop.wait()
     service.notify("STOPPING=1")
@@ -208,6 +295,8 @@ async def _run(settings: Settings, *, local: bool) -> int:
     if runner is not None:
         await runner.cleanup()
     watchdog.cancel()
+    await publisher
+    status_file.remove(paths.state_dir())
     if engine_failed:
         print(f"provider: the engine failed ({engine_failed[0]}); exiting for the service manager to restart "
               "the node", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from .models.residency import Residency
 from .prompts import PromptPreparer
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
+from .metrics import Metrics
 from .status import Counters, NodeStatus, Platform, QueueStatus
 
 log = logs.get("node")
@@ -132,6 +133,8 @@ class Node:
         )
         self.catalog = models.catalog
         self.prompts = PromptPreparer(self.catalog.checkpoint)
+        self.metrics = Metrics(self.status)
+        self.engine.on_job_done.append(self.metrics.job_ended)
         facts = system_facts()  # what does not change while the process runs
         self._platform_memory = facts.total_memory
         self._platform = Platform(backend=facts.backend, device=facts.device, machine=platform.machine(),

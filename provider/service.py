@@ -1,7 +1,11 @@
-"""systemd integration without a dependency: READY/STOPPING/WATCHDOG over $NOTIFY_SOCKET.
+"""systemd integration without a dependency: READY, STATUS, EXTEND_TIMEOUT_USEC, WATCHDOG and STOPPING over
+$NOTIFY_SOCKET.
 
-The watchdog is fed only while the engine loop is ticking, so a wedged engine
-gets the service restarted. Without $NOTIFY_SOCKET (launchd, a terminal) these are no-ops.
+While a model downloads or loads, the start timeout is extended in steps, so a first start that fetches
+weights does not hit the start limit; READY comes once the node can serve. The watchdog is fed only while
+the engine loop ticks (it does at least once a second when idle, and between prefill chunks when busy), so
+a wedged engine stops the pings and systemd restarts the node. Without $NOTIFY_SOCKET (launchd, a
+terminal) all of this is a no-op.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ import asyncio
 import os
 import socket
 import time
+from typing import Callable
+
+EXTEND_S = 30.0  # each EXTEND_TIMEOUT_USEC buys this long; re-sent every third of it while loading
 
 
 def notify(message: str) -> bool:
@@ -18,9 +25,12 @@ def notify(message: str) -> bool:
         return False
     if path.startswith("@"):  # abstract namespace socket
         path = "\0" + path[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(path)
-        s.sendall(message.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(path)
+            s.sendall(message.encode())
+    except OSError:  # the manager went away: nothing to tell
+        return False
     return True
 
 
@@ -29,13 +39,22 @@ def watchdog_interval() -> float | None:
     return int(usec) / 2e6 if usec and usec.isdigit() else None
 
 
-async def notify_loop(node, stop: asyncio.Event) -> None:
-    notify("READY=1")
+async def while_loading(what: str) -> None:
+    """Run beside a load; cancel it when the load ends."""
+    while True:
+        notify(f"EXTEND_TIMEOUT_USEC={int(EXTEND_S * 1e6)}\nSTATUS=loading {what}")
+        await asyncio.sleep(EXTEND_S / 3)
+
+
+async def notify_loop(node, stop: asyncio.Event, describe: Callable[[], str]) -> None:
+    """READY, then STATUS and WATCHDOG until `stop`; the pings stop when the engine stops ticking."""
+    notify(f"READY=1\nSTATUS={describe()}")
     interval = watchdog_interval() or 5.0
     while not stop.is_set():
-        # The engine ticks at least once a second even when idle; a stale tick means it is stuck.
+        message = f"STATUS={describe()}"
         if time.monotonic() - node.status().last_tick < max(2 * interval, 5.0):
-            notify("WATCHDOG=1")
+            message += "\nWATCHDOG=1"
+        notify(message)
         try:
             await asyncio.wait_for(stop.wait(), interval)
         except asyncio.TimeoutError:

@@ -71,9 +71,13 @@ class Settings:
     # Local OpenAI-compatible API.
     bind: str = "127.0.0.1"
     port: int = field(default=8080, metadata=_range(0, 65535))
+    local: bool = False  # serve the local OpenAI-compatible API (as --local does); a service sets it in the config
     auth: bool = True
     # Serving without a token on a non-loopback address is refused unless this says it is meant.
     allow_unauthenticated_public: bool = False
+    # Browser origins allowed to call the local API (comma-separated, e.g. "http://localhost:3000"); none by default.
+    cors_origins: str = ""
+    metrics_public: bool = False  # serve GET /metrics without the bearer token (for a scraper on a private network)
     max_body_bytes: int = field(default=4 * 2**20, metadata=_range(1024, 256 * 2**20))
 
     # Coordinator session.
@@ -92,7 +96,7 @@ class Settings:
     max_queued_jobs: int = field(default=256, metadata=_range(0, 100_000))
     max_tokens_limit: int = field(default=32768, metadata=_range(1, 1 << 20))
     default_max_tokens: int = field(default=1024, metadata=_range(1, 1 << 20))
-    # Prompt tokens per prefill chunk; decoding streams wait about one chunk while another job prefills.
+    # Prompt tokens per prefill chunk (a quarter of it while other jobs decode, so their streams wait less).
     prefill_step_size: int = field(default=512, metadata=_range(16, 1 << 16))
     # KV of recent prompts kept per model for prefix reuse (dropped first when the budget needs room); 0: off.
     prefix_cache_gb: float = field(default=1.0, metadata=_range(0, 4096))
@@ -124,6 +128,10 @@ class Settings:
                 f"default_max_tokens ({self.default_max_tokens}) must not exceed "
                 f"max_tokens_limit ({self.max_tokens_limit})"
             )
+
+    @property
+    def cors_origin_list(self) -> tuple[str, ...]:
+        return tuple(o.strip().rstrip("/") for o in self.cors_origins.split(",") if o.strip())
 
     @classmethod
     def load(

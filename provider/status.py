@@ -29,6 +29,7 @@ class ModelStatus:
     load_active_delta_bytes: int | None = None
     active_jobs: int = 0
     idle_s: float = 0.0
+    load_seconds: float | None = None
     facts: ModelFacts | None = None  # None while not downloaded, or when its files cannot be read
 
     @property
@@ -58,6 +59,7 @@ class Counters:
     jobs_failed: int = 0
     jobs_cancelled: int = 0
     tokens_generated: int = 0
+    prompt_tokens: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_target_forwards: int = 0

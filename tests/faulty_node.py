@@ -4,13 +4,15 @@ from a directory named `faulty-*` raises in its forward once it sees a real prom
     python -m tests.faulty_node start --local --model DIR/faulty-llama ...
 
 `FAULT=kill` raises `EngineKill`, a BaseException that escapes every per-job handler, as a fault in the
-loop itself would; any other value raises a RuntimeError, which must fail only the job that hit it.
+loop itself would; `FAULT=hang` blocks the forward for an hour (a wedged engine: the process lives, the loop
+stops ticking); any other value raises a RuntimeError, which must fail only the job that hit it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 class EngineKill(BaseException):
@@ -26,6 +28,8 @@ class RaisingModel:
 
     def __call__(self, inputs, *args, **kwargs):
         if inputs.shape[-1] > 1:
+            if self._error is None:
+                time.sleep(3600)
             raise self._error
         return self._model(inputs, *args, **kwargs)
 
@@ -41,7 +45,8 @@ def install(kind: str) -> None:
     def load(model_id, path):
         lm = real_load(model_id, path)
         if path.name.startswith("faulty-"):
-            error = EngineKill("injected") if kind == "kill" else RuntimeError("injected forward failure")
+            error = (EngineKill("injected") if kind == "kill" else None if kind == "hang"
+                     else RuntimeError("injected forward failure"))
             lm.model = RaisingModel(lm.model, error)
         return lm
 

@@ -41,6 +41,20 @@ def test_a_batch_of_eight_equals_each_solo_run(fixtures_dir, family):
     run(main())
 
 
+def test_jobs_for_two_models_run_in_their_own_batches_side_by_side(fixtures_dir):
+    paths = {"l": fixtures_dir / "llama-tiny", "q": fixtures_dir / "qwen3-tiny"}
+    node = make_node(paths, max_concurrent_jobs=8)
+    jobs = [(f"{m}{i}", m, _prompt(6 + 13 * i, i)) for m in paths for i in range(3)]
+
+    async def main():
+        results = await asyncio.gather(*(collect(node, Job(j, m, greedy(16), prompt=p)) for j, m, p in jobs))
+        for (job_id, m, p), (ids, _, _, _) in zip(jobs, results):
+            assert ids == reference.greedy_tokens(paths[m], p, 16), job_id
+        await node.stop()
+
+    run(main())
+
+
 def test_seeded_sampling_is_the_same_whatever_shares_the_batch(fixtures_dir):
     node = make_node({"q": fixtures_dir / "qwen3-tiny"}, max_concurrent_jobs=8)
     seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)

@@ -62,10 +62,20 @@ def test_openai_sdk_completions(client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
 
 
+def test_a_repeated_system_prompt_is_reported_as_cached_tokens(client):
+    system = {"role": "system", "content": "You answer questions about caches and batches. " * 8}
+    usages = [client.chat.completions.create(model="gemma4-tiny", max_tokens=4, temperature=0, messages=[
+        system, {"role": "user", "content": q}]).usage for q in ("What is a cache?", "What is a batch?")]
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    assert 40 < usages[1].prompt_tokens_details.cached_tokens < usages[1].prompt_tokens
+
+
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list()] == ["gemma4-tiny"]
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["resident_models"] == ["gemma4-tiny"]
+    assert {"waiting_for_memory", "oldest_wait_s", "batch_steps", "prefix_hits"} <= h["queue"].keys()
+    assert {"jobs_kv_bytes", "prefix_cache_bytes", "models_bytes"} <= h["memory"].keys()
 
 
 def test_greedy_over_http_equals_mlx_lm(client, fixtures_dir):
@@ -83,7 +93,8 @@ def _post(server, path, content, headers=None):
     return httpx.post(server.url + path, content=content, headers=h, timeout=30)
 
 
-GOOD = {"model": "gemma4-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# Greedy: a sampled first token may be EOS, and then there is no completion token to count.
+GOOD = {"model": "gemma4-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 
 
 @pytest.mark.parametrize(

@@ -88,3 +88,75 @@ def test_every_coordinator_job_gets_one_access_line(fixtures_dir, tmp_path):
         assert lines["bad"]["outcome"] == "job_error" and lines["bad"]["cause"] == "ERROR_CAUSE_INVALID_REQUEST"
 
     run(main())
+
+
+def test_metrics_parse_as_prometheus_text_and_count_the_jobs_run(fixtures_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from provider.local.server import start_local_api
+    from tests.helpers import make_node
+
+    async def main(public: bool):
+        node = make_node({"q": fixtures_dir / "qwen3-tiny"}, metrics_public=public)
+        runner, url = await start_local_api(node, "127.0.0.1", 0, "sekrit")
+        auth = {"Authorization": "Bearer sekrit"}
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                usages = []
+                for prompt in ("The cache", "A batch of tokens"):
+                    r = await client.post("/v1/completions", headers=auth,
+                                          json={"model": "q", "prompt": prompt, "max_tokens": 5, "temperature": 0})
+                    usages.append(r.json()["usage"])
+                anonymous = await client.get("/metrics")
+                text = (await client.get("/metrics", headers=auth)).text
+        finally:
+            await runner.cleanup()
+            await node.stop()
+        return anonymous.status_code, text, usages
+
+    status, text, usages = run(main(public=False))
+    assert status == 401
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name, suffix=""):
+        return next(s.value for s in families[name].samples if s.name == name + suffix)
+
+    assert value("provider:generation_tokens", "_total") == sum(u["completion_tokens"] for u in usages)
+    assert value("provider:prompt_tokens", "_total") == sum(u["prompt_tokens"] for u in usages)
+    assert value("provider:request_success", "_total") == 2
+    assert value("provider:time_to_first_token_seconds", "_count") == 2
+    assert value("provider:e2e_request_latency_seconds", "_count") == 2
+    assert value("provider:inter_token_latency_seconds", "_count") == sum(
+        u["completion_tokens"] - 1 for u in usages)
+    assert value("provider:num_requests_running") == 0 and value("provider:num_requests_waiting") == 0
+    assert value("provider:spec_decode_num_draft_tokens", "_total") == 0
+    assert value("provider:memory_budget_bytes") > value("provider:memory_free_bytes") > 0
+    assert [s.labels for s in families["provider:model_load_seconds"].samples] == [{"model_name": "q"}]
+    assert run(main(public=True))[0] == 200  # metrics_public: no token needed
+
+
+def test_cors_answers_configured_origins_only(fixtures_dir):
+    from provider.local.server import start_local_api
+    from tests.helpers import make_node
+
+    async def main():
+        node = make_node({"q": fixtures_dir / "qwen3-tiny"}, cors_origins="http://localhost:3000")
+        runner, url = await start_local_api(node, "127.0.0.1", 0, "sekrit")
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                ask = {"Access-Control-Request-Method": "POST"}
+                ok = await client.options("/v1/completions", headers=ask | {"Origin": "http://localhost:3000"})
+                other = await client.options("/v1/completions", headers=ask | {"Origin": "https://evil.test"})
+                real = await client.post("/v1/completions", headers={
+                    "Origin": "http://localhost:3000", "Authorization": "Bearer sekrit"}, json={
+                    "model": "q", "prompt": "x", "max_tokens": 2, "stream": True})
+        finally:
+            await runner.cleanup()
+            await node.stop()
+        return ok, other, real
+
+    ok, other, real = run(main())
+    assert ok.status_code == 204 and ok.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert "Authorization" in ok.headers["Access-Control-Allow-Headers"]
+    assert other.status_code == 403 and other.json()["error"]["code"] == "cors_disabled"
+    assert real.status_code == 200 and real.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"

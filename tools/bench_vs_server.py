@@ -1,6 +1,7 @@
 """The node vs `mlx_lm.server` on the same model, same machine, same run: what a user would run instead.
 
-Both servers run at once on loopback with the same prefill step; each measurement alternates between them.
+Both servers run at once on loopback with the same prefill step; each measurement alternates between them,
+`--rounds` times, and the median of each side is printed.
 
 - throughput: aggregate completion tokens/s with c concurrent clients (default sampling, T = 1.0);
 - prefix reuse: a ~1,000-token system prompt sent five times with different user turns: time to first
@@ -10,6 +11,7 @@ Both servers run at once on loopback with the same prefill step; each measuremen
 - huge prompt (node only): the same stream's longest gap while a several-MB prompt arrives and is refused.
 
     python tools/bench_vs_server.py [--model PATH] [--concurrency 1 4 8 16] [--requests 16] [--tokens 64]
+                                    [--rounds 3]
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import concurrent.futures
 import json
 import os
 import random
-import re
 import socket
 import statistics
 import subprocess
@@ -89,12 +90,27 @@ def prefix_reuse(server: Server, rng: random.Random) -> float:
     return statistics.mean(ttfts[1:]) / ttfts[0]
 
 
+class _Enough(Exception):
+    pass
+
+
 def stall(server: Server, interloper, rng: random.Random) -> float:
     """The longest gap between a stream's tokens while `interloper(server)` runs."""
     stamps: list[float] = []
     window: list[float] = []
-    stream = threading.Thread(target=server.stream_chat, args=(
-        [{"role": "user", "content": text(10, rng)}], 1500, stamps.append, 1.0))
+
+    def on_token(now: float) -> None:
+        stamps.append(now)
+        if len(window) == 2 and now > window[1]:
+            raise _Enough  # one token after the interloper ended: hang up
+
+    def consume() -> None:
+        try:
+            server.stream_chat([{"role": "user", "content": text(10, rng)}], 1500, on_token, 1.0)
+        except _Enough:
+            pass
+
+    stream = threading.Thread(target=consume)
     stream.start()
     while len(stamps) < 5:
         time.sleep(0.01)
@@ -148,6 +164,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per throughput run")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens per throughput request")
     ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     model = (args.model or ensure_default_model()).resolve()
@@ -166,18 +183,18 @@ def main() -> int:
             print(f"model {model.name}; prefill step {args.prefill_step}; {os.cpu_count()} cores")
             print(f"{'measure':34} {'node':>10} {'mlx_lm.server':>14} {'node/server':>12}")
 
-            def row(name, a, b, fmt="{:.2f}"):
+            def row(name, measure, fmt="{:.2f}"):
+                pairs = [(measure(node), measure(server)) for _ in range(args.rounds)]
+                a, b = (statistics.median(side) for side in zip(*pairs))
                 print(f"{name:34} {fmt.format(a):>10} {fmt.format(b):>14} {a / b:>12.2f}", flush=True)
 
             for c in args.concurrency:
-                a = throughput(node, c, max(args.requests, c), args.tokens, rng)
-                b = throughput(server, c, max(args.requests, c), args.tokens, rng)
-                row(f"aggregate tok/s, c={c}", a, b, "{:.1f}")
-            row("TTFT repeat/first, shared system", prefix_reuse(node, rng), prefix_reuse(server, rng))
-            row("longest gap (s), 1.5k-token prefill", stall(node, long_prefill(rng), rng),
-                stall(server, long_prefill(rng), rng))
-            print(f"{'longest gap (s), 4.8 MB prompt':34} {stall(node, huge_prompt, rng):>10.2f} "
-                  f"{'(not run)':>14}")
+                row(f"aggregate tok/s, c={c}", lambda s: throughput(s, c, max(args.requests, c), args.tokens, rng),
+                    "{:.1f}")
+            row("TTFT repeat/first, shared system", lambda s: prefix_reuse(s, rng))
+            row("longest gap (s), 1.5k-token prefill", lambda s: stall(s, long_prefill(rng), rng))
+            huge = statistics.median(stall(node, huge_prompt, rng) for _ in range(args.rounds))
+            print(f"{'longest gap (s), 4.8 MB prompt':34} {huge:>10.2f} {'(not run)':>14}")
         finally:
             server_proc.terminate()
             node_proc.stop()

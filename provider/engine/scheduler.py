@@ -61,6 +61,7 @@ class EngineStats:
     jobs_failed: int = 0
     jobs_cancelled: int = 0
     tokens_generated: int = 0
+    prompt_tokens: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_target_forwards: int = 0
@@ -90,6 +91,7 @@ class Engine:
         self.last_tick = time.monotonic()  # fed to the service watchdog
         self.failure: str | None = None  # why the loop died; None while it runs
         self.on_failure: Callable[[str], None] | None = None  # called once, on the engine thread, if it dies
+        self.on_job_done: list[Callable[[Done, str], None]] = []  # (done, model id), on the engine thread
         self._submit_lock = threading.Lock()  # orders submits against the loop's death
 
     # --- called from any thread -------------------------------------------------
@@ -299,9 +301,15 @@ class Engine:
                     self.stats.jobs_completed += 1
                 t, spec = ev.telemetry, ev.telemetry.speculation
                 self.stats.tokens_generated += ev.usage.completion_tokens
+                self.stats.prompt_tokens += ev.usage.prompt_tokens
                 self.stats.spec_drafted += spec.drafted
                 self.stats.spec_accepted += spec.accepted
                 self.stats.spec_target_forwards += spec.target_forwards
+                for observer in self.on_job_done:
+                    try:
+                        observer(ev, model_id or "")
+                    except Exception:
+                        log.exception("job_observer_failed", job_id=ev.job_id)
                 log.info("job_finished", job_id=ev.job_id, model=model_id, finish_reason=ev.finish_reason.value,
                          completion_tokens=ev.usage.completion_tokens, cached_prompt_tokens=t.cached_prompt_tokens,
                          ttft_ms=t.ttft_ms, decode_tokens_per_s=t.decode_tokens_per_s, speculation=spec.as_dict())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import secrets
@@ -50,11 +51,13 @@ class LocalAPI:
         self.limits = api.Limits(s.max_tokens_limit, s.default_max_tokens)
         self.app = web.Application(client_max_size=s.max_body_bytes,
                                    middlewares=[self._access, self._errors, self._preflight, self._auth])
+        self.app.on_response_prepare.append(self._cors_headers)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
         ])
 
     # --- middlewares ----------------------------------------------------------------
@@ -81,11 +84,27 @@ class LocalAPI:
 
     @web.middleware
     async def _preflight(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        # CORS is off: a browser's preflight gets a clear refusal, not the 401 meant for missing tokens.
+        """CORS: off unless `cors_origins` names the origin. A preflight gets 204 with the allowed methods and
+        headers, or a clear 403 (never the 401 meant for a missing token); answers to an allowed origin
+        carry Access-Control-Allow-Origin. The bearer token is still required on the real request."""
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and origin in self.node.settings.cors_origin_list
         if request.method == "OPTIONS":
-            raise api.RequestError("cross-origin requests are not enabled on this node", status=403,
-                                   code="cors_disabled", type_="permission_error")
+            if not allowed:
+                raise api.RequestError("cross-origin requests from this origin are not enabled on this node "
+                                       "(cors_origins)", status=403, code="cors_disabled", type_="permission_error")
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Origin": origin, "Vary": "Origin",
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"})
         return await handler(request)
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        # On prepare, so streamed (SSE) answers get them too.
+        origin = request.headers.get("Origin")
+        if origin is not None and origin in self.node.settings.cors_origin_list:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -103,7 +122,8 @@ class LocalAPI:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        if self.token is not None and request.path != "/health":
+        open_paths = ("/health", "/metrics") if self.node.settings.metrics_public else ("/health",)
+        if self.token is not None and request.path not in open_paths:
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
             # aiohttp keeps undecodable header bytes as surrogates: encode them back, never raise on them.
@@ -119,6 +139,11 @@ class LocalAPI:
         if st.health == "unhealthy":  # the supervisor restarts the process; until then, say so
             return web.json_response({"status": "unhealthy", "reason": st.failure}, status=503)
         return web.json_response(api.health_body(st))
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        # Prometheus text format (0.0.4); behind the bearer token unless metrics_public.
+        body = await asyncio.to_thread(self.node.metrics.exposition)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
         created = api.now()

@@ -115,7 +115,8 @@ class Residency:
                 status = dataclasses.replace(
                     status, state="ready" if e.ready else "loading", bytes=e.bytes,
                     measured_weight_bytes=e.measured_weights, load_active_delta_bytes=e.active_delta,
-                    active_jobs=e.in_use, idle_s=round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0)
+                    active_jobs=e.in_use, idle_s=round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0,
+                    load_seconds=round(e.lm.load_seconds, 3) if e.lm is not None else None)
             out.append(status)
         return out
 

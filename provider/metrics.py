@@ -1,0 +1,90 @@
+"""Prometheus metrics for `GET /metrics`, with vLLM's names under the `provider:` namespace.
+
+Latency histograms are observed when each job ends (on the engine thread: prometheus_client is thread-safe);
+everything else — running and waiting requests, token and speculation totals, model load times, the memory
+budget — is read from one `NodeStatus` at scrape time, so /metrics, /health, heartbeats and
+`provider status` can never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .jobs import Done
+from .status import NodeStatus
+
+NS = "provider:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, status: Callable[[], NodeStatus]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self.ttft = Histogram(NS + "time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram(NS + "inter_token_latency_seconds", "Time between tokens (a job's mean, per gap).",
+                             labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(NS + "e2e_request_latency_seconds", "Arrival to the end of the job.", labels,
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StatusCollector(status))
+
+    def job_ended(self, done: Done, model_id: str) -> None:
+        t = done.telemetry
+        if t.ttft_ms is not None:
+            self.ttft.labels(model_id).observe(t.ttft_ms / 1000)
+        gaps = done.usage.completion_tokens - 1
+        if t.decode_tokens_per_s and gaps > 0:
+            child = self.itl.labels(model_id)
+            for _ in range(gaps):
+                child.observe(1 / t.decode_tokens_per_s)
+        self.e2e.labels(model_id).observe(t.total_ms / 1000)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StatusCollector:
+    def __init__(self, status: Callable[[], NodeStatus]):
+        self._status = status
+
+    def describe(self):
+        return []  # dynamic: families come from the status at scrape time
+
+    def collect(self):
+        st = self._status()
+        c, m = st.counters, st.memory
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(NS + name, doc, value=value)
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(NS + name, doc, value=value)
+
+        yield gauge("num_requests_running", "Jobs running now.", st.active_jobs)
+        yield gauge("num_requests_waiting", "Jobs queued.", st.queued_jobs)
+        yield gauge("num_requests_waiting_for_memory", "Queued jobs whose KV does not fit yet.",
+                    st.queue.waiting_for_memory)
+        yield counter("prompt_tokens", "Prompt tokens of finished jobs.", c.prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens of finished jobs.", c.tokens_generated)
+        yield counter("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                      st.queue.prefix_hit_tokens)
+        yield counter("request_success", "Jobs that ended with a finish reason other than cancelled.",
+                      c.jobs_completed)
+        yield counter("request_failure", "Jobs that ended with an error.", c.jobs_failed)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", c.spec_drafted)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", c.spec_accepted)
+        load = GaugeMetricFamily(NS + "model_load_seconds", "How long each resident model took to load.",
+                                 labels=["model_name"])
+        for model in st.models:
+            if model.load_seconds is not None:
+                load.add_metric([model.id], model.load_seconds)
+        yield load
+        yield gauge("memory_budget_bytes", "Usable memory budget.", m.usable_bytes)
+        yield gauge("memory_used_bytes", "Budget held by models, jobs' KV and prefix caches.", m.reserved_bytes)
+        yield gauge("memory_free_bytes", "Budget free.", m.free_bytes)

@@ -1,0 +1,82 @@
+"""The live daemon's state for `provider status`: a 0600 JSON file in the state directory, rewritten every
+couple of seconds from `NodeStatus`, so an operator reads it without the public port or its token.
+
+Whether a daemon runs is told by the instance lock (provider.startup), not by the file: a file left by a
+process that died is reported as stale, never as a running node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .status import NodeStatus
+
+FILE_NAME = "status.json"
+
+
+def snapshot(st: NodeStatus, *, pid: int, started: float, local_url: str | None, coordinator: str | None,
+             session: str | None) -> dict[str, Any]:
+    mode = "+".join(m for m, on in (("local", local_url), ("coordinator", coordinator)) if on)
+    body = dataclasses.asdict(st)
+    body.pop("last_tick", None)  # a monotonic time means nothing to another process
+    return {
+        "pid": pid, "written_at": time.time(), "uptime_s": round(time.time() - started, 1), "mode": mode,
+        "local_url": local_url, "coordinator": coordinator, "coordinator_session": session,
+        "engine_tick_age_s": round(time.monotonic() - st.last_tick, 3),
+        **body,
+    }
+
+
+def write(state_dir: Path, body: dict[str, Any]) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = state_dir / f".{FILE_NAME}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, json.dumps(body, default=str).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, state_dir / FILE_NAME)
+
+
+def read(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((state_dir / FILE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def remove(state_dir: Path) -> None:
+    try:
+        (state_dir / FILE_NAME).unlink()
+    except OSError:
+        pass
+
+
+def summary(body: dict[str, Any]) -> str:
+    """What `provider status` prints: a few lines an operator reads at a glance."""
+    mem = body["memory"]
+    mib = 1 << 20
+    resident = [m for m in body["models"] if m["state"] != "available"]
+    models = ", ".join(f"{m['id']} ({m['state']}, {m['active_jobs']} jobs)" for m in resident) or "none resident"
+    c = body["counters"]
+    lines = [
+        f"provider pid {body['pid']}: {body['health']}, up {body['uptime_s']:.0f} s, mode {body['mode'] or 'none'}",
+        f"  local API: {body['local_url'] or 'off'}",
+        f"  coordinator: {body['coordinator'] or 'off'}"
+        + (f" ({body['coordinator_session']})" if body['coordinator'] else ""),
+        f"  models: {models}",
+        f"  jobs: {body['active_jobs']} active, {body['queued_jobs']} queued "
+        f"({body['queue']['waiting_for_memory']} waiting for memory), {c['jobs_completed']} completed, "
+        f"{c['jobs_failed']} failed, {c['jobs_cancelled']} cancelled, {c['tokens_generated']} tokens",
+        f"  memory: {mem['reserved_bytes'] / mib:.0f} MiB used of {mem['usable_bytes'] / mib:.0f} MiB "
+        f"(models {mem['models_bytes'] / mib:.0f}, jobs' KV {mem['jobs_kv_bytes'] / mib:.0f}, prefix cache "
+        f"{mem['prefix_cache_bytes'] / mib:.0f})",
+        f"  speculation: {c['spec_drafted']} drafted, {c['spec_accepted']} accepted, "
+        f"{c['spec_target_forwards']} target forwards",
+    ]
+    return "\n".join(lines)
