@@ -92,7 +92,10 @@ def test_install_writes_the_unit_and_a_starter_config_and_uninstall_removes_it(t
     unit = tmp_path / "home" / ".config/systemd/user/provider.service"
     assert r.returncode == 0 and unit.is_file() and "systemctl --user enable --now provider" in r.stdout
     assert "local = true" in (tmp_path / "config" / "provider" / "config.toml").read_text()
+    status = _provider("service", "status", env=env)
+    assert status.returncode == 0 and "installed at" in status.stdout and "daemon: not running" in status.stdout
     assert _provider("service", "uninstall", env=env).returncode == 0 and not unit.exists()
+    assert _provider("service", "status", env=env).returncode == 1
 
 
 def _notify_socket(tmp_path):
