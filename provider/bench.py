@@ -1,7 +1,7 @@
 """`provider bench`: speculation off vs on (k in a small range) on the same model and prompts, in one process.
 
-It drives the engine's own code paths (mlx-lm's generate_step for plain decoding, the node's round loop for
-speculation) and writes JSON: model paths and hashes, package versions, environment, prompts, generated
+It times one job alone: plain decoding with mlx-lm's generate_step (what a batch of one computes), and
+speculation with the node's own round loop; and writes JSON: model paths and hashes, package versions, environment, prompts, generated
 token ids, elapsed time, tokens/s, acceptance and tokens per target forward, and whether every speculative
 output equals the plain one.
 """
