@@ -50,8 +50,11 @@ def _serialize(frame) -> bytes:
 
 
 class ReferenceCoordinator:
-    def __init__(self, port: int = 0, heartbeat_interval_ms: int = 500, ack_outcomes: bool = True):
+    def __init__(self, port: int = 0, heartbeat_interval_ms: int = 500, ack_outcomes: bool = True,
+                 nonce_bytes: int = 32):
         self.port = port
+        self.nonce_bytes = nonce_bytes  # tests set it below 16 to check that the node refuses to sign
+        self.hellos = 0  # Hello frames received
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.ack_outcomes = ack_outcomes
         self._server: grpc.aio.Server | None = None
@@ -126,13 +129,14 @@ class ReferenceCoordinator:
     # --- the RPC ---------------------------------------------------------------------
 
     async def _connect(self, request_iterator, context: grpc.aio.ServicerContext):
-        nonce = secrets.token_bytes(32)
+        nonce = secrets.token_bytes(self.nonce_bytes)
         self._issued_nonces.add(nonce)
         await context.write(pb.CoordinatorFrame(challenge=pb.Challenge(nonce=nonce,
                                                                        server_time_ms=int(time.time() * 1000))))
         first = await context.read()
         if first is grpc.aio.EOF:
             return
+        self.hellos += first.WhichOneof("frame") == "hello"
         reason = self._check_hello(first, nonce)
         if isinstance(reason, str):
             self.rejections.append(reason)

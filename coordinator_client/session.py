@@ -33,6 +33,7 @@ from .registration import heartbeat, registration
 log = logs.get("coordinator")
 PROTOCOL_VERSION = 1
 HANDSHAKE_TIMEOUT_S = 15.0
+MIN_NONCE_BYTES = 16  # a shorter challenge could be replayed or precomputed: the node does not sign it
 MAX_UNACKED = 10_000
 
 
@@ -169,6 +170,9 @@ class CoordinatorSession:
         first = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
         if first is grpc.aio.EOF or first is None or first.WhichOneof("frame") != "challenge":
             raise SessionRejected("the coordinator did not start with a Challenge")
+        if len(first.challenge.nonce) < MIN_NONCE_BYTES:
+            raise SessionRejected(f"the coordinator's nonce is {len(first.challenge.nonce)} bytes; the node signs only "
+                                  f"challenges of at least {MIN_NONCE_BYTES} random bytes")
         reg = registration(self.node.status(), self.identity, nonce=first.challenge.nonce,
                            epoch=next_session_epoch(), protocol_version=PROTOCOL_VERSION,
                            software_version=__version__)

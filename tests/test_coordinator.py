@@ -5,6 +5,7 @@ import secrets
 import time
 
 import grpc
+import pytest
 
 from coordinator_client.identity import SIGNING_DOMAIN, Identity
 from coordinator_client.pb import provider_pb2 as pb
@@ -280,5 +281,18 @@ def test_tokens_coalesce_only_while_the_writer_is_behind(fixtures_dir, tmp_path)
             else:
                 assert max(sizes) <= 2  # keeping up: what is already waiting, without waiting for more
         await node.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("nonce_bytes", [0, 4, 15])
+def test_the_node_does_not_sign_a_short_nonce(fixtures_dir, tmp_path, nonce_bytes):
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=200, nonce_bytes=nonce_bytes)
+        await coord.start()
+        async with harness({"g": fixtures_dir / "gemma4-tiny"}, tmp_path, coordinator=coord) as (_, node, session):
+            await asyncio.sleep(1.5)  # a few reconnect attempts
+            assert session.stats.connects >= 1 and session.stats.sessions == 0
+            assert coord.hellos == 0 and not coord.sessions  # nothing was signed, nothing registered
 
     run(main())
