@@ -35,6 +35,7 @@ PROTOCOL_VERSION = 1
 HANDSHAKE_TIMEOUT_S = 15.0
 MIN_NONCE_BYTES = 16  # a shorter challenge could be replayed or precomputed: the node does not sign it
 MAX_UNACKED = 10_000
+MAX_FINISHED = 10_000  # outcomes kept to answer a repeated JobRequest (ids older than that count as new)
 
 
 CONNECT_METHOD = "/provider.v1.Coordinator/Connect"
@@ -92,6 +93,7 @@ class CoordinatorSession:
         self.session_id: str | None = None
         self.welcomed = asyncio.Event()
         self._unacked: dict[str, pb.ProviderFrame] = {}  # job outcomes not yet acknowledged, oldest first
+        self._finished: dict[str, pb.ProviderFrame] = {}  # recent outcomes, acked or not: a repeat gets them again
         self._jobs: dict[str, asyncio.Task] = {}
         self._started: dict[str, float] = {}  # job id -> when it was accepted, for the access log
         self._background: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
@@ -240,10 +242,14 @@ class CoordinatorSession:
 
     def _on_job(self, req: pb.JobRequest, outbox: asyncio.Queue) -> None:
         self.stats.jobs_received += 1
-        if req.job_id and (req.job_id in self._jobs or req.job_id in self._unacked):
-            # Not an outcome of the original job: it is not recorded as one.
-            outbox.put_nowait(convert.error_frame(req.job_id, Cause.DUPLICATE_JOB,
-                                                  f"job {req.job_id} is already running or awaiting its ack"))
+        # At-least-once delivery of requests: a repeat never starts a second run or sends a second, different
+        # outcome under the same id. Running: nothing to do. Finished: the same outcome again.
+        if req.job_id in self._jobs:
+            log.info("coordinator_duplicate_job", job_id=req.job_id, state="running")
+            return
+        if req.job_id in self._finished:
+            log.info("coordinator_duplicate_job", job_id=req.job_id, state="finished")
+            outbox.put_nowait(self._finished[req.job_id])
             return
         s = self.settings
         try:
@@ -300,6 +306,9 @@ class CoordinatorSession:
         if len(self._unacked) >= MAX_UNACKED:  # a coordinator that never acks must not grow us forever
             self._unacked.pop(next(iter(self._unacked)))
         self._unacked[job_id] = frame
+        if len(self._finished) >= MAX_FINISHED:
+            self._finished.pop(next(iter(self._finished)))
+        self._finished[job_id] = frame
         self.stats.outcomes_sent += 1
         if outbox is not None:
             outbox.put_nowait(frame)

@@ -296,3 +296,26 @@ def test_the_node_does_not_sign_a_short_nonce(fixtures_dir, tmp_path, nonce_byte
             assert coord.hellos == 0 and not coord.sessions  # nothing was signed, nothing registered
 
     run(main())
+
+
+def test_a_repeated_job_request_never_gets_a_second_run_or_a_different_outcome(fixtures_dir, tmp_path):
+    async def main():
+        async with harness({"g": fixtures_dir / "gemma4-tiny"}, tmp_path) as (coord, node, _):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("twice", "g", max_tokens=40))
+            while not coord.chunks["twice"]:
+                await asyncio.sleep(0.005)
+            coord.dispatch(s, job("twice", "g", max_tokens=40))  # while it runs: a no-op
+            first = await coord.outcome("twice")
+            assert first.job_done.usage.completion_tokens > 0
+            seqs = [c.seq for c in coord.chunks["twice"]]
+            assert seqs == list(range(len(seqs)))  # one run's chunks, no second stream
+            coord.dispatch(s, job("twice", "g", max_tokens=40))  # after it finished (and was acked)
+            while len(coord.outcomes["twice"]) < 2:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.3)
+            assert coord.outcomes["twice"] == [first, first]  # the same outcome again, never another
+            assert [c.seq for c in coord.chunks["twice"]] == seqs and len(coord.accepted) == 1
+            assert node.status().counters.jobs_completed == 1
+
+    run(main())
