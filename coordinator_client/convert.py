@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from provider.jobs import Cause, Done, Error, Job, JobError, SamplingParams, Tokens, resolve_max_tokens
+from provider.jobs import Cause, Done, Error, Job, JobError, SamplingParams, Tokens, Usage, resolve_max_tokens
 
 from provider.speculation import Policy
 from provider.telemetry import Telemetry
@@ -93,8 +93,14 @@ def done_frame(ev: Done) -> pb.ProviderFrame:
         telemetry=telemetry_to_pb(ev.telemetry)))
 
 
-def error_frame(job_id: str, cause: Cause, message: str) -> pb.ProviderFrame:
-    return pb.ProviderFrame(job_error=pb.JobError(job_id=job_id, cause=CAUSE_TO_PB[cause], message=message))
+def error_frame(job_id: str, cause: Cause, message: str, usage: Usage | None = None) -> pb.ProviderFrame:
+    frame = pb.ProviderFrame(job_error=pb.JobError(job_id=job_id, cause=CAUSE_TO_PB[cause], message=message))
+    if usage is not None:
+        frame.job_error.usage.CopyFrom(pb.Usage(prompt_tokens=usage.prompt_tokens,
+                                                completion_tokens=usage.completion_tokens,
+                                                total_tokens=usage.total_tokens,
+                                                cached_prompt_tokens=usage.cached_prompt_tokens))
+    return frame
 
 
 def event_error_frame(ev: Error) -> pb.ProviderFrame:

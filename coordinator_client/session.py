@@ -258,7 +258,7 @@ class CoordinatorSession:
             if self._draining or self.node.draining:
                 raise JobError(Cause.DRAINING, "the node is draining and accepts no new jobs")
             if req.deadline_ms and req.deadline_ms <= time.time() * 1000:
-                raise JobError(Cause.DEADLINE_EXCEEDED, "the job's deadline passed before it could start")
+                raise JobError(Cause.DEADLINE_EXCEEDED, "the job's deadline passed before it started")
         except JobError as e:
             self._outcome(outbox, convert.error_frame(req.job_id, e.cause, e.message), req.job_id)
             return
@@ -270,9 +270,11 @@ class CoordinatorSession:
     async def _serve(self, job_id: str, stream: JobStream, deadline_ms: int, outbox: asyncio.Queue) -> None:
         seq = 0
         timer = None
+        expired = []  # set when the deadline cancelled the job: its end is then DEADLINE_EXCEEDED, not "cancelled"
         if deadline_ms:
             delay = max(0.0, deadline_ms / 1000 - time.time())
-            timer = asyncio.get_running_loop().call_later(delay, self.node.cancel, job_id)
+            timer = asyncio.get_running_loop().call_later(
+                delay, lambda: (expired.append(True), self.node.cancel(job_id)))
         try:
             async for ev in stream:
                 if isinstance(ev, Accepted):
@@ -284,7 +286,11 @@ class CoordinatorSession:
                 if tokens:
                     outbox.put_nowait(convert.chunk_frame(job_id, seq, tokens))
                     seq += 1
-                if isinstance(end, Done):
+                if isinstance(end, Done) and expired and end.finish_reason == "cancelled":
+                    self._outcome(outbox, convert.error_frame(
+                        job_id, Cause.DEADLINE_EXCEEDED, f"the job's deadline passed after "
+                        f"{end.usage.completion_tokens} tokens", end.usage), job_id)
+                elif isinstance(end, Done):
                     self._outcome(outbox, convert.done_frame(end), job_id)
                 elif isinstance(end, Error):
                     self._outcome(outbox, convert.event_error_frame(end), job_id)

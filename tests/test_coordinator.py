@@ -319,3 +319,23 @@ def test_a_repeated_job_request_never_gets_a_second_run_or_a_different_outcome(f
             assert node.status().counters.jobs_completed == 1
 
     run(main())
+
+
+def test_a_deadline_that_passes_mid_job_ends_it_deadline_exceeded_with_the_usage_so_far(fixtures_dir, tmp_path):
+    async def main():
+        async with harness({"g": fixtures_dir / "gemma4-tiny"}, tmp_path) as (coord, node, _):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("slow", "g", max_tokens=5000, prompt="The cache " * 3))
+            while not coord.chunks["slow"]:
+                await asyncio.sleep(0.005)
+            # A second job whose deadline passes while it runs: the same rule as one that passed before it began.
+            coord.dispatch(s, job("timed", "g", max_tokens=5000, deadline_ms=int(time.time() * 1000) + 400))
+            err = (await coord.outcome("timed")).job_error
+            assert err.cause == pb.ERROR_CAUSE_DEADLINE_EXCEEDED and "deadline" in err.message
+            sent = sum(len(c.token_ids) for c in coord.chunks["timed"])
+            assert 0 < err.usage.completion_tokens and err.usage.prompt_tokens > 0
+            assert err.usage.completion_tokens >= sent  # every token sent is counted
+            coord.send(s, pb.CoordinatorFrame(cancel=pb.Cancel(job_id="slow")))
+            assert (await coord.outcome("slow")).job_done.finish_reason == "cancelled"  # a cancel stays a cancel
+
+    run(main())

@@ -422,14 +422,16 @@ class JobDone(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
 
 class JobError(_message.Message):
-    __slots__ = ("job_id", "cause", "message")
+    __slots__ = ("job_id", "cause", "message", "usage")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     cause: ErrorCause
     message: str
-    def __init__(self, job_id: _Optional[str] = ..., cause: _Optional[_Union[ErrorCause, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, job_id: _Optional[str] = ..., cause: _Optional[_Union[ErrorCause, str]] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("job_id",)
