@@ -267,9 +267,10 @@ async def _run(settings: Settings, *, local: bool) -> int:
     def session_state() -> str | None:
         return None if session is None else "connected" if session.welcomed.is_set() else "connecting"
 
+    mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
+
     def describe() -> str:
         st = node.status()
-        mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
         return (f"{st.health}, {mode}; models {','.join(st.resident) or 'none'}; {st.active_jobs} active, "
                 f"{st.queued_jobs} queued" + (f"; coordinator {session_state()}" if session else ""))
 
@@ -277,8 +278,8 @@ async def _run(settings: Settings, *, local: bool) -> int:
         started = time.time()
         while not stop.is_set():
             status_file.write(paths.state_dir(), status_file.snapshot(
-                node.status(), pid=os.getpid(), started=started, local_url=url, coordinator=settings.coordinator
-                or None, session=session_state()))
+                node.status(), pid=os.getpid(), started=started, mode=mode, local_url=url,
+                coordinator=settings.coordinator or None, session=session_state()))
             try:
                 await asyncio.wait_for(stop.wait(), 2.0)
             except asyncio.TimeoutError:

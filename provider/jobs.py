@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from .speculation import Policy
 from .telemetry import FinishReason, Telemetry
@@ -254,4 +254,5 @@ class Error:
 
 
 Event = Union[Accepted, Tokens, Done, Error]
+Sink = Callable[[Event], None]  # where the engine delivers a job's events (on its thread; must not block)
 TERMINAL = (Done, Error)

@@ -19,9 +19,8 @@ from .status import NodeStatus
 FILE_NAME = "status.json"
 
 
-def snapshot(st: NodeStatus, *, pid: int, started: float, local_url: str | None, coordinator: str | None,
-             session: str | None) -> dict[str, Any]:
-    mode = "+".join(m for m, on in (("local", local_url), ("coordinator", coordinator)) if on)
+def snapshot(st: NodeStatus, *, pid: int, started: float, mode: str, local_url: str | None,
+             coordinator: str | None, session: str | None) -> dict[str, Any]:
     body = dataclasses.asdict(st)
     body.pop("last_tick", None)  # a monotonic time means nothing to another process
     return {

@@ -12,18 +12,16 @@ what it does not do:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from ..jobs import Event
+from ..jobs import Event, Sink
 from ..models.loader import LoadedModel
 from ..telemetry import FinishReason
 from .output import JobOutput
 from .prefix_cache import COMPLETION, SYSTEM, PrefixCache
 
-Sink = Callable[[Event], None]
 
 
 @dataclass

@@ -23,8 +23,6 @@ class PrefixCache:
         self.model_id = model_id
         self.max_bytes = max_bytes
         self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max(0, max_bytes))
-        self.hits = 0
-        self.hit_tokens = 0
 
     @property
     def nbytes(self) -> int:
@@ -47,11 +45,7 @@ class PrefixCache:
             trim_prompt_cache(cache, 1)
             rest = prompt[-1:]
         cached = len(prompt) - len(rest)
-        if cached <= 0:
-            return None, 0
-        self.hits += 1
-        self.hit_tokens += cached
-        return cache, cached
+        return (cache, cached) if cached > 0 else (None, 0)
 
     def store(self, tokens: list[int], cache: list[Any], kind: str = COMPLETION) -> None:
         if self.max_bytes <= 0 or not tokens or not cache:

@@ -8,10 +8,10 @@ raises fails that job; a failure inside a forward shared by a batch fails that b
 from __future__ import annotations
 
 import secrets
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from .. import logs
-from ..jobs import Cause, Error, Event, Job
+from ..jobs import Cause, Error, Event, Job, Sink
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..telemetry import FinishReason
@@ -20,13 +20,15 @@ from .batch import ModelBatch
 from .output import JobOutput
 from .prefix_cache import PrefixCache
 
-Sink = Callable[[Event], None]
+if TYPE_CHECKING:
+    from .scheduler import EngineStats
+
 Delivery = tuple[list[Event], Sink]
 log = logs.get("engine")
 
 
 class Running:
-    def __init__(self, *, prefill_step_size: int, max_rows: int, prefix_cache_bytes: int):
+    def __init__(self, stats: EngineStats, *, prefill_step_size: int, max_rows: int, prefix_cache_bytes: int):
         self._prefill_step_size = prefill_step_size
         self._max_rows = max_rows
         self._prefix_cache_bytes = prefix_cache_bytes
@@ -34,10 +36,7 @@ class Running:
         self._solo: dict[str, tuple[generation.SpeculativeGeneration, Sink]] = {}  # jobs speculating alone
         self._model_of: dict[str, str] = {}  # job id -> model id
         self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
-        self.batch_steps = 0
-        self.batch_rows = 0
-        self.prefix_hits = 0
-        self.prefix_hit_tokens = 0
+        self.stats = stats  # the engine's: batch and prefix-reuse counters are added to it here
 
     def __len__(self) -> int:
         return len(self._model_of)
@@ -72,8 +71,8 @@ class Running:
         processors = generation.logits_processors_for(job.sampling)
         cache, cached = prefix.lookup(prompt)
         if cached:
-            self.prefix_hits += 1
-            self.prefix_hit_tokens += cached
+            self.stats.prefix_hits += 1
+            self.stats.prefix_hit_tokens += cached
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, spec_off_reason=spec_reason)
         batch = self._batches.get(lm.id)
@@ -109,8 +108,8 @@ class Running:
             del self._batches[model_id]
             return [([_failed(row.output.job.id, e)], row.sink) for row in batch.close()]
         if results:
-            self.batch_steps += 1
-            self.batch_rows += len(results)
+            self.stats.batch_steps += 1
+            self.stats.batch_rows += len(results)
         out = [(events, row.sink) for row, events in results]
         for row, error in batch.faults():  # a row's own sampler or logits processor raised
             log.error("job_step_failed", job_id=row.output.job.id, error=type(error).__name__, exc_info=error)

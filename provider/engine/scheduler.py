@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import logs
-from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Usage
+from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Sink, Usage
 from ..memory.admission import NEVER, WAIT
 from ..models.residency import Residency
 from ..prompts import Prepared
@@ -32,7 +32,6 @@ from . import generation
 from .running import Running, restore_random_state
 from .waiting import Pending, Verdict, WaitingJobs
 
-Sink = Callable[[Event], None]
 log = logs.get("engine")
 DRAINING_MESSAGE = "the node is draining and accepts no new jobs; retry elsewhere"
 FAILED_MESSAGE = "the node's engine stopped after an internal failure ({}); the node is restarting, retry elsewhere"
@@ -81,13 +80,13 @@ class Engine:
         self._max_queued = max_queued
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting = WaitingJobs()
-        self._running = Running(prefill_step_size=prefill_step_size, max_rows=max_concurrent,
+        self.stats = EngineStats()
+        self._running = Running(self.stats, prefill_step_size=prefill_step_size, max_rows=max_concurrent,
                                 prefix_cache_bytes=prefix_cache_bytes)
         self._next_idle_check = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._draining = threading.Event()
         self._stop_at: float | None = None
-        self.stats = EngineStats()
         self.last_tick = time.monotonic()  # fed to the service watchdog
         self.failure: str | None = None  # why the loop died; None while it runs
         self.on_failure: Callable[[str], None] | None = None  # called once, on the engine thread, if it dies
@@ -179,7 +178,7 @@ class Engine:
                 self._next_idle_check = time.monotonic() + 1.0
             for events, sink in self._running.step():
                 self._deliver(events, sink)
-            self.models.prefix_bytes = self._running.prefix_bytes
+            self._publish_prefix_bytes()
             self.last_tick = time.monotonic()
         for job_id in self._running.job_ids():
             self._cancel(job_id)
@@ -231,7 +230,7 @@ class Engine:
             return Verdict.GONE
         if isinstance(loaded, concurrent.futures.Future):
             self._running.trim_prefix_caches(0)  # prefix caches go before any model is evicted to make room
-            self.models.prefix_bytes = 0
+            self._publish_prefix_bytes()
             self._waiting.park(p, loaded)
             loaded.add_done_callback(lambda _: self._inbox.put(_WAKE))
             return Verdict.GONE
@@ -243,8 +242,12 @@ class Engine:
         if admission.decision == WAIT:
             return Verdict.WAIT
         self._running.trim_prefix_caches(admission.prefix_keep)
-        self.models.prefix_bytes = self._running.prefix_bytes
+        self._publish_prefix_bytes()
         return Verdict.STARTED if self._start(p, prepared, loaded.id, max_tokens) else Verdict.GONE
+
+    def _publish_prefix_bytes(self) -> None:
+        """The budget counts the prefix caches; only this thread touches them, so it pushes their size."""
+        self.models.prefix_bytes = self._running.prefix_bytes
 
     def _start(self, p: Pending, prepared: Prepared, model_id: str, max_tokens: int) -> bool:
         lm = self.models.acquire(model_id)
@@ -318,8 +321,6 @@ class Engine:
 
     def _update_counts(self) -> None:
         self.stats.active = len(self._running)
-        for name in ("batch_steps", "batch_rows", "prefix_hits", "prefix_hit_tokens"):
-            setattr(self.stats, name, getattr(self._running, name))
         self.stats.queued = len(self._waiting)
         self.stats.oldest_wait_s = self._waiting.oldest_wait_s()
 

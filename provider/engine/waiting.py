@@ -15,9 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..jobs import Event, Job
+from ..jobs import Job, Sink
 
-Sink = Callable[[Event], None]
 MAX_PASSED_OVER = 8
 
 
