@@ -8,6 +8,7 @@ from provider.speculation import Policy
 from provider.telemetry import Telemetry
 
 from .pb import provider_pb2 as pb
+from .sealing import JobKeys
 
 MAX_JOB_ID = 128
 
@@ -26,6 +27,8 @@ CAUSE_TO_PB = {
     Cause.DEADLINE_EXCEEDED: pb.ERROR_CAUSE_DEADLINE_EXCEEDED,
     Cause.DUPLICATE_JOB: pb.ERROR_CAUSE_DUPLICATE_JOB,
     Cause.INTERNAL: pb.ERROR_CAUSE_INTERNAL,
+    Cause.WEIGHTS_MISMATCH: pb.ERROR_CAUSE_WEIGHTS_MISMATCH,
+    Cause.SEALING_FAILED: pb.ERROR_CAUSE_SEALING_FAILED,
 }
 assert set(CAUSE_TO_PB) == set(Cause), "every cause needs a wire value"
 
@@ -66,10 +69,14 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
                speculation=POLICY[req.speculation])
 
 
-def chunk_frame(job_id: str, seq: int, batch: list[Tokens]) -> pb.ProviderFrame:
+def chunk_frame(job_id: str, seq: int, batch: list[Tokens], keys: JobKeys | None = None) -> pb.ProviderFrame:
+    """One TokenChunk for coalesced token events; sealed back to the sender for a sealed job."""
     ids = [t for ev in batch for t in ev.token_ids]
-    return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq, text="".join(ev.text for ev in batch),
-                                                      token_ids=ids))
+    text = "".join(ev.text for ev in batch)
+    if keys is not None:
+        return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq,
+                                                          sealed=keys.seal_chunk(job_id, seq, text, ids)))
+    return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq, text=text, token_ids=ids))
 
 
 def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:

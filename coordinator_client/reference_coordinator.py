@@ -2,8 +2,9 @@
 
 A real grpc.aio server on loopback. It challenges each provider with a fresh
 nonce, verifies the signed registration (signature, nonce, clock skew, epoch),
-replaces an older session of the same node, dispatches jobs, acknowledges
-outcomes, and records every frame. Its records live in this object, so a
+replaces an older session of the same node, dispatches jobs (sealed ones too),
+checks each result's signature and digest before acknowledging it, rebuilds
+completions, and records every frame. Its records live in this object, so a
 `kill()` followed by `restart()` models a coordinator process that restarts
 with its job store intact.
 
@@ -23,9 +24,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from .identity import InvalidSignature, verify_hello
+from .outcomes import token_digest, verify_result
 from .pb import provider_pb2 as pb
+from .sealing import JobKeys, SealingError, seal_job
 
 MAX_SKEW_MS = 60_000
+VERSION = "reference-coordinator/1"
 SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -67,6 +71,10 @@ class ReferenceCoordinator:
         self.accepted: dict[str, pb.JobAccepted] = {}
         self.rejections: list[str] = []
         self.drained: list[pb.Drained] = []
+        self.protocol_errors: list[pb.ProtocolError] = []
+        self.bad_results: dict[str, str] = {}  # job id -> why its JobDone was refused (never acknowledged)
+        self.next_reject: pb.Reject | None = None  # refuse the next Hello with this, to test the node's reaction
+        self._job_keys: dict[str, JobKeys] = {}  # sealed jobs' keys, to open what comes back
         self._outcome_waiters: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._session_changed = asyncio.Condition()
         self._issued_nonces: set[bytes] = set()
@@ -116,6 +124,15 @@ class ReferenceCoordinator:
         self.send(session, pb.CoordinatorFrame(job_request=request))
         return request.job_id
 
+    def dispatch_sealed(self, session: NodeSession, request: pb.JobRequest) -> str:
+        """Send `request` with everything but its routing fields sealed to the node's session key."""
+        outer = pb.JobRequest(job_id=request.job_id, model=request.model, deadline_ms=request.deadline_ms,
+                              model_sha256=request.model_sha256)
+        sealed, keys = seal_job(session.registration.sealing_key, request.job_id, request)
+        outer.sealed.CopyFrom(sealed)
+        self._job_keys[request.job_id] = keys
+        return self.dispatch(session, outer)
+
     async def outcome(self, job_id: str, timeout: float = 120) -> pb.ProviderFrame:
         await asyncio.wait_for(self._outcome_waiters[job_id].wait(), timeout)
         return self.outcomes[job_id][0]
@@ -125,6 +142,41 @@ class ReferenceCoordinator:
 
     def token_ids(self, job_id: str) -> list[int]:
         return [t for c in self.chunks[job_id] for t in c.token_ids]
+
+    def completion(self, job_id: str) -> tuple[str, list[int]]:
+        """The job's whole output, rebuilt from its chunks or, when chunks were lost with a session, from the
+        completion its re-sent outcome carries; checked against the outcome's digest either way."""
+        frame = self.outcomes[job_id][-1]
+        outcome = frame.job_done if frame.HasField("job_done") else frame.job_error
+        if not outcome.HasField("completion"):
+            return "", []  # an error before the job ran
+        c = outcome.completion
+        if c.sealed:
+            c = self._job_keys[job_id].open_completion(job_id, c.sealed)
+        if c.token_ids or c.text:
+            text, ids = c.text, list(c.token_ids)
+        else:
+            text, ids = self.text(job_id), self.token_ids(job_id)
+        if token_digest(ids) != outcome.completion.token_ids_sha256:
+            raise ValueError(f"{job_id}: {len(ids)} tokens do not match the outcome's digest (a truncated result)")
+        return text, ids
+
+    def check_result(self, session: NodeSession, done: pb.JobDone) -> str | None:
+        """Why a JobDone cannot be accepted (bad signature, or a digest that does not match what arrived),
+        or None. Chunks may be missing only if the outcome carries the whole completion."""
+        try:
+            verify_result(done, session.registration.public_key)
+        except InvalidSignature:
+            return "the result's signature does not verify with the node's key"
+        c = done.completion
+        if c.sealed or c.token_ids or c.text:
+            return None if c.sealed or token_digest(c.token_ids) == c.token_ids_sha256 else \
+                "the completion does not match its digest"
+        if len(self.chunks[done.job_id]) != c.chunks:
+            return f"{len(self.chunks[done.job_id])} of {c.chunks} chunks arrived and the outcome has no completion"
+        if token_digest(self.token_ids(done.job_id)) != c.token_ids_sha256:
+            return "the chunks that arrived do not match the result's digest"
+        return None
 
     # --- the RPC ---------------------------------------------------------------------
 
@@ -138,6 +190,11 @@ class ReferenceCoordinator:
             return
         self.hellos += first.WhichOneof("frame") == "hello"
         reason = self._check_hello(first, nonce)
+        if not isinstance(reason, str) and self.next_reject is not None:
+            reject, self.next_reject = self.next_reject, None
+            self.rejections.append(reject.reason)
+            await context.write(pb.CoordinatorFrame(reject=reject))
+            return
         if isinstance(reason, str):
             self.rejections.append(reason)
             await context.write(pb.CoordinatorFrame(reject=pb.Reject(reason=reason)))
@@ -152,7 +209,7 @@ class ReferenceCoordinator:
             self._session_changed.notify_all()
         await context.write(pb.CoordinatorFrame(welcome=pb.Welcome(
             session_id=session.session_id, session_epoch=reg.session_epoch,
-            heartbeat_interval_ms=self.heartbeat_interval_ms)))
+            heartbeat_interval_ms=self.heartbeat_interval_ms, coordinator_version=VERSION, protocol_version=1)))
         reader = asyncio.create_task(self._read(context, session))
         ended = asyncio.create_task(session.ended.wait())
         get = None
@@ -202,16 +259,30 @@ class ReferenceCoordinator:
             elif kind == "job_accepted":
                 self.accepted[frame.job_accepted.job_id] = frame.job_accepted
             elif kind == "token_chunk":
-                self.chunks[frame.token_chunk.job_id].append(frame.token_chunk)
+                self.chunks[frame.token_chunk.job_id].append(self._opened(frame.token_chunk))
                 self.chunk_arrivals[frame.token_chunk.job_id].append(time.perf_counter())
             elif kind in ("job_done", "job_error"):
                 job_id = getattr(frame, kind).job_id
+                if kind == "job_done" and (why := self.check_result(session, frame.job_done)):
+                    self.bad_results[job_id] = why  # not recorded and not acknowledged: the node sends it again
+                    continue
                 self.outcomes[job_id].append(frame)
                 self._outcome_waiters[job_id].set()
                 if self.ack_outcomes:
                     session.outgoing.put_nowait(pb.CoordinatorFrame(job_ack=pb.JobAck(job_ids=[job_id])))
             elif kind == "drained":
                 self.drained.append(frame.drained)
+            elif kind == "protocol_error":
+                self.protocol_errors.append(frame.protocol_error)
+
+    def _opened(self, chunk: pb.TokenChunk) -> pb.TokenChunk:
+        if not chunk.sealed:
+            return chunk
+        try:
+            body = self._job_keys[chunk.job_id].open_chunk(chunk.job_id, chunk.seq, chunk.sealed)
+        except (KeyError, SealingError):
+            return chunk  # not ours to open: kept as it came
+        return pb.TokenChunk(job_id=chunk.job_id, seq=chunk.seq, text=body.text, token_ids=body.token_ids)
 
 
 async def _main(port: int) -> None:

@@ -21,7 +21,7 @@ def memory_status(st: NodeStatus) -> pb.MemoryStatus:
 def model_infos(st: NodeStatus) -> list[pb.ModelInfo]:
     out = []
     for m in st.models:
-        info = pb.ModelInfo(id=m.id, sha256=m.sha256, resident=m.resident)
+        info = pb.ModelInfo(id=m.id, sha256=m.sha256, resident=m.resident, drafter_sha256=m.drafter_sha256)
         if m.facts is not None:  # without facts (not downloaded, unreadable) a model is advertised by id alone
             f = m.facts
             info.size_bytes = f.size_bytes
@@ -33,14 +33,15 @@ def model_infos(st: NodeStatus) -> list[pb.ModelInfo]:
 
 
 def registration(st: NodeStatus, identity: Identity, *, nonce: bytes, epoch: int, protocol_version: int,
-                 software_version: str) -> pb.Registration:
+                 software_version: str, sealing_key: bytes = b"") -> pb.Registration:
     p = st.platform
     return pb.Registration(
         node_id=identity.node_id, protocol_version=protocol_version, software_version=software_version,
         backend=BACKENDS.get(p.backend, pb.BACKEND_UNSPECIFIED),
         hardware=pb.Hardware(machine=p.machine, chip=p.device, os=p.os, cpu_cores=p.cpu_cores),
         memory=memory_status(st), models=model_infos(st), max_concurrent_jobs=st.max_concurrent_jobs,
-        public_key=identity.public_key, nonce=nonce, timestamp_ms=int(time.time() * 1000), session_epoch=epoch)
+        public_key=identity.public_key, nonce=nonce, timestamp_ms=int(time.time() * 1000), session_epoch=epoch,
+        sealing_key=sealing_key)
 
 
 HEALTH = {"unhealthy": pb.NODE_STATUS_UNHEALTHY, "draining": pb.NODE_STATUS_DRAINING}

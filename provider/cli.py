@@ -263,9 +263,14 @@ async def _run(settings: Settings, *, local: bool) -> int:
     session_task = None
     if session is not None:
         session_task = asyncio.create_task(session.run(stop))
+        if not local:  # a coordinator-only node that was refused for good has nothing left to do
+            session_task.add_done_callback(lambda _: session.rejected and stop.set())
         print(f"  coordinator: {settings.coordinator} as {identity.node_id}", flush=True)
+
     def session_state() -> str | None:
-        return None if session is None else "connected" if session.welcomed.is_set() else "connecting"
+        if session is None:
+            return None
+        return "rejected" if session.rejected else "connected" if session.welcomed.is_set() else "connecting"
 
     mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
 
@@ -298,6 +303,10 @@ async def _run(settings: Settings, *, local: bool) -> int:
     watchdog.cancel()
     await publisher
     status_file.remove(paths.state_dir())
+    if session is not None and session.rejected and not local:
+        print(f"provider: the coordinator refused this node for good: {session.rejected}", file=sys.stderr,
+              flush=True)
+        return EXIT_CONFIG
     if engine_failed:
         print(f"provider: the engine failed ({engine_failed[0]}); exiting for the service manager to restart "
               "the node", file=sys.stderr, flush=True)

@@ -30,6 +30,8 @@ class Cause(str, enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     DUPLICATE_JOB = "duplicate_job"
     INTERNAL = "internal"
+    WEIGHTS_MISMATCH = "weights_mismatch"  # the files do not match a pin (the node's own or the job's)
+    SEALING_FAILED = "sealing_failed"  # a sealed job did not open, or came in plaintext where sealing is required
 
 
 class JobError(Exception):

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 
 from . import logs
 from .engine.scheduler import Engine
-from .jobs import TERMINAL, Event, Job, JobError, Tokens
+from .jobs import TERMINAL, Cause, Event, Job, JobError, Tokens
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
 from .models import store
 from .models.catalog import Catalog
@@ -153,6 +153,27 @@ class Node:
 
     def model_ids(self) -> list[str]:
         return self.catalog.ids()
+
+    def hash_models(self) -> None:
+        """Compute every model's manifest hash (blocking: the first time reads every file once)."""
+        self.catalog.hash_all()
+
+    def model_hash(self, model_id: str) -> str:
+        """The manifest hash last computed for a served model, or ""."""
+        return self.catalog.known_hash(model_id)
+
+    def check_pin(self, name: str | None, pinned: str) -> str:
+        """The served id of `name` if its files hash to `pinned` now; JobError(WEIGHTS_MISMATCH) otherwise,
+        before anything is loaded. Blocking (stats every file; hashes those that changed)."""
+        model_id = self.resolve_model(name)
+        actual = self.catalog.manifest_hash(model_id)
+        if not actual:
+            raise JobError(Cause.WEIGHTS_MISMATCH, f"{model_id} is not on this node's disk yet, so it cannot be "
+                           "checked against the pin; send the job unpinned, or after the node advertises its hash")
+        if actual != pinned:
+            raise JobError(Cause.WEIGHTS_MISMATCH, f"{model_id} here has manifest hash {actual}, not the pinned "
+                           f"{pinned}; pin the hash this node registered, or send the job elsewhere")
+        return model_id
 
     async def preload(self, model_id: str | None = None) -> str:
         """Load (and warm up) a model, the default one unless named, before saying the node can serve."""

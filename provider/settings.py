@@ -39,24 +39,30 @@ class ModelSpec:
     source: str  # directory or Hugging Face repo id
     sha256: str = ""  # pinned checkpoint hash (`provider models verify` prints it); a mismatch refuses the load
     drafter: str = ""  # Gemma 4 assistant or same-vocabulary draft model for speculation
+    drafter_sha256: str = ""  # pinned hash of the drafter's files; a mismatch refuses the load
 
     @classmethod
     def parse(cls, model_id: str, raw: Any, source: str) -> "ModelSpec":
         where = f"{source}: models.{model_id}"
         if not isinstance(raw, dict):
             raise SettingsError(f"{where} must be a table with at least `source`")
-        unknown = set(raw) - {"source", "sha256", "drafter"}
+        allowed = ("source", "sha256", "drafter", "drafter_sha256")
+        unknown = set(raw) - set(allowed)
         if unknown:
-            raise SettingsError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: source, sha256, drafter")
+            raise SettingsError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(allowed)}")
         if not isinstance(raw.get("source"), str) or not raw["source"]:
             raise SettingsError(f"{where}.source must be a non-empty string (a directory or repo id)")
-        sha = raw.get("sha256", "")
-        if sha and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
-            raise SettingsError(f"{where}.sha256 must be 64 lowercase hex digits")
+        pins = {}
+        for key in ("sha256", "drafter_sha256"):
+            pins[key] = raw.get(key, "")
+            if pins[key] and not (isinstance(pins[key], str) and re.fullmatch(r"[0-9a-f]{64}", pins[key])):
+                raise SettingsError(f"{where}.{key} must be 64 lowercase hex digits")
         drafter = raw.get("drafter", "")
         if not isinstance(drafter, str):
             raise SettingsError(f"{where}.drafter must be a string")
-        return cls(model_id, raw["source"], sha, drafter)
+        if pins["drafter_sha256"] and not drafter:
+            raise SettingsError(f"{where}.drafter_sha256 pins a drafter, so {where}.drafter must name it")
+        return cls(model_id, raw["source"], pins["sha256"], drafter, pins["drafter_sha256"])
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ class Settings:
     coordinator: str = ""
     coordinator_ca_file: str = ""
     allow_insecure_coordinator: bool = False
+    # Refuse coordinator jobs whose body is not sealed to this process's key (SEALING_FAILED), never run them.
+    require_sealed_jobs: bool = False
     heartbeat_interval_s: float = field(default=5.0, metadata=_range(0.1, 300))
     reconnect_base_delay_s: float = field(default=0.5, metadata=_range(0.01, 60))
     reconnect_max_delay_s: float = field(default=30.0, metadata=_range(0.05, 3600))

@@ -22,7 +22,7 @@ class ModelFacts:
 class ModelStatus:
     id: str
     origin: str  # configured | models_dir | hf_cache
-    sha256: str  # the pinned checkpoint hash, or ""
+    sha256: str  # the manifest hash of its files once computed, else the configured pin, else ""
     state: str  # available | loading | ready
     bytes: int = 0  # reserved in the budget while resident
     measured_weight_bytes: int | None = None
@@ -31,6 +31,7 @@ class ModelStatus:
     idle_s: float = 0.0
     load_seconds: float | None = None
     facts: ModelFacts | None = None  # None while not downloaded, or when its files cannot be read
+    drafter_sha256: str = ""  # the same for its drafter, when it has one
 
     @property
     def resident(self) -> bool:

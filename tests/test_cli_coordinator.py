@@ -61,3 +61,27 @@ def test_refuses_plaintext_to_a_network_coordinator_and_unsafe_keys(fixtures_dir
     r = subprocess.run(base + ["--coordinator", "grpc://127.0.0.1:1"], env=_env(tmp_path), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and "chmod 600" in r.stderr
+
+
+def test_a_permanent_reject_ends_a_coordinator_only_node_with_exit_2(fixtures_dir, tmp_path):
+    from coordinator_client.pb import provider_pb2 as pb
+
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=300)
+        await coord.start()
+        coord.next_reject = pb.Reject(reason="protocol version 1 is no longer served", permanent=True)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "provider", "start", "--coordinator", coord.url,
+            "--model", str(fixtures_dir / "qwen3-tiny"), env=_env(tmp_path),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            assert await asyncio.wait_for(proc.wait(), 120) == 2  # the service manager does not restart it
+            err = (await proc.stderr.read()).decode()
+            assert "refused this node for good: protocol version 1 is no longer served" in err
+            assert coord.hellos == 1  # it did not dial again
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await coord.kill()
+
+    run(main())

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from coordinator_client.identity import SIGNING_DOMAIN, Identity
+from coordinator_client.outcomes import brief
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.session import CoordinatorSession
@@ -245,9 +246,12 @@ def test_unacked_outcomes_are_resent_after_a_kill(fixtures_dir, tmp_path):
                 if len(coord.outcomes["once"]) == 2:
                     break
                 await asyncio.sleep(0.01)
-            assert coord.outcomes["once"] == [first, first]  # the same outcome again, never a different one
+            again = coord.outcomes["once"][1]
+            assert brief(again) == first  # the same outcome again, never a different one
+            c = again.job_done.completion  # now with the whole completion, since the chunks went with the session
+            assert c.chunks == 4 and list(c.token_ids) == coord.token_ids("once") and c.text == coord.text("once")
             await asyncio.sleep(0.2)
-            assert not session._unacked  # acknowledged now
+            assert not session.jobs.outcomes.unacked  # acknowledged now
 
     run(main())
 
@@ -270,7 +274,7 @@ def test_tokens_coalesce_only_while_the_writer_is_behind(fixtures_dir, tmp_path)
                 async for ev in stream:
                     if isinstance(ev, Tokens) and ev.token_ids:
                         batch, end = await stream.coalesce(ev, behind=lambda: not outbox.empty(),
-                                                           window_s=session.coalesce_s)
+                                                           window_s=session.jobs.coalesce_s)
                         sizes.append(len(batch))
                         ids += [t for b in batch for t in b.token_ids]
                         if end is not None:
@@ -314,7 +318,9 @@ def test_a_repeated_job_request_never_gets_a_second_run_or_a_different_outcome(f
             while len(coord.outcomes["twice"]) < 2:
                 await asyncio.sleep(0.005)
             await asyncio.sleep(0.3)
-            assert coord.outcomes["twice"] == [first, first]  # the same outcome again, never another
+            again = coord.outcomes["twice"][1]
+            assert brief(again) == first  # the same outcome again, never another; with its whole completion
+            assert list(again.job_done.completion.token_ids) == coord.token_ids("twice")
             assert [c.seq for c in coord.chunks["twice"]] == seqs and len(coord.accepted) == 1
             assert node.status().counters.jobs_completed == 1
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from provider.jobs import Cause, Done, Error, Job, Tokens
+from provider.jobs import Cause, Done, Error, Job, JobError, Tokens
 from provider.models import manifest
 from provider.models.checkpoint import read_config
 from provider.models.footprint import estimate_footprint
@@ -197,10 +197,18 @@ def test_pinned_hash_mismatch_refuses_the_load(fixtures_dir, tmp_path):
     from provider.models.catalog import Catalog
     from provider.models.residency import Residency
 
+    target, assistant = fixtures_dir / "gemma4-tiny", fixtures_dir / "gemma4-tiny-assistant"
+    drafter_hash = manifest.model_hash(manifest.manifest(assistant))
+    stored += [StoredModel(f"drafter-{name}", str(target), target, "configured", drafter=str(assistant),
+                           drafter_sha256=pin) for name, pin in (("ok", drafter_hash), ("bad", "1" * 64))]
     mgr = Residency(Catalog(stored), Budget(1 << 30, 0, "test"), **SMALL)
-    with pytest.raises(Exception, match="does not match the pinned"):
-        mgr.request("bad").result(timeout=60)
+    for bad in ("bad", "drafter-bad"):
+        with pytest.raises(JobError, match="does not match the pinned") as e:
+            mgr.request(bad).result(timeout=60)
+        assert e.value.cause == Cause.WEIGHTS_MISMATCH
+    assert mgr.loads_started == 2 and not mgr.resident()  # refused before any weights were read
     assert mgr.request("ok").result(timeout=60).id == "ok"
+    assert mgr.request("drafter-ok").result(timeout=60).drafter is not None
     mgr.close()
 
 

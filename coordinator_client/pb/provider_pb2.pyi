@@ -43,6 +43,8 @@ class ErrorCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CAUSE_DEADLINE_EXCEEDED: _ClassVar[ErrorCause]
     ERROR_CAUSE_DUPLICATE_JOB: _ClassVar[ErrorCause]
     ERROR_CAUSE_INTERNAL: _ClassVar[ErrorCause]
+    ERROR_CAUSE_WEIGHTS_MISMATCH: _ClassVar[ErrorCause]
+    ERROR_CAUSE_SEALING_FAILED: _ClassVar[ErrorCause]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_METAL: Backend
 BACKEND_CPU: Backend
@@ -68,9 +70,11 @@ ERROR_CAUSE_COORDINATOR_LOST: ErrorCause
 ERROR_CAUSE_DEADLINE_EXCEEDED: ErrorCause
 ERROR_CAUSE_DUPLICATE_JOB: ErrorCause
 ERROR_CAUSE_INTERNAL: ErrorCause
+ERROR_CAUSE_WEIGHTS_MISMATCH: ErrorCause
+ERROR_CAUSE_SEALING_FAILED: ErrorCause
 
 class ProviderFrame(_message.Message):
-    __slots__ = ("hello", "heartbeat", "job_accepted", "token_chunk", "job_done", "job_error", "pong", "drained")
+    __slots__ = ("hello", "heartbeat", "job_accepted", "token_chunk", "job_done", "job_error", "pong", "drained", "protocol_error")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     JOB_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +83,7 @@ class ProviderFrame(_message.Message):
     JOB_ERROR_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_ERROR_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     job_accepted: JobAccepted
@@ -87,7 +92,8 @@ class ProviderFrame(_message.Message):
     job_error: JobError
     pong: Pong
     drained: Drained
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., job_error: _Optional[_Union[JobError, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., drained: _Optional[_Union[Drained, _Mapping]] = ...) -> None: ...
+    protocol_error: ProtocolError
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., job_error: _Optional[_Union[JobError, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., drained: _Optional[_Union[Drained, _Mapping]] = ..., protocol_error: _Optional[_Union[ProtocolError, _Mapping]] = ...) -> None: ...
 
 class CoordinatorFrame(_message.Message):
     __slots__ = ("challenge", "welcome", "reject", "job_request", "cancel", "drain", "ping", "job_ack")
@@ -126,7 +132,7 @@ class Hello(_message.Message):
     def __init__(self, registration: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "software_version", "backend", "hardware", "memory", "models", "max_concurrent_jobs", "public_key", "nonce", "timestamp_ms", "session_epoch")
+    __slots__ = ("node_id", "protocol_version", "software_version", "backend", "hardware", "memory", "models", "max_concurrent_jobs", "public_key", "nonce", "timestamp_ms", "session_epoch", "sealing_key")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +145,7 @@ class Registration(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEALING_KEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     software_version: str
@@ -151,7 +158,8 @@ class Registration(_message.Message):
     nonce: bytes
     timestamp_ms: int
     session_epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., max_concurrent_jobs: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., session_epoch: _Optional[int] = ...) -> None: ...
+    sealing_key: bytes
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., max_concurrent_jobs: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., session_epoch: _Optional[int] = ..., sealing_key: _Optional[bytes] = ...) -> None: ...
 
 class Hardware(_message.Message):
     __slots__ = ("machine", "chip", "os", "cpu_cores")
@@ -180,18 +188,20 @@ class MemoryStatus(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., free_for_load_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., budget_source: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "size_bytes", "sha256", "capabilities", "resident")
+    __slots__ = ("id", "size_bytes", "sha256", "capabilities", "resident", "drafter_sha256")
     ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_SHA256_FIELD_NUMBER: _ClassVar[int]
     id: str
     size_bytes: int
     sha256: str
     capabilities: Capabilities
     resident: bool
-    def __init__(self, id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., resident: _Optional[bool] = ...) -> None: ...
+    drafter_sha256: str
+    def __init__(self, id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., resident: _Optional[bool] = ..., drafter_sha256: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("family", "quantization", "context_length", "mtp_capable", "draft_compatible", "native_mtp_heads", "vision")
@@ -212,20 +222,28 @@ class Capabilities(_message.Message):
     def __init__(self, family: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_capable: _Optional[bool] = ..., draft_compatible: _Optional[bool] = ..., native_mtp_heads: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("session_id", "session_epoch", "heartbeat_interval_ms")
+    __slots__ = ("session_id", "session_epoch", "heartbeat_interval_ms", "coordinator_version", "protocol_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_epoch: int
     heartbeat_interval_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., session_epoch: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    coordinator_version: str
+    protocol_version: int
+    def __init__(self, session_id: _Optional[str] = ..., session_epoch: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., coordinator_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "retry_after_s", "permanent")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    PERMANENT_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    retry_after_s: int
+    permanent: bool
+    def __init__(self, reason: _Optional[str] = ..., retry_after_s: _Optional[int] = ..., permanent: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms")
@@ -304,7 +322,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job_id", "model", "chat", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256")
+    __slots__ = ("job_id", "model", "chat", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256", "sealed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +334,7 @@ class JobRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     chat: ChatMessages
@@ -327,7 +346,16 @@ class JobRequest(_message.Message):
     speculation: SpeculationPolicy
     deadline_ms: int
     model_sha256: str
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ...) -> None: ...
+    sealed: Sealed
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ...) -> None: ...
+
+class Sealed(_message.Message):
+    __slots__ = ("sender_key", "ciphertext")
+    SENDER_KEY_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    sender_key: bytes
+    ciphertext: bytes
+    def __init__(self, sender_key: _Optional[bytes] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
 
 class JobAccepted(_message.Message):
     __slots__ = ("job_id", "model", "prompt_tokens")
@@ -340,16 +368,18 @@ class JobAccepted(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("job_id", "seq", "text", "token_ids")
+    __slots__ = ("job_id", "seq", "text", "token_ids", "sealed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     seq: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sealed: bytes
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_prompt_tokens")
@@ -409,29 +439,51 @@ class Telemetry(_message.Message):
     speculation: SpeculationTelemetry
     def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ...) -> None: ...
 
+class Completion(_message.Message):
+    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    token_ids_sha256: bytes
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sealed: bytes
+    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ...) -> None: ...
+
 class JobDone(_message.Message):
-    __slots__ = ("job_id", "finish_reason", "usage", "telemetry")
+    __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     finish_reason: str
     usage: Usage
     telemetry: Telemetry
-    def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
+    completion: Completion
+    model_sha256: str
+    signature: bytes
+    def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ..., model_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JobError(_message.Message):
-    __slots__ = ("job_id", "cause", "message", "usage")
+    __slots__ = ("job_id", "cause", "message", "usage", "completion")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     cause: ErrorCause
     message: str
     usage: Usage
-    def __init__(self, job_id: _Optional[str] = ..., cause: _Optional[_Union[ErrorCause, str]] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    completion: Completion
+    def __init__(self, job_id: _Optional[str] = ..., cause: _Optional[_Union[ErrorCause, str]] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("job_id",)
@@ -454,3 +506,13 @@ class Drained(_message.Message):
     JOBS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     jobs_finished: int
     def __init__(self, jobs_finished: _Optional[int] = ...) -> None: ...
+
+class ProtocolError(_message.Message):
+    __slots__ = ("reason", "frame_bytes", "frame_kind")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_KIND_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    frame_bytes: int
+    frame_kind: str
+    def __init__(self, reason: _Optional[str] = ..., frame_bytes: _Optional[int] = ..., frame_kind: _Optional[str] = ...) -> None: ...

@@ -36,6 +36,8 @@ CAUSE_STATUS: dict[Cause, tuple[int, str]] = {
     Cause.COORDINATOR_LOST: (502, "server_error"),
     Cause.DEADLINE_EXCEEDED: (504, "server_error"),
     Cause.DUPLICATE_JOB: (409, "invalid_request_error"),
+    Cause.WEIGHTS_MISMATCH: (500, "server_error"),
+    Cause.SEALING_FAILED: (400, "invalid_request_error"),
     Cause.INTERNAL: (500, "server_error"),
 }
 

@@ -7,12 +7,13 @@ when allowed) and reads its config; `facts` adds what the safetensors headers sa
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 from ..jobs import Cause, JobError
 from ..memory import estimate
 from ..status import ModelFacts
-from . import loader
+from . import loader, manifest
 from .checkpoint import open_checkpoint, read_config
 from .store import StoredModel
 
@@ -22,6 +23,8 @@ class Catalog:
         self._models = {m.id: m for m in models}
         self.default_id = default_id or next(iter(self._models), None)
         self._allow_download = allow_download
+        self._hashes: dict[Path, str] = {}  # directory -> manifest hash, as last computed
+        self._hash_lock = threading.Lock()
 
     def ids(self) -> list[str]:
         return list(self._models)
@@ -47,6 +50,34 @@ class Catalog:
         stored = self._models[model_id]
         path = stored.path or loader.resolve(stored.source, allow_download=self._allow_download)
         return path, read_config(path)
+
+    def drafter_path(self, model_id: str) -> Path | None:
+        drafter = self._models[model_id].drafter
+        return Path(drafter).expanduser() if drafter else None
+
+    def manifest_hash(self, model_id: str, *, drafter: bool = False) -> str:
+        """The manifest hash of a model's (or its drafter's) files as they are now, or "" while they are not
+        on disk. Blocking: it stats every file and hashes those changed since last time (the manifest cache
+        makes a repeat cheap), so call it off the event loop and the engine thread."""
+        path = self.drafter_path(model_id) if drafter else self._models[model_id].path
+        if path is None or not path.is_dir():
+            return ""
+        digest = manifest.model_hash(manifest.manifest(path))
+        with self._hash_lock:
+            self._hashes[path] = digest
+        return digest
+
+    def known_hash(self, model_id: str, *, drafter: bool = False) -> str:
+        """The hash last computed by `manifest_hash`, or ""; cheap, for status and registration."""
+        path = self.drafter_path(model_id) if drafter else self._models[model_id].path
+        with self._hash_lock:
+            return self._hashes.get(path, "") if path is not None else ""
+
+    def hash_all(self) -> None:
+        """Compute every model's and drafter's manifest hash (before registering, so the coordinator can pin)."""
+        for mid in self.ids():
+            self.manifest_hash(mid)
+            self.manifest_hash(mid, drafter=True)
 
     def facts(self, model_id: str) -> ModelFacts | None:
         """What the files say the model is; None while not downloaded or when its files cannot be read."""

@@ -110,7 +110,9 @@ class Residency:
         out = []
         for mid in self.catalog.ids():
             stored, e = self.catalog.stored(mid), entries.get(mid)
-            status = ModelStatus(mid, stored.origin, stored.sha256 or "", "available", facts=self.catalog.facts(mid))
+            status = ModelStatus(mid, stored.origin, self.catalog.known_hash(mid) or stored.sha256 or "", "available",
+                                 facts=self.catalog.facts(mid),
+                                 drafter_sha256=self.catalog.known_hash(mid, drafter=True) or stored.drafter_sha256 or "")
             if e is not None:
                 status = dataclasses.replace(
                     status, state="ready" if e.ready else "loading", bytes=e.bytes,
@@ -209,6 +211,8 @@ class Residency:
         path, config = self.catalog.checkpoint(model_id)
         if stored.sha256:
             verify_pin(model_id, path, stored.sha256)
+        if stored.drafter_sha256 and stored.drafter:
+            verify_pin(f"{model_id}'s drafter", Path(stored.drafter).expanduser(), stored.drafter_sha256)
         try:
             fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step)
         except (HeaderError, OSError) as e:
@@ -270,9 +274,9 @@ class Residency:
 
 
 def verify_pin(model_id: str, path: Path, pinned: str) -> None:
-    actual = manifest.model_hash(manifest.manifest(path))
+    actual = manifest.model_hash(manifest.manifest(path)) if path.is_dir() else "(missing)"
     if actual != pinned:
-        raise JobError(Cause.MODEL_LOAD_FAILED,
+        raise JobError(Cause.WEIGHTS_MISMATCH,
                        f"{model_id}: checkpoint hash {actual[:16]}… does not match the pinned {pinned[:16]}…; "
                        "the files changed since they were pinned — re-download, or update the pin after "
                        "checking them with `provider models verify`")

@@ -23,6 +23,7 @@ class StoredModel:
     origin: str  # configured | models_dir | hf_cache
     sha256: str | None = None  # pinned checkpoint hash, if any
     drafter: str | None = None  # configured drafter source, if any
+    drafter_sha256: str | None = None  # pinned hash of the drafter's files, if any
 
 
 def _config(path: Path) -> dict | None:
@@ -79,7 +80,7 @@ def discover(settings: Settings, extra: list[ModelSpec] = ()) -> list[StoredMode
     for spec in [*extra, *settings.models]:
         p = Path(spec.source).expanduser()
         add(StoredModel(spec.id or model_id_for(spec.source), spec.source, p if p.is_dir() else None, "configured",
-                        spec.sha256 or None, spec.drafter or None))
+                        spec.sha256 or None, spec.drafter or None, spec.drafter_sha256 or None))
     root = models_dir(settings)
     if root.is_dir():
         for p in sorted(root.iterdir()):

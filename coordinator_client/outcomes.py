@@ -1,0 +1,113 @@
+"""Job outcomes on the wire: what a job emitted, the signed result, and the store that sends them again.
+
+Every outcome says how many chunks the job sent and carries a SHA-256 over its token ids, so a coordinator
+can tell a whole result from a truncated one. The first send leaves the completion's text and token ids
+out (the chunks carried them); every later send (a new session, a repeated JobRequest) puts them in, so a
+coordinator that lost chunks can rebuild the result. JobDone is signed by the node identity; the byte
+layout is in the proto, above `JobDone.signature`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from .pb import provider_pb2 as pb
+from .sealing import JobKeys
+
+RESULT_DOMAIN = b"provider.v1.result\0"
+MAX_UNACKED = 10_000
+MAX_FINISHED = 10_000  # outcomes kept to answer a repeated JobRequest (ids older than that count as new)
+MAX_FINISHED_BYTES = 64 << 20  # and at most this much of them, completions included
+
+
+def token_digest(token_ids) -> bytes:
+    return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in token_ids)).digest()
+
+
+@dataclass
+class Transcript:
+    """What one job has streamed so far."""
+
+    chunks: int = 0
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def add(self, text: str, token_ids: list[int]) -> None:
+        self.chunks += 1
+        self.text.append(text)
+        self.token_ids.extend(token_ids)
+
+    def completion(self, job_id: str, keys: JobKeys | None = None) -> pb.Completion:
+        """The whole completion, sealed back to the sender for a sealed job."""
+        out = pb.Completion(chunks=self.chunks, token_ids_sha256=token_digest(self.token_ids))
+        text = "".join(self.text)
+        if keys is not None:
+            out.sealed = keys.seal_completion(job_id, text, self.token_ids)
+        else:
+            out.text, out.token_ids[:] = text, self.token_ids
+        return out
+
+
+def result_bytes(done: pb.JobDone) -> bytes:
+    """What JobDone.signature signs."""
+    c, u = done.completion, done.usage
+    counts = (c.chunks, u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    model = bytes.fromhex(done.model_sha256) if len(done.model_sha256) == 64 else bytes(32)
+    return (RESULT_DOMAIN + done.job_id.encode() + b"\0" + done.finish_reason.encode() + b"\0"
+            + c.token_ids_sha256 + b"".join(n.to_bytes(8, "big") for n in counts) + model)
+
+
+def verify_result(done: pb.JobDone, public_key: bytes) -> None:
+    """Raise InvalidSignature unless `done` is signed by `public_key` (the node's Registration.public_key)."""
+    Ed25519PublicKey.from_public_bytes(public_key).verify(done.signature, result_bytes(done))
+
+
+def brief(frame: pb.ProviderFrame) -> pb.ProviderFrame:
+    """The outcome as first sent: the completion's body left out, since the chunks carried it."""
+    out = pb.ProviderFrame()
+    out.CopyFrom(frame)
+    kind = out.WhichOneof("frame")
+    if kind in ("job_done", "job_error") and getattr(out, kind).HasField("completion"):
+        c = getattr(out, kind).completion
+        c.text, c.sealed = "", b""
+        del c.token_ids[:]
+    return out
+
+
+class Outcomes:
+    """Each job's single outcome, kept until acknowledged (to send again on the next session) and for a while
+    after (to answer a repeated JobRequest with the same outcome)."""
+
+    def __init__(self):
+        self.unacked: dict[str, pb.ProviderFrame] = {}  # oldest first
+        self._finished: dict[str, tuple[pb.ProviderFrame, int]] = {}  # job id -> (outcome, its size)
+        self._finished_bytes = 0
+
+    def record(self, job_id: str, frame: pb.ProviderFrame) -> pb.ProviderFrame:
+        """Keep the whole outcome; return the brief one to send now."""
+        if len(self.unacked) >= MAX_UNACKED:  # a coordinator that never acks must not grow us forever
+            self.unacked.pop(next(iter(self.unacked)))
+        self.unacked[job_id] = frame
+        self._forget(job_id)
+        size = frame.ByteSize()
+        self._finished[job_id] = (frame, size)
+        self._finished_bytes += size
+        while len(self._finished) > MAX_FINISHED or self._finished_bytes > MAX_FINISHED_BYTES:
+            self._forget(next(iter(self._finished)))
+        return brief(frame)
+
+    def _forget(self, job_id: str) -> None:
+        kept = self._finished.pop(job_id, None)
+        if kept is not None:
+            self._finished_bytes -= kept[1]
+
+    def ack(self, job_ids) -> None:
+        for job_id in job_ids:
+            self.unacked.pop(job_id, None)
+
+    def finished(self, job_id: str) -> pb.ProviderFrame | None:
+        kept = self._finished.get(job_id)
+        return kept[0] if kept else None

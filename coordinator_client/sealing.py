@@ -1,0 +1,118 @@
+"""Sealed jobs: a job body only the node can open, and chunks and completion only its sender can read.
+
+The construction is in the proto, above `message Sealed`, and tests/vectors/sealing.json holds golden
+values. The node's X25519 key lives in this process only: it is made at start, announced in the
+Registration, and never written anywhere, so a sealed job cannot be opened after the process that
+accepted it is gone. Pure functions over bytes, plus `SealingKey` for the node's side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .pb import provider_pb2 as pb
+
+AAD_PREFIX = b"provider.v1.seal\0"
+REQUEST_INFO = b"provider.v1.seal request"
+RESPONSE_INFO = b"provider.v1.seal response"
+COMPLETION_COUNTER = 2**64 - 1
+KEY_BYTES = 32
+
+
+class SealingError(Exception):
+    """A sealed body did not open: wrong key, tampered bytes, or a malformed envelope."""
+
+
+def _raw(public: X25519PublicKey) -> bytes:
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def nonce(counter: int) -> bytes:
+    return bytes(4) + counter.to_bytes(8, "big")
+
+
+def aad(job_id: str, kind: str) -> bytes:
+    return AAD_PREFIX + job_id.encode() + b"\0" + kind.encode()
+
+
+def derive_keys(shared: bytes, sender_key: bytes, sealing_key: bytes) -> tuple[bytes, bytes]:
+    """The raw request and response keys of one sealed job."""
+    def hkdf(info: bytes) -> bytes:
+        return HKDF(hashes.SHA256(), 32, sender_key + sealing_key, info).derive(shared)
+
+    return hkdf(REQUEST_INFO), hkdf(RESPONSE_INFO)
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """The two symmetric keys one sealed job uses: sender -> node (`request`), node -> sender (`response`)."""
+
+    request: ChaCha20Poly1305
+    response: ChaCha20Poly1305
+
+    @classmethod
+    def derive(cls, shared: bytes, sender_key: bytes, sealing_key: bytes) -> "JobKeys":
+        request, response = derive_keys(shared, sender_key, sealing_key)
+        return cls(ChaCha20Poly1305(request), ChaCha20Poly1305(response))
+
+    def seal_chunk(self, job_id: str, seq: int, text: str, token_ids: list[int]) -> bytes:
+        body = pb.TokenChunk(text=text, token_ids=token_ids).SerializeToString()
+        return self.response.encrypt(nonce(seq), body, aad(job_id, "chunk"))
+
+    def seal_completion(self, job_id: str, text: str, token_ids: list[int]) -> bytes:
+        body = pb.Completion(text=text, token_ids=token_ids).SerializeToString()
+        return self.response.encrypt(nonce(COMPLETION_COUNTER), body, aad(job_id, "completion"))
+
+    # The sender's side (the reference coordinator and tests use these).
+    def open_chunk(self, job_id: str, seq: int, sealed: bytes) -> pb.TokenChunk:
+        return pb.TokenChunk.FromString(self._open(self.response, nonce(seq), sealed, aad(job_id, "chunk")))
+
+    def open_completion(self, job_id: str, sealed: bytes) -> pb.Completion:
+        return pb.Completion.FromString(
+            self._open(self.response, nonce(COMPLETION_COUNTER), sealed, aad(job_id, "completion")))
+
+    @staticmethod
+    def _open(aead: ChaCha20Poly1305, n: bytes, sealed: bytes, associated: bytes) -> bytes:
+        try:
+            return aead.decrypt(n, sealed, associated)
+        except InvalidTag:
+            raise SealingError("the sealed bytes do not open with this job's key (tampered or wrong key)") from None
+
+
+def seal_job(sealing_key: bytes, job_id: str, body: pb.JobRequest,
+             sender: X25519PrivateKey | None = None) -> tuple[pb.Sealed, JobKeys]:
+    """The sender's side: seal `body` for the node whose Registration.sealing_key is `sealing_key`."""
+    sender = sender or X25519PrivateKey.generate()
+    sender_key = _raw(sender.public_key())
+    keys = JobKeys.derive(sender.exchange(X25519PublicKey.from_public_bytes(sealing_key)), sender_key, sealing_key)
+    ciphertext = keys.request.encrypt(nonce(0), body.SerializeToString(), aad(job_id, "job"))
+    return pb.Sealed(sender_key=sender_key, ciphertext=ciphertext), keys
+
+
+class SealingKey:
+    """The node's per-process X25519 key."""
+
+    def __init__(self, key: X25519PrivateKey | None = None):
+        self._key = key or X25519PrivateKey.generate()
+        self.public_key = _raw(self._key.public_key())
+
+    def open_job(self, job_id: str, sealed: pb.Sealed) -> tuple[pb.JobRequest, JobKeys]:
+        """The plaintext JobRequest and the keys to seal the job's answers; SealingError if it does not open."""
+        if len(sealed.sender_key) != KEY_BYTES:
+            raise SealingError(f"sealed.sender_key must be {KEY_BYTES} bytes, got {len(sealed.sender_key)}")
+        try:
+            shared = self._key.exchange(X25519PublicKey.from_public_bytes(sealed.sender_key))
+        except ValueError as e:  # a low-order point gives an all-zero secret, which cryptography refuses
+            raise SealingError(f"sealed.sender_key is not a usable X25519 key: {e}") from None
+        keys = JobKeys.derive(shared, sealed.sender_key, self.public_key)
+        plaintext = keys._open(keys.request, nonce(0), sealed.ciphertext, aad(job_id, "job"))
+        try:
+            return pb.JobRequest.FromString(plaintext), keys
+        except Exception:
+            raise SealingError("the sealed body opened but is not a serialized JobRequest") from None

@@ -1,0 +1,224 @@
+"""Coordinator jobs, from JobRequest to their one outcome.
+
+A JobRequest is opened (when sealed), checked (fields, pin, deadline, draining) and run as the same `Job`
+the local API makes; its Events go back as frames in order, with per-job sequence numbers, sealed back
+to the sender when the job was sealed. Each job ends with exactly one outcome, recorded in `Outcomes`
+until the coordinator acknowledges it. Delivery of requests is at least once: a repeated job id never
+runs twice, and once finished it gets the same outcome again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from provider import logs
+from provider.jobs import Accepted, Cause, Done, Error, JobError, Tokens
+from provider.node import Node
+from provider.settings import Settings
+
+from . import convert
+from .identity import Identity
+from .outcomes import Outcomes, Transcript, result_bytes
+from .pb import provider_pb2 as pb
+from .sealing import JobKeys, SealingError, SealingKey
+
+log = logs.get("coordinator")
+ROUTING_FIELDS = ("job_id", "model", "deadline_ms", "model_sha256")  # stay in the clear on a sealed job
+
+
+@dataclass
+class ServingStats:
+    jobs_received: int = 0
+    outcomes_sent: int = 0
+    coordinator_lost: int = 0
+
+
+def _access_log(job_id: str, frame: pb.ProviderFrame, started: float | None) -> None:
+    """One line per coordinator job: how it ended, how long it took, its token counts; never its text."""
+    kind = frame.WhichOneof("frame")
+    fields = {"job_id": job_id, "outcome": kind,
+              "duration_ms": round((time.perf_counter() - started) * 1000, 3) if started else 0.0}
+    if kind == "job_done":
+        u = frame.job_done.usage
+        fields |= {"finish_reason": frame.job_done.finish_reason, "prompt_tokens": u.prompt_tokens,
+                   "completion_tokens": u.completion_tokens}
+    else:
+        fields["cause"] = pb.ErrorCause.Name(frame.job_error.cause)
+    log.info("coordinator_job", **fields)
+
+
+def open_request(req: pb.JobRequest, sealing: SealingKey, *, required: bool) -> tuple[pb.JobRequest, JobKeys | None]:
+    """The request to run and, for a sealed one, the keys its answers are sealed with; JobError(SEALING_FAILED)
+    when a sealed body does not open or a plaintext one comes while sealing is required. Never a fallback."""
+    if not req.HasField("sealed"):
+        if required:
+            raise JobError(Cause.SEALING_FAILED, "this node requires sealed jobs (require_sealed_jobs = true); "
+                           "seal the body to the sealing_key in its Registration")
+        return req, None
+    try:
+        body, keys = sealing.open_job(req.job_id, req.sealed)
+    except SealingError as e:
+        raise JobError(Cause.SEALING_FAILED, f"the sealed job did not open: {e}; seal it to the sealing_key of "
+                       "this node's current session (it changes when the node restarts)") from None
+    if body.job_id not in ("", req.job_id) or body.HasField("sealed"):
+        raise JobError(Cause.SEALING_FAILED, "the sealed body names another job_id or is sealed again")
+    merged = pb.JobRequest()
+    merged.CopyFrom(req)
+    merged.ClearField("sealed")
+    for name in ROUTING_FIELDS:
+        body.ClearField(name)
+    merged.MergeFrom(body)
+    return merged, keys
+
+
+class CoordinatorJobs:
+    def __init__(self, node: Node, settings: Settings, identity: Identity, sealing: SealingKey, *,
+                 coalesce_s: float):
+        self.node = node
+        self.coalesce_s = coalesce_s
+        self.settings = settings
+        self.identity = identity
+        self.sealing = sealing
+        self.outcomes = Outcomes()
+        self.stats = ServingStats()
+        self.draining = False
+        self._running: dict[str, asyncio.Task] = {}
+        self._started: dict[str, float] = {}  # job id -> when it was accepted, for the access log
+        self._cancelled: set[str] = set()  # cancels that came before the job reached the engine
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def cancel(self, job_id: str) -> None:
+        if job_id in self._running:
+            self._cancelled.add(job_id)
+            self.node.cancel(job_id)
+
+    def on_request(self, req: pb.JobRequest, outbox: asyncio.Queue) -> None:
+        self.stats.jobs_received += 1
+        if req.job_id in self._running:
+            log.info("coordinator_duplicate_job", job_id=req.job_id, state="running")
+            return
+        finished = self.outcomes.finished(req.job_id)
+        if finished is not None:
+            log.info("coordinator_duplicate_job", job_id=req.job_id, state="finished")
+            outbox.put_nowait(finished)
+            return
+        s = self.settings
+        keys = None
+        try:
+            req, keys = open_request(req, self.sealing, required=s.require_sealed_jobs)
+            job = convert.job_from_request(req, max_tokens_limit=s.max_tokens_limit,
+                                           default_max_tokens=s.default_max_tokens)
+            if self.draining or self.node.draining:
+                raise JobError(Cause.DRAINING, "the node is draining and accepts no new jobs")
+            if req.deadline_ms and req.deadline_ms <= time.time() * 1000:
+                raise JobError(Cause.DEADLINE_EXCEEDED, "the job's deadline passed before it started")
+            if req.model_sha256 and not _is_sha256(req.model_sha256):
+                raise JobError(Cause.INVALID_REQUEST, "model_sha256 must be 64 lowercase hex digits (the hash the "
+                               "node registered for the model)", "model_sha256")
+        except JobError as e:
+            self._outcome(outbox, convert.error_frame(req.job_id, e.cause, e.message), req.job_id)
+            return
+        self._started[job.id] = time.perf_counter()
+        task = asyncio.create_task(self._serve(job, req, keys, outbox))
+        self._running[job.id] = task
+        task.add_done_callback(lambda _: self._running.pop(job.id, None))
+
+    async def _serve(self, job, req: pb.JobRequest, keys: JobKeys | None, outbox: asyncio.Queue) -> None:
+        job_id = job.id
+        if req.model_sha256:
+            try:  # before the job reaches the engine, so weights that do not match are never loaded
+                await asyncio.to_thread(self.node.check_pin, job.model, req.model_sha256)
+            except JobError as e:
+                self._outcome(outbox, convert.error_frame(job_id, e.cause, e.message), job_id)
+                return
+        stream = self.node.run(job)
+        if job_id in self._cancelled:  # cancelled during the pin check: the engine ends it at once, as cancelled
+            self.node.cancel(job_id)
+        transcript, model = Transcript(), ""
+        timer = None
+        expired = []  # set when the deadline cancelled the job: its end is then DEADLINE_EXCEEDED, not "cancelled"
+        if req.deadline_ms:
+            delay = max(0.0, req.deadline_ms / 1000 - time.time())
+            timer = asyncio.get_running_loop().call_later(
+                delay, lambda: (expired.append(True), self.node.cancel(job_id)))
+        try:
+            async for ev in stream:
+                if isinstance(ev, Accepted):
+                    model = ev.model
+                    outbox.put_nowait(pb.ProviderFrame(job_accepted=pb.JobAccepted(
+                        job_id=job_id, model=ev.model, prompt_tokens=ev.prompt_tokens)))
+                    continue
+                tokens, end = (await stream.coalesce(ev, behind=lambda: not outbox.empty(),
+                                                     window_s=self.coalesce_s)
+                               if isinstance(ev, Tokens) else ([], ev))
+                if tokens:
+                    outbox.put_nowait(convert.chunk_frame(job_id, transcript.chunks, tokens, keys))
+                    transcript.add("".join(t.text for t in tokens), [i for t in tokens for i in t.token_ids])
+                if end is not None:
+                    self._outcome(outbox, self._ending(end, transcript, model, keys, deadline_passed=bool(expired)),
+                                  job_id)
+        except asyncio.CancelledError:
+            # The stream died under this job: stop generating, report it on the next session.
+            await stream.aclose()
+            self.stats.coordinator_lost += 1
+            frame = convert.error_frame(job_id, Cause.COORDINATOR_LOST,
+                                        "the coordinator stream died while the job ran; it was cancelled")
+            frame.job_error.completion.CopyFrom(transcript.completion(job_id, keys))
+            self._outcome(None, frame, job_id)
+            raise
+        finally:
+            self._cancelled.discard(job_id)
+            if timer:
+                timer.cancel()
+
+    def _ending(self, end, transcript: Transcript, model: str, keys: JobKeys | None, *,
+                deadline_passed: bool) -> pb.ProviderFrame:
+        completion = transcript.completion(end.job_id, keys)
+        if isinstance(end, Done) and deadline_passed and end.finish_reason == "cancelled":
+            frame = convert.error_frame(end.job_id, Cause.DEADLINE_EXCEEDED, "the job's deadline passed after "
+                                        f"{end.usage.completion_tokens} tokens", end.usage)
+            frame.job_error.completion.CopyFrom(completion)
+        elif isinstance(end, Done):
+            frame = convert.done_frame(end)
+            done = frame.job_done
+            done.completion.CopyFrom(completion)
+            done.model_sha256 = self.node.model_hash(model) if model else ""
+            done.signature = self.identity.sign(result_bytes(done))
+        elif isinstance(end, Error):
+            frame = convert.event_error_frame(end)
+            if transcript.chunks:
+                frame.job_error.completion.CopyFrom(completion)
+        else:
+            raise TypeError(f"not a job's end: {end!r}")
+        return frame
+
+    def _outcome(self, outbox: asyncio.Queue | None, frame: pb.ProviderFrame, job_id: str) -> None:
+        """Record a job's single outcome until the coordinator acks it, and send it if a stream is up."""
+        _access_log(job_id, frame, self._started.pop(job_id, None))
+        first = self.outcomes.record(job_id, frame)
+        self.stats.outcomes_sent += 1
+        if outbox is not None:
+            outbox.put_nowait(first)
+
+    async def abandon(self) -> None:
+        """The stream died: cancel every running job (each records COORDINATOR_LOST)."""
+        running = list(self._running.values())
+        for t in running:
+            t.cancel()
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def finish(self) -> int:
+        """Wait for every running job to end; how many there were."""
+        finished = len(self._running)
+        while self._running:
+            await asyncio.gather(*list(self._running.values()), return_exceptions=True)
+        return finished
+
+
+def _is_sha256(s: str) -> bool:
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
