@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 
 from coordinator_client.identity import Identity
+from coordinator_client.outcomes import brief
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.session import CoordinatorSession
@@ -147,7 +148,7 @@ async def kill_restart_scenario(model_path: Path, state_dir: Path, cycles: int =
             session_of.setdefault((kind, getattr(frame, kind).job_id), sid)
     for jid in job_ids:
         outcomes = coord.outcomes.get(jid, [])
-        distinct = {o.SerializeToString() for o in outcomes}
+        distinct = {brief(o).SerializeToString() for o in outcomes}  # a resend adds only the completion's body
         if not outcomes:
             report.jobs_without_outcome += 1
             continue
