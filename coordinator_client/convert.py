@@ -86,9 +86,18 @@ def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
         if getattr(t, name) is not None:  # optional on the wire: absent, not zero, when unknown
             setattr(out, name, getattr(t, name))
     spec = t.speculation.as_dict()
+    decision = spec.pop("decision", None)
     out.speculation.CopyFrom(pb.SpeculationTelemetry(**{k: v for k, v in spec.items()
                                                         if k in pb.SpeculationTelemetry.DESCRIPTOR.fields_by_name}))
+    if decision:
+        out.speculation.decision.CopyFrom(decision_to_pb(decision))
     return out
+
+
+def decision_to_pb(d: dict) -> pb.SpeculationDecision:
+    speedups = d["expected_speedup"]
+    return pb.SpeculationDecision(k=d["k"], acceptance=d["acceptance"],
+                                  expected_speedup=[speedups[k] for k in sorted(speedups, key=int)])
 
 
 def done_frame(ev: Done) -> pb.ProviderFrame:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+from provider.speculation import GREEDY, SPECULATIVE_SAMPLING
 from provider.status import NodeStatus
 
+from .convert import decision_to_pb
 from .identity import Identity
 from .pb import provider_pb2 as pb
 
@@ -58,4 +60,11 @@ def heartbeat(st: NodeStatus, *, draining: bool) -> pb.Heartbeat:
                              jobs_cancelled=c.jobs_cancelled, tokens_generated=c.tokens_generated,
                              spec_drafted_tokens=c.spec_drafted, spec_accepted_tokens=c.spec_accepted,
                              spec_target_forwards=c.spec_target_forwards),
-        timestamp_ms=int(time.time() * 1000))
+        timestamp_ms=int(time.time() * 1000),
+        speculation=[_profile(m.id, m.speculation) for m in st.models if m.speculation])
+
+
+def _profile(model: str, p: dict) -> pb.SpeculationProfile:
+    return pb.SpeculationProfile(
+        model=model, plain_token_ms=p["plain_token_ms"], round_ms=p["round_ms"], greedy=decision_to_pb(p[GREEDY]),
+        sampled=decision_to_pb(p[SPECULATIVE_SAMPLING]))

@@ -1,9 +1,17 @@
-"""`provider bench`: speculation off vs on (k in a small range) on the same model and prompts, in one process.
+"""`provider bench`: speculation off vs each k vs auto, on the same model and prompts, in one process.
 
-It times one job alone: plain decoding with mlx-lm's generate_step (what a batch of one computes), and
-speculation with the node's own round loop; and writes JSON: model paths and hashes, package versions, environment, prompts, generated
-token ids, elapsed time, tokens/s, acceptance and tokens per target forward, and whether every speculative
-output equals the plain one.
+For greedy requests and for sampled ones (temperature 0.7 by default), it times every configuration on
+every prompt, interleaved prompt by prompt, so a busy machine slows them all alike:
+- off: plain decoding with mlx-lm's generate_step, which is what a batch of one computes;
+- each k: the node's own round loop;
+- auto: the node's own choice of k per job, from the costs it measures at load and the acceptance seen so
+  far.
+
+It writes JSON with model paths and hashes, package versions, environment, prompts, generated token ids,
+elapsed time, tokens/s, the acceptance rate, tokens per target forward, and whether every greedy
+speculative output equals the plain one. For sampled runs it also gives the acceptance rate sample-and-
+compare (mlx-lm's scheme) would have had, Σ p·q, beside this scheme's Σ min(p, q). An optional PNG
+plots tokens/s and tokens per target forward against k.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import itertools
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -50,111 +59,229 @@ def _environment() -> dict:
             "env": {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "PROVIDER_", "OMP_"))}}
 
 
-def _plain(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+def _plain(model, prompt: list[int], n: int, eos: set[int], sampler=None) -> list[int]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     out = []
-    for t, _ in itertools.islice(generate_step(mx.array(prompt), model, max_tokens=n), n):
+    for t, _ in itertools.islice(generate_step(mx.array(prompt), model, max_tokens=n, sampler=sampler), n):
         if t in eos:
             break
         out.append(t)
     return out
 
 
-def _speculative(model, drafter_factory, prompt: list[int], n: int, eos: set[int], k: int):
+def _speculative(model, drafter_factory, prompt: list[int], n: int, eos: set[int], k: int, choice):
     from .engine.speculative import SpecStats, speculative_tokens
 
     stats = SpecStats(drafter_factory.mode, k)
     out = []
-    for t in itertools.islice(speculative_tokens(model, prompt, drafter_factory(), k=k, stats=stats), n):
+    tokens = speculative_tokens(model, prompt, drafter_factory(), k=k, stats=stats, choice=choice)
+    for t in itertools.islice(tokens, n):
         if t in eos:
             break
         out.append(t)
+    tokens.close()
     return out, stats
 
 
-def run(model_path: Path, drafter_path: Path | None, ks: list[int], prompts: list[str], max_tokens: int,
-        out_path: Path) -> dict:
+def _pair(model_path: Path, drafter_path: Path):
+    """The loaded target and drafter as the node holds them, and a factory of fresh drafters."""
     from mlx_lm import load
 
-    from .engine.speculative import DraftModelDrafter, MTPDrafter, Target
-    from .models import capability, manifest
+    from .engine.profile import drafter_for
+    from .models import capability
     from .models.gemma4_assistant import load_assistant
+    from .models.loader import LoadedModel
+    from .speculation import SpecMode
 
     model, tok = load(str(model_path))
-    eos = set(tok.eos_token_ids)
-    encoded = [tok.encode(p) for p in prompts]
+    lm = LoadedModel("bench", model_path, model, tok, {}, 0.0)
+    if capability.read_config(drafter_path).get("model_type") in capability.ASSISTANT_TYPES:
+        lm.drafter, lm.drafter_mode = load_assistant(drafter_path), SpecMode.MTP
+    else:
+        lm.drafter, lm.drafter_mode = load(str(drafter_path))[0], SpecMode.DRAFT
+
+    def factory():
+        return drafter_for(lm)
+
+    factory.mode = lm.drafter_mode.value
+    return lm, factory
+
+
+def _row(name: str, k: int, elapsed: float, outs: list[list[int]], stats: list) -> dict:
+    tokens = sum(map(len, outs))
+    row = {"config": name, "k": k, "elapsed_s": round(elapsed, 4), "tokens": tokens,
+           "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0, "token_ids": outs}
+    spec = [s for s in stats if s is not None]  # None: the prompt ran plain
+    drafted, accepted, judged = (sum(getattr(s, f) for s in spec) for f in ("drafted", "accepted", "judged"))
+    forwards = sum(s.target_forwards for s in spec) + sum(len(o) for o, s in zip(outs, stats) if s is None)
+    row |= {"drafted": drafted, "accepted": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "accepted_per_judged": round(accepted / judged, 4) if judged else 0.0,
+            # Emitted tokens over target forwards (plain: one forward a token); EOS/max_tokens cuts included.
+            "tokens_per_target_forward": round(tokens / forwards, 4) if forwards else 0.0}
+    overlap = [s for s in spec if s.scheme == "speculative_sampling" and s.judged]
+    if overlap:
+        judged = sum(s.judged for s in overlap)
+        row["expected_acceptance"] = {"speculative_sampling": round(sum(s.min_overlap for s in overlap) / judged, 4),
+                                      "sample_and_compare": round(sum(s.dot_overlap for s in overlap) / judged, 4)}
+    return row
+
+
+def _scheme_runs(lm, factory, encoded: list[list[int]], ks: list[int], max_tokens: int, eos: set[int],
+                 temperature: float, profile) -> list[dict]:
+    """Every configuration on every prompt, interleaved: off, each k, auto."""
+    from .engine.acceptance import GreedyChoice, SampledChoice
+    from .engine.sampling import sampler_for
+    from .jobs import SamplingParams
+    from .speculation import GREEDY, SPECULATIVE_SAMPLING
+
+    scheme = GREEDY if temperature == 0 else SPECULATIVE_SAMPLING
+    names = ["off", *[f"k={k}" for k in ks], "auto"]
+    elapsed = dict.fromkeys(names, 0.0)
+    outs: dict[str, list] = {n: [] for n in names}
+    stats: dict[str, list] = {n: [] for n in names}
+    auto_ks = []
+    for i, prompt in enumerate(encoded):
+        params = SamplingParams(max_tokens, temperature=temperature, seed=i)
+        for name in names:
+            k = int(name[2:]) if name.startswith("k=") else 0
+            if name == "auto":
+                k = profile.decide(scheme).k
+                auto_ks.append(k)
+            start = time.perf_counter()
+            if k == 0:
+                out, st = _plain(lm.model, prompt, max_tokens, eos, None if scheme == GREEDY else sampler_for(params)), None
+            else:
+                choice = GreedyChoice() if scheme == GREEDY else SampledChoice(params)
+                out, st = _speculative(lm.model, factory, prompt, max_tokens, eos, k, choice)
+            elapsed[name] += time.perf_counter() - start
+            if name == "auto" and st is not None:
+                profile.observe(scheme, st.accepted, st.judged)
+            outs[name].append(out)
+            stats[name].append(st)
+    rows = [_row(n, int(n[2:]) if n.startswith("k=") else 0, elapsed[n], outs[n], stats[n]) for n in names]
+    rows[-1]["k_chosen"] = auto_ks
+    off = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["speedup_vs_off"] = round(r["tokens_per_s"] / off, 4) if off else 0.0
+        if scheme == GREEDY and r["config"] != "off":
+            r["identical_to_plain"] = r["token_ids"] == rows[0]["token_ids"]
+    return rows
+
+
+def run(model_path: Path, drafter_path: Path, ks: list[int], prompts: list[str], max_tokens: int,
+        out_path: Path, temperature: float = 0.7) -> dict:
+    from .engine import profile as profiling
+    from .models import manifest
+
+    lm, factory = _pair(model_path, drafter_path)
+    eos = set(lm.tokenizer.eos_token_ids)
+    encoded = [lm.tokenizer.encode(p) for p in prompts]
+    _plain(lm.model, encoded[0], 4, eos)  # warm up kernels outside the timings
+    started = time.perf_counter()
+    profile = profiling.measure(lm, max(ks))
     result = {
         "model": {"path": str(model_path), "sha256": manifest.model_hash(manifest.manifest(model_path))},
-        "drafter": None, "versions": _versions(), "environment": _environment(), "max_tokens": max_tokens,
-        "prompts": prompts, "runs": [],
+        "drafter": {"path": str(drafter_path), "mode": factory.mode,
+                    "sha256": manifest.model_hash(manifest.manifest(drafter_path))},
+        "versions": _versions(), "environment": _environment(), "max_tokens": max_tokens, "prompts": prompts,
+        "profile": {"seconds": round(time.perf_counter() - started, 3), **profile.as_dict()},
+        "greedy": _scheme_runs(lm, factory, encoded, ks, max_tokens, eos, 0.0, profile),
+        "sampled": {"temperature": temperature,
+                    "runs": _scheme_runs(lm, factory, encoded, ks, max_tokens, eos, temperature, profile)},
     }
-    factory = None
-    if drafter_path is not None:
-        dcfg = capability.read_config(drafter_path)
-        if dcfg.get("model_type") in capability.ASSISTANT_TYPES:
-            assistant, target = load_assistant(drafter_path), Target(model)
-
-            def factory():
-                return MTPDrafter(assistant, target)
-
-            factory.mode = "mtp"
-        else:
-            draft, _ = load(str(drafter_path))
-
-            def factory():
-                return DraftModelDrafter(draft)
-
-            factory.mode = "draft"
-        result["drafter"] = {"path": str(drafter_path), "mode": factory.mode,
-                             "sha256": manifest.model_hash(manifest.manifest(drafter_path))}
-
-    _plain(model, encoded[0], 4, eos)  # warm up kernels outside the timings
-    start = time.perf_counter()
-    plain = [_plain(model, p, max_tokens, eos) for p in encoded]
-    elapsed = time.perf_counter() - start
-    tokens = sum(map(len, plain))
-    result["runs"].append({"speculation": "off", "k": 0, "elapsed_s": round(elapsed, 4), "tokens": tokens,
-                           "tokens_per_s": round(tokens / elapsed, 3), "token_ids": plain,
-                           "target_forwards": tokens, "tokens_per_target_forward": 1.0})
-    for k in ks if factory else []:
-        start = time.perf_counter()
-        outs, stats = zip(*[_speculative(model, factory, p, max_tokens, eos, k) for p in encoded])
-        elapsed = time.perf_counter() - start
-        tokens = sum(map(len, outs))
-        drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
-        forwards = sum(s.target_forwards for s in stats)
-        result["runs"].append({
-            "speculation": factory.mode, "k": k, "elapsed_s": round(elapsed, 4), "tokens": tokens,
-            "tokens_per_s": round(tokens / elapsed, 3), "token_ids": list(outs),
-            "identical_to_plain": list(outs) == plain, "drafted": drafted, "accepted": accepted,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0, "target_forwards": forwards,
-            # Emitted tokens over target forwards, the prefill forward counted; EOS/max_tokens cuts included.
-            "tokens_per_target_forward": round(sum(s.emitted for s in stats) / forwards, 4),
-            "speedup_vs_off": round((tokens / elapsed) / result["runs"][0]["tokens_per_s"], 4),
-        })
     out_path.write_text(json.dumps(result, indent=1))
     return result
 
 
+def auto_ratios(runs: list[dict]) -> tuple[float, float, str]:
+    """auto's tokens/s over off's and over the best fixed k's, and that k."""
+    by = {r["config"]: r["tokens_per_s"] for r in runs}
+    best = max((r for r in runs if r["config"].startswith("k=")), key=lambda r: r["tokens_per_s"])
+    return by["auto"] / by["off"], by["auto"] / best["tokens_per_s"], best["config"]
+
+
 def print_summary(result: dict, out_path: Path) -> None:
-    print(f"model {result['model']['path']}  drafter {result['drafter']['path'] if result['drafter'] else '-'}")
-    print(f"{'speculation':12} {'k':>2} {'tokens':>7} {'tok/s':>9} {'accept':>7} {'tok/fwd':>8} {'identical':>9}")
-    for r in result["runs"]:
-        print(f"{r['speculation']:12} {r['k']:>2} {r['tokens']:>7} {r['tokens_per_s']:>9.1f} "
-              f"{r.get('acceptance_rate', 0):>7.3f} {r['tokens_per_target_forward']:>8.3f} "
-              f"{str(r.get('identical_to_plain', '-')):>9}")
-    print(f"wrote {out_path}")
+    print(f"model {result['model']['path']}  drafter {result['drafter']['path']} ({result['drafter']['mode']})")
+    p = result["profile"]
+    print(f"measured at load ({p['seconds']} s): plain {p['plain_token_ms']} ms/token; a round with k = 1.. "
+          f"{', '.join(str(x) for x in p['round_ms'])} ms")
+    for title, runs in (("greedy", result["greedy"]), (f"sampled, T = {result['sampled']['temperature']}",
+                                                       result["sampled"]["runs"])):
+        print(f"\n{title}")
+        print(f"{'config':8} {'tokens':>7} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'tok/fwd':>8} {'Σp·q':>6} "
+              f"{'identical':>9}")
+        for r in runs:
+            est = r.get("expected_acceptance", {}).get("sample_and_compare")
+            print(f"{r['config']:8} {r['tokens']:>7} {r['tokens_per_s']:>8.1f} {r['speedup_vs_off']:>7.3f} "
+                  f"{r['accepted_per_judged']:>7.3f} {r['tokens_per_target_forward']:>8.3f} "
+                  f"{'' if est is None else f'{est:.3f}':>6} {str(r.get('identical_to_plain', '-')):>9}")
+        vs_off, vs_best, best = auto_ratios(runs)
+        chosen = sorted(set(runs[-1]["k_chosen"]))
+        print(f"auto chose k in {chosen}: auto/off = {vs_off:.3f}, auto/best fixed ({best}) = {vs_best:.3f}")
+    print(f"\nwrote {out_path}")
+
+
+def plot(result: dict, path: Path) -> bool:
+    """tokens/s and tokens per target forward against k, greedy and sampled; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (rate, per_forward) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, runs in (("greedy", result["greedy"]), ("sampled", result["sampled"]["runs"])):
+        fixed = [r for r in runs if r["config"] == "off" or r["config"].startswith("k=")]
+        rate.plot([r["k"] for r in fixed], [r["tokens_per_s"] for r in fixed], marker="o", label=label)
+        per_forward.plot([r["k"] for r in fixed], [r["tokens_per_target_forward"] for r in fixed], marker="o",
+                         label=label)
+        auto = runs[-1]
+        rate.axhline(auto["tokens_per_s"], linestyle="--", linewidth=1, label=f"{label} auto")
+    rate.set(xlabel="k (0 = off)", ylabel="tokens/s", title="wall-clock tokens/s")
+    per_forward.set(xlabel="k (0 = off)", ylabel="tokens per target forward", title="tokens per target forward")
+    rate.legend()
+    per_forward.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def parse_ks(text: str) -> list[int]:
+    """"1,2,3" -> [1, 2, 3]; ValueError with a message for anything else."""
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--k takes draft lengths like 1,2,3, not {text!r}") from None
+    if not ks or ks[0] < 1 or ks[-1] > 16:
+        raise ValueError(f"--k values must be 1 to 16, got {text!r}")
+    return ks
 
 
 def main(args) -> int:
-    prompts = DEFAULT_PROMPTS[: args.prompts]
-    if args.prompts_file:
-        prompts = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
-    ks = [int(x) for x in args.k.split(",")]
-    result = run(args.model, args.drafter, ks, prompts, args.max_tokens, args.out)
+    try:
+        ks = parse_ks(args.k)
+        if args.prompts < 1 or args.max_tokens < 1:
+            raise ValueError("--prompts and --max-tokens must be at least 1")
+        if not 0 < args.temperature <= 2:
+            raise ValueError("--temperature (of the sampled runs) must be above 0 and at most 2")
+        prompts = DEFAULT_PROMPTS[: args.prompts]
+        if args.prompts_file:
+            prompts = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+            if not prompts:
+                raise ValueError(f"{args.prompts_file} has no prompts")
+        if args.drafter is None:
+            raise ValueError("the bench compares speculation with plain decoding: give --drafter")
+    except (ValueError, OSError) as e:
+        print(f"provider bench: {e}", file=sys.stderr)
+        return 2
+    result = run(args.model, args.drafter, ks, prompts, args.max_tokens, args.out, args.temperature)
     print_summary(result, args.out)
-    spec = [r for r in result["runs"] if r["k"]]
-    return 0 if all(r["identical_to_plain"] for r in spec) else 1
-
+    if args.plot:
+        print(f"wrote {args.plot}" if plot(result, args.plot)
+              else "no plot: matplotlib is not installed (pip install 'provider-node[plot]')")
+    greedy = [r for r in result["greedy"] if "identical_to_plain" in r]
+    return 0 if all(r["identical_to_plain"] for r in greedy) else 1

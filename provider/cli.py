@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", type=int, default=10, help="how many of the built-in prompts")
     bench.add_argument("--prompts-file", help="one prompt per line instead of the built-in ones")
     bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--temperature", type=float, default=0.7, help="of the sampled runs (default 0.7)")
     bench.add_argument("--out", type=Path, default=Path("bench.json"))
+    bench.add_argument("--plot", type=Path, help="also write tokens/s and tokens per target forward against k "
+                       "as a PNG (needs matplotlib: the `plot` extra)")
     sub.add_parser("doctor", help="check platform, memory budget, models and coordinator", parents=config)
     svc = sub.add_parser("service", help="install, remove or inspect the systemd unit / launchd agent")
     ssub = svc.add_subparsers(dest="service_command", required=True)

@@ -73,6 +73,9 @@ def run(settings_loader) -> int:
     elif not fitting:
         problems.append("no model fits the memory budget")
 
+    if fitting:
+        speculation_costs(settings, budget)
+
     print("coordinator")
     if settings.coordinator:
         ok, detail = coordinator_reachable(settings.coordinator)
@@ -88,3 +91,34 @@ def run(settings_loader) -> int:
     if not problems:
         print("  ok: this node can serve")
     return 1 if problems else 0
+
+
+def speculation_costs(settings, budget) -> None:
+    """Load the default model's pair as the node would, and print what speculation costs here and the k
+    auto picks (the live node refines its acceptance with traffic; `provider status` shows that)."""
+    from .engine import profile
+    from .models.default import primary_models
+    from .node import build_models
+
+    print("speculation")
+    models = build_models(settings, primary_models(settings), budget)
+    models.profiler = profile.measure
+    model_id = models.catalog.default_id
+    try:
+        lm = models.request(model_id).result(timeout=600)
+    except Exception as e:
+        print(f"  {model_id}: could not load it to measure: {e}")
+        return
+    finally:
+        models.close()
+    if lm.spec_profile is None:
+        print(f"  {model_id}: no drafter ({lm.drafter_reason}); plain decoding")
+        return
+    p = lm.spec_profile.as_dict()
+    rounds = ", ".join(f"k={k} {ms}" for k, ms in enumerate(p["round_ms"], 1))
+    print(f"  {model_id} ({lm.drafter_mode.value}): plain {p['plain_token_ms']} ms/token; a round: {rounds} ms")
+    for scheme in ("greedy", "speculative_sampling"):
+        d = p[scheme]
+        gains = ", ".join(f"k={k} {v}x" for k, v in d["expected_speedup"].items())
+        verdict = f"k = {d['k']}" if d["k"] else "off (not_profitable)"
+        print(f"  {scheme:21} acceptance {d['acceptance']:.3f}: expected {gains} -> auto uses {verdict}")

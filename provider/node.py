@@ -17,6 +17,7 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from . import logs
+from .engine import profile
 from .engine.scheduler import Engine
 from .jobs import TERMINAL, Cause, Event, Job, JobError, Tokens
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
@@ -132,6 +133,7 @@ class Node:
             prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)),
         )
         self.catalog = models.catalog
+        models.profiler = profile.measure
         self.prompts = PromptPreparer(self.catalog.checkpoint)
         self.metrics = Metrics(self.status)
         self.engine.on_job_done.append(self.metrics.job_ended)

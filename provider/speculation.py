@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .jobs import SamplingParams
@@ -32,6 +32,10 @@ class SpecMode(str, enum.Enum):
 NOT_MTP_CAPABLE, NO_DRAFTER, INSUFFICIENT_HEADROOM, POLICY_OFF = (
     "not_mtp_capable", "no_drafter", "insufficient_headroom", "policy_off")
 BATCH_TOO_LARGE = "batch_too_large"  # other jobs share the model: the job decodes in their batch instead
+GREEDY, SPECULATIVE_SAMPLING = "greedy", "speculative_sampling"  # how drafts are judged (engine.acceptance)
+NOT_PROFITABLE = "not_profitable"  # auto: on this machine, at the acceptance seen, no k beats plain decoding
+PROFIT_MARGIN = 1.05  # auto speculates only when the expected gain clears measurement noise
+PROBE_EVERY = 16  # while not profitable, every 16th eligible job speculates anyway, to keep the estimate fresh
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,106 @@ def plan_drafter(caps: "Capabilities", policy: Policy, need_bytes: int, free_byt
 
 
 @dataclass(frozen=True)
+class SpecCosts:
+    """What decoding costs on this machine, measured wall-clock once per loaded pair (provider.engine.profile)."""
+
+    plain_token_s: float  # plain decoding, per token
+    round_s: tuple[float, ...]  # a speculative round with k = 1, 2, ... drafts (index k - 1)
+
+    @property
+    def k_max(self) -> int:
+        return len(self.round_s)
+
+    def round(self, k: int) -> float:
+        return self.round_s[k - 1]
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one round emits when each draft is accepted with probability `acceptance`: 1 + a + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def speedups(costs: SpecCosts, acceptance: float) -> dict[int, float]:
+    """Expected tokens/s with k drafts per round over plain decoding's, for every measured k."""
+    return {k: expected_tokens(acceptance, k) / costs.round(k) * costs.plain_token_s
+            for k in range(1, costs.k_max + 1)}
+
+
+@dataclass(frozen=True)
+class KChoice:
+    k: int  # 0: plain decoding pays more
+    speedup: float  # expected, of the chosen k (1.0 when off)
+    acceptance: float
+    speedups: dict[int, float]
+
+
+def choose_k(costs: SpecCosts, acceptance: float, margin: float = PROFIT_MARGIN) -> KChoice:
+    """The k with the best expected tokens/s, or 0 when none beats plain decoding by `margin`."""
+    by_k = speedups(costs, acceptance)
+    best = max(by_k, key=by_k.get)
+    if by_k[best] < margin:
+        return KChoice(0, 1.0, acceptance, by_k)
+    return KChoice(best, by_k[best], acceptance, by_k)
+
+
+class Acceptance:
+    """Per-draft acceptance on a model, as decayed counts: recent jobs weigh most."""
+
+    DECAY = 0.9  # per job
+
+    def __init__(self, rate: float, weight: float = 32.0):
+        self.accepted, self.judged, self.jobs = rate * weight, weight, 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.judged if self.judged else 0.0
+
+    def observe(self, accepted: int, judged: int) -> None:
+        if judged <= 0:
+            return
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.judged = self.judged * self.DECAY + judged
+        self.jobs += 1
+
+
+class SpecProfile:
+    """A loaded pair's measured costs and the acceptance seen per sampling scheme; auto's k comes from it.
+    Engine thread only (readers get `as_dict` snapshots)."""
+
+    def __init__(self, costs: SpecCosts, acceptance: dict[str, float]):
+        self.costs = costs
+        self.acceptance = {scheme: Acceptance(rate) for scheme, rate in acceptance.items()}
+        self._unprofitable_jobs = 0
+
+    def decide(self, scheme: str) -> KChoice:
+        choice = choose_k(self.costs, self.acceptance[scheme].rate)
+        if choice.k:
+            return choice
+        self._unprofitable_jobs += 1
+        if self._unprofitable_jobs % PROBE_EVERY == 0:  # a probe: speculate once to re-measure acceptance
+            best = max(choice.speedups, key=choice.speedups.get)
+            return KChoice(best, choice.speedups[best], choice.acceptance, choice.speedups)
+        return choice
+
+    def observe(self, scheme: str, accepted: int, judged: int) -> None:
+        self.acceptance[scheme].observe(accepted, judged)
+
+    def as_dict(self) -> dict:
+        c = self.costs
+        out = {"plain_token_ms": round(c.plain_token_s * 1000, 3), "round_ms": [round(r * 1000, 3) for r in c.round_s]}
+        for scheme, a in self.acceptance.items():
+            choice = choose_k(c, a.rate)
+            out[scheme] = {"acceptance": round(a.rate, 4), "jobs": a.jobs, "k": choice.k,
+                           "expected_speedup": {k: round(v, 3) for k, v in choice.speedups.items()}}
+        return out
+
+
+@dataclass(frozen=True)
 class SpecPlan:
     mode: SpecMode
     reason: str  # "ok" when speculating, else a stable reason (ineligible_request:<why>)
     k: int = 0
+    choice: KChoice | None = None  # auto's decision, with its numbers
 
     @property
     def on(self) -> bool:
@@ -81,19 +181,22 @@ def effective_policy(node_policy: Policy | str, job_policy: Policy | str) -> Pol
 
 
 def ineligibility(sampling: "SamplingParams") -> str | None:
-    """What in a request the lossless greedy speculative path cannot honour."""
-    if not sampling.greedy:
-        return "sampling"
+    """What in a request the lossless speculative path cannot honour. Greedy and sampled jobs (top_p, top_k,
+    min_p included) both can; logit_bias and penalties change the distribution per emitted token, so a job
+    with them decodes plain."""
     if sampling.has_logits_processors:
         return "logits_processors"
     return None
 
 
 def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_reason: str,
-         sampling: "SamplingParams", k: int, sharing: int = 0, max_batch: int = 1) -> SpecPlan:
+         sampling: "SamplingParams", k: int, sharing: int = 0, max_batch: int = 1,
+         decide: "Callable[[], KChoice] | None" = None) -> SpecPlan:
     """One job's plan. `drafter_mode` is the loaded drafter's, or None with `drafter_reason` saying why.
     `sharing` jobs already run on the model; under `auto`, a job speculates only while the model's jobs
-    number at most `max_batch` (speculating rows run alone, so past that the batch's throughput wins)."""
+    number at most `max_batch` (speculating rows run alone, so past that the batch's throughput wins), and
+    with the k `decide` picks from measured costs and acceptance (none: the configured k). `on` always
+    uses the configured k."""
     if policy == Policy.OFF:
         return SpecPlan(SpecMode.OFF, POLICY_OFF)
     if drafter_mode is None:
@@ -103,4 +206,9 @@ def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_r
         return SpecPlan(SpecMode.OFF, f"ineligible_request:{why}")
     if policy == Policy.AUTO and sharing + 1 > max_batch:
         return SpecPlan(SpecMode.OFF, BATCH_TOO_LARGE)
+    if policy == Policy.AUTO and decide is not None:
+        choice = decide()
+        if not choice.k:
+            return SpecPlan(SpecMode.OFF, NOT_PROFITABLE, choice=choice)
+        return SpecPlan(SpecMode(drafter_mode), "ok", choice.k, choice)
     return SpecPlan(SpecMode(drafter_mode), "ok", k)

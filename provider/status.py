@@ -32,6 +32,7 @@ class ModelStatus:
     load_seconds: float | None = None
     facts: ModelFacts | None = None  # None while not downloaded, or when its files cannot be read
     drafter_sha256: str = ""  # the same for its drafter, when it has one
+    speculation: dict | None = None  # a resident pair's measured costs and auto's k (SpecProfile.as_dict)
 
     @property
     def resident(self) -> bool:

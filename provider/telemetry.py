@@ -21,6 +21,7 @@ class SpecTelemetry:
     mode: SpecMode
     reason: str  # "ok" when speculating, else why not (a stable reason)
     k: int = 0
+    sampling_scheme: str = ""  # greedy | speculative_sampling, while speculating
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -29,12 +30,25 @@ class SpecTelemetry:
     tokens_per_target_forward: float = 0.0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    # Auto's decision from measured costs: per-draft acceptance and expected speedup per k.
+    decision: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """Off: just the mode and why; on: every counter."""
+        """Off: the mode and why (with auto's numbers when it judged speculation not profitable); on: every
+        counter."""
         if self.mode == SpecMode.OFF:
-            return {"mode": self.mode.value, "reason": self.reason}
-        return dataclasses.asdict(self) | {"mode": self.mode.value}
+            off = {"mode": self.mode.value, "reason": self.reason}
+            return off | ({"decision": self.decision} if self.decision else {})
+        out = dataclasses.asdict(self) | {"mode": self.mode.value}
+        return out if self.decision else {k: v for k, v in out.items() if k != "decision"}
+
+
+def decision_dict(choice) -> dict[str, Any] | None:
+    """A speculation.KChoice as telemetry carries it."""
+    if choice is None:
+        return None
+    return {"k": choice.k, "acceptance": round(choice.acceptance, 4),
+            "expected_speedup": {str(k): round(v, 3) for k, v in choice.speedups.items()}}
 
 
 @dataclass(frozen=True)

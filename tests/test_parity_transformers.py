@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from mlx_lm import load  # noqa: E402
 
-from provider.engine.speculative import MTPDrafter, Target, greedy_tokens, speculative_tokens  # noqa: E402
+from provider.engine.acceptance import GreedyChoice, greedy_tokens  # noqa: E402
+from provider.engine.speculative import MTPDrafter, Target, speculative_tokens  # noqa: E402
 from provider.engine.speculative import SpecStats  # noqa: E402
 from provider.models import capability  # noqa: E402
 from provider.models.gemma4_assistant import load_assistant  # noqa: E402
@@ -177,8 +178,8 @@ def test_draft_tokens_and_logits_match_transformers(pair):
         token = mx.argmax(step_logits[:, -1], -1)
         assert token.item() == hf_tokens[i], f"draft step {i}"
     # The drafter the engine uses proposes the same tokens.
-    proposed = MTPDrafter(assistant, target).propose(k, last=mx.array([int(first)]), hidden=hidden[:, -1:],
-                                                     caches=caches, committed=len(PROMPT))
+    proposed, _ = MTPDrafter(assistant, target).propose(k, GreedyChoice(), last=mx.array([int(first)]),
+                                                        hidden=hidden[:, -1:], caches=caches, committed=len(PROMPT))
     assert proposed.tolist() == hf_tokens
 
 

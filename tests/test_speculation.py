@@ -54,12 +54,12 @@ class OracleMixDrafter:
     def start(self, *a):
         pass
 
-    def propose(self, k, **_):
+    def propose(self, k, choice, **_):
         out = []
         for i in range(k):
             t = self.truth[self.pos + i] if self.pos + i < len(self.truth) else 0
             out.append((t + 1) % self.vocab if self.rng.random() < 0.3 else t)
-        return mx.array(out)
+        return mx.array(out), [None] * k
 
     def accepted(self, n, k, drafts, bonus):
         self.pos += n + 1
@@ -105,7 +105,7 @@ def _node(fixtures_dir, drafters, **kw):
 
 def test_through_the_node_mtp_and_draft_equal_plain_and_telemetry_adds_up(fixtures_dir, perturbed_draft):
     node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant", "llama": perturbed_draft},
-                 max_concurrent_jobs=2)
+                 max_concurrent_jobs=2, speculation="on")  # the fixtures' drafters do not pay: auto would not use them
     _, tok = load(str(fixtures_dir / "llama-tiny"))
     texts = [tok.decode(p) for p in prompts(tok, 20)]
 
@@ -131,7 +131,7 @@ def test_through_the_node_mtp_and_draft_equal_plain_and_telemetry_adds_up(fixtur
 
 def test_emitted_equals_accepted_plus_target_forwards_when_nothing_is_cut(fixtures_dir):
     # The target as its own drafter accepts everything: whole rounds only, no cut when max_tokens fits.
-    node = _node(fixtures_dir, {"llama": fixtures_dir / "llama-tiny"})
+    node = _node(fixtures_dir, {"llama": fixtures_dir / "llama-tiny"}, speculation="on")
 
     async def main():
         _, _, done, _ = await collect(node, Job("a", "llama", greedy(1 + 4 * 5), prompt="hello there"))
@@ -144,7 +144,8 @@ def test_emitted_equals_accepted_plus_target_forwards_when_nothing_is_cut(fixtur
 
 
 def test_eos_and_max_tokens_cut_speculative_output_like_plain(fixtures_dir, perturbed_draft):
-    node = _node(fixtures_dir, {"llama": perturbed_draft, "gemma": fixtures_dir / "gemma4-tiny-assistant"})
+    node = _node(fixtures_dir, {"llama": perturbed_draft, "gemma": fixtures_dir / "gemma4-tiny-assistant"},
+                 speculation="on")
 
     async def main():
         for model in ("llama", "gemma"):
@@ -169,7 +170,8 @@ def test_reasons_when_speculation_is_off(fixtures_dir):
         cases = [
             (Job("q", "qwen", greedy(3), prompt="x"), "not_mtp_capable"),
             (Job("l", "llama", greedy(3), prompt="x"), "not_mtp_capable"),
-            (Job("t", "gemma", SamplingParams(max_tokens=3, temperature=0.7), prompt="x"), "ineligible_request:sampling"),
+            (Job("t", "gemma", SamplingParams(max_tokens=3, temperature=0.7, logit_bias=((5, 1.0),)), prompt="x"),
+             "ineligible_request:logits_processors"),
             (Job("o", "gemma", greedy(3), prompt="x", speculation="off"), "policy_off"),
         ]
         for job, reason in cases:
@@ -263,8 +265,10 @@ def test_plan_is_a_pure_decision():
     assert sp.plan(policy="off", drafter_mode="mtp", drafter_reason="ok", sampling=g, k=3).reason == "policy_off"
     assert sp.plan(policy="auto", drafter_mode=None, drafter_reason="insufficient_headroom", sampling=g,
                    k=3).reason == "insufficient_headroom"
-    assert sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=s,
-                   k=3).reason == "ineligible_request:sampling"
+    assert sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=s, k=3) == sp.SpecPlan("draft", "ok", 3)
+    biased = SamplingParams(max_tokens=4, temperature=0.5, presence_penalty=0.5)
+    assert sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=biased,
+                   k=3).reason == "ineligible_request:logits_processors"
     assert sp.effective_policy("off", "auto") == "off" and sp.effective_policy("auto", "off") == "off"
     assert sp.effective_policy("auto", "on") == "on"
 
@@ -292,10 +296,12 @@ def test_speculation_telemetry_through_the_local_api(fixtures_dir, tmp_path):
     srv = LocalServer(fixtures_dir / "llama-tiny", tmp_path, "--drafter", str(fixtures_dir / "llama-tiny"))
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.token, max_retries=0)
-        r = client.completions.create(model="llama-tiny", prompt="hello", max_tokens=13, temperature=0)
+        # The target drafting for itself never pays (auto says not_profitable), so these ask for `on`.
+        on = {"speculation": "on"}
+        r = client.completions.create(model="llama-tiny", prompt="hello", max_tokens=13, temperature=0, extra_body=on)
         _consistent(r.model_extra["telemetry"]["speculation"], r.usage.completion_tokens, r.choices[0].finish_reason)
         stream = list(client.chat.completions.create(model="llama-tiny", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=9, temperature=0, stream=True))
+                                                     max_tokens=9, temperature=0, stream=True, extra_body=on))
         final = [c for c in stream if c.choices and c.choices[0].finish_reason][0]
         _consistent(final.model_extra["telemetry"]["speculation"], final.usage.completion_tokens,
                     final.choices[0].finish_reason)
@@ -315,36 +321,47 @@ def test_speculation_telemetry_through_the_grpc_path(fixtures_dir, tmp_path):
         async with harness(models, tmp_path, manager_kw={"drafters": {"llama": fixtures_dir / "llama-tiny"}}) as (
                 coord, node, _):
             s = await coord.wait_for_node()
-            coord.dispatch(s, job("spec", "llama", max_tokens=13))
+            coord.dispatch(s, job("spec", "llama", max_tokens=13, speculation=pb.SPECULATION_POLICY_ON))
             done = (await coord.outcome("spec")).job_done
             spec = done.telemetry.speculation
             _consistent({f: getattr(spec, f) for f in SPEC_FIELDS}, done.usage.completion_tokens, done.finish_reason)
-            coord.dispatch(s, job("strict", "llama", max_tokens=4, temperature=0.5,
+            assert spec.sampling_scheme == "greedy"
+            coord.dispatch(s, job("sampled", "llama", max_tokens=8, temperature=0.7,
                                   speculation=pb.SPECULATION_POLICY_ON))
-            err = (await coord.outcome("strict")).job_error
-            assert err.cause == pb.ERROR_CAUSE_SPECULATION_UNAVAILABLE and "ineligible_request:sampling" in err.message
+            sampled = (await coord.outcome("sampled")).job_done.telemetry.speculation
+            assert sampled.mode == "draft" and sampled.sampling_scheme == "speculative_sampling"
             await asyncio.sleep(0.5)
             hb = s.heartbeats[-1].counters
-            assert hb.spec_drafted_tokens == spec.drafted and hb.spec_accepted_tokens == spec.accepted
+            assert hb.spec_drafted_tokens == spec.drafted + sampled.drafted
+            assert hb.spec_accepted_tokens == spec.accepted + sampled.accepted
 
     run(main())
 
 
-def test_provider_bench_writes_json(fixtures_dir, tmp_path):
+def test_provider_bench_writes_json_and_refuses_bad_arguments(fixtures_dir, tmp_path):
     import json
     import subprocess
     import sys
 
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "provider", "bench", "--model", str(fixtures_dir / "gemma4-tiny"),
-                        "--drafter", str(fixtures_dir / "gemma4-tiny-assistant"), "--k", "1,3", "--prompts", "3",
-                        "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    base = [sys.executable, "-m", "provider", "bench", "--model", str(fixtures_dir / "gemma4-tiny"),
+            "--drafter", str(fixtures_dir / "gemma4-tiny-assistant")]
+    r = subprocess.run([*base, "--k", "1,3", "--prompts", "3", "--max-tokens", "12", "--out", str(out),
+                        "--plot", str(tmp_path / "bench.png")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
     assert data["model"]["sha256"] and data["drafter"]["mode"] == "mtp" and data["versions"]["mlx"]
-    assert [run_["k"] for run_ in data["runs"]] == [0, 1, 3]
-    assert all(run_["identical_to_plain"] for run_ in data["runs"][1:])
-    assert len(data["runs"][0]["token_ids"]) == 3 and data["runs"][1]["tokens_per_s"] > 0
+    assert len(data["profile"]["round_ms"]) == 3 and data["profile"]["plain_token_ms"] > 0
+    for runs in (data["greedy"], data["sampled"]["runs"]):
+        assert [run_["config"] for run_ in runs] == ["off", "k=1", "k=3", "auto"]
+        assert len(runs[0]["token_ids"]) == 3 and runs[1]["tokens_per_s"] > 0 and len(runs[-1]["k_chosen"]) == 3
+    assert all(run_["identical_to_plain"] for run_ in data["greedy"][1:])
+    assert data["sampled"]["temperature"] == 0.7 and "sample_and_compare" in data["sampled"]["runs"][1][
+        "expected_acceptance"]
+    assert "auto/off = " in r.stdout and "auto/best fixed" in r.stdout
+    for bad in (["--k", "0"], ["--k", "abc"], ["--prompts", "0"]):
+        r = subprocess.run([*base, *bad, "--out", str(out)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, bad
 
 
 def test_logits_processors_run_plain_with_a_reason_and_are_honoured(fixtures_dir):

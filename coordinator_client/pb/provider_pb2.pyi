@@ -246,7 +246,7 @@ class Reject(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., retry_after_s: _Optional[int] = ..., permanent: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms")
+    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms", "speculation")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MODELS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class Heartbeat(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     status: NodeStatus
     resident_models: _containers.RepeatedScalarFieldContainer[str]
     active_jobs: int
@@ -261,7 +262,8 @@ class Heartbeat(_message.Message):
     memory: MemoryStatus
     counters: Counters
     timestamp_ms: int
-    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+    speculation: _containers.RepeatedCompositeFieldContainer[SpeculationProfile]
+    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., speculation: _Optional[_Iterable[_Union[SpeculationProfile, _Mapping]]] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("jobs_completed", "jobs_failed", "jobs_cancelled", "tokens_generated", "spec_drafted_tokens", "spec_accepted_tokens", "spec_target_forwards")
@@ -394,7 +396,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationTelemetry(_message.Message):
-    __slots__ = ("mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_target_forward", "draft_ms", "verify_ms")
+    __slots__ = ("mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_target_forward", "draft_ms", "verify_ms", "sampling_scheme", "decision")
     MODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +408,8 @@ class SpeculationTelemetry(_message.Message):
     TOKENS_PER_TARGET_FORWARD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     mode: str
     reason: str
     k: int
@@ -417,7 +421,33 @@ class SpeculationTelemetry(_message.Message):
     tokens_per_target_forward: float
     draft_ms: float
     verify_ms: float
-    def __init__(self, mode: _Optional[str] = ..., reason: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., target_forwards: _Optional[int] = ..., tokens_per_target_forward: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+    sampling_scheme: str
+    decision: SpeculationDecision
+    def __init__(self, mode: _Optional[str] = ..., reason: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., target_forwards: _Optional[int] = ..., tokens_per_target_forward: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., sampling_scheme: _Optional[str] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
+
+class SpeculationDecision(_message.Message):
+    __slots__ = ("k", "acceptance", "expected_speedup")
+    K_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    acceptance: float
+    expected_speedup: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, k: _Optional[int] = ..., acceptance: _Optional[float] = ..., expected_speedup: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SpeculationProfile(_message.Message):
+    __slots__ = ("model", "plain_token_ms", "round_ms", "greedy", "sampled")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_MS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    plain_token_ms: float
+    round_ms: _containers.RepeatedScalarFieldContainer[float]
+    greedy: SpeculationDecision
+    sampled: SpeculationDecision
+    def __init__(self, model: _Optional[str] = ..., plain_token_ms: _Optional[float] = ..., round_ms: _Optional[_Iterable[float]] = ..., greedy: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., sampled: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
 
 class Telemetry(_message.Message):
     __slots__ = ("ttft_ms", "queue_ms", "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes", "finish_reason", "speculation")

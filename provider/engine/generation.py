@@ -12,6 +12,7 @@ from ..jobs import Cause, Event, Job, JobError
 from ..models.loader import LoadedModel
 from .. import speculation
 from ..telemetry import FinishReason
+from .acceptance import GREEDY, SPECULATIVE_SAMPLING, choice_for
 from .output import JobOutput
 from .sampling import logits_processors_for, sampler_for
 from .speculative import DraftModelDrafter, MTPDrafter, SpecStats, Target, speculative_tokens
@@ -21,8 +22,11 @@ __all__ = ["SpeculativeGeneration", "job_plan", "logits_processors_for", "sample
 
 def job_plan(job: Job, lm: LoadedModel, config: speculation.SpeculationConfig, sharing: int) -> speculation.SpecPlan:
     policy = speculation.effective_policy(config.policy, job.speculation)
+    profile = lm.spec_profile
+    scheme = GREEDY if job.sampling.greedy else SPECULATIVE_SAMPLING
     plan = speculation.plan(policy=policy, drafter_mode=lm.drafter_mode, drafter_reason=lm.drafter_reason,
-                            sampling=job.sampling, k=config.k, sharing=sharing)
+                            sampling=job.sampling, k=config.k, sharing=sharing,
+                            decide=(lambda: profile.decide(scheme)) if profile is not None else None)
     if policy == speculation.Policy.ON and not plan.on:
         raise JobError(Cause.SPECULATION_UNAVAILABLE,
                        f"speculation was required (speculation=on) but is off for this job: {plan.reason}")
@@ -34,11 +38,12 @@ class SpeculativeGeneration:
                  prefill_step_size: int):
         self.output = output
         self.model_id = lm.id
-        output.spec_stats = SpecStats(plan.mode, plan.k)
+        self._profile = lm.spec_profile
+        output.spec_stats = SpecStats(plan.mode, plan.k, choice=plan.choice)
         drafter = (MTPDrafter(lm.drafter, Target(lm.model)) if plan.mode == speculation.SpecMode.MTP
                    else DraftModelDrafter(lm.drafter))
         self._tokens = speculative_tokens(lm.model, prompt, drafter, k=plan.k, stats=output.spec_stats,
-                                          prefill_step=prefill_step_size)
+                                          prefill_step=prefill_step_size, choice=choice_for(output.job.sampling))
 
     def step(self) -> list[Event]:
         """One token (a round's tokens come out one per step); a final `Done` when the job ends."""
@@ -53,6 +58,9 @@ class SpeculativeGeneration:
 
     def close(self) -> None:
         self._tokens.close()
+        stats, profile, self._profile = self.output.spec_stats, self._profile, None  # observed once
+        if profile is not None:  # what this job saw keeps auto's estimate current
+            profile.observe(stats.scheme, stats.accepted, stats.judged)
 
     def finish(self, reason: FinishReason) -> list[Event]:
         self.close()

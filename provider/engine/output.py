@@ -13,13 +13,13 @@ import mlx.core as mx
 
 from .. import speculation
 from ..jobs import Done, Event, Job, Tokens, Usage
-from ..telemetry import FinishReason, SpecTelemetry, Telemetry
+from ..telemetry import FinishReason, SpecTelemetry, Telemetry, decision_dict
 from .stops import StopMatcher
 
 
 class JobOutput:
     def __init__(self, job: Job, tokenizer, *, prompt_tokens: int, max_tokens: int, arrived: float,
-                 cached_prompt_tokens: int = 0, spec_off_reason: str = ""):
+                 cached_prompt_tokens: int = 0, spec_off_reason: str = "", spec_choice=None):
         self.job = job
         self.prompt_tokens = prompt_tokens
         self.cached_prompt_tokens = cached_prompt_tokens
@@ -27,6 +27,7 @@ class JobOutput:
         self.completion_tokens = 0
         self.emitted_ids: list[int] = []
         self.spec_off_reason = spec_off_reason
+        self.spec_choice = spec_choice  # auto's numbers when it judged speculation not profitable
         self.spec_stats = None  # a speculating job's SpecStats
         self._seq = 0
         self._detok = tokenizer.detokenizer
@@ -86,7 +87,8 @@ class JobOutput:
         first = self.t_first
         decode_s = (self.t_last - first) if first is not None and self.t_last is not None else 0.0
         spec = (self.spec_stats.telemetry() if self.spec_stats
-                else SpecTelemetry(speculation.SpecMode.OFF, self.spec_off_reason))
+                else SpecTelemetry(speculation.SpecMode.OFF, self.spec_off_reason,
+                                   decision=decision_dict(self.spec_choice)))
         computed = self.prompt_tokens - self.cached_prompt_tokens
         return Telemetry(
             finish_reason=finish_reason,

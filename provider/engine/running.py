@@ -59,11 +59,11 @@ class Running:
             gen = generation.SpeculativeGeneration(output, lm, prompt, plan, prefill_step_size=self._prefill_step_size)
             self._solo[job.id] = (gen, sink)
         else:
-            self._start_row(job, sink, lm, prompt, max_tokens, arrived, plan.reason, shared_prefix)
+            self._start_row(job, sink, lm, prompt, max_tokens, arrived, plan, shared_prefix)
         self._model_of[job.id] = lm.id
 
     def _start_row(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], max_tokens: int, arrived: float,
-                   spec_reason: str, shared_prefix: int) -> None:
+                   plan: SpecPlan, shared_prefix: int) -> None:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
             prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes)
@@ -74,7 +74,7 @@ class Running:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += cached
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
-                           cached_prompt_tokens=cached, spec_off_reason=spec_reason)
+                           cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice)
         batch = self._batches.get(lm.id)
         if batch is None:
             batch = self._batches[lm.id] = ModelBatch(lm, prefix, prefill_step_size=self._prefill_step_size,

@@ -21,7 +21,7 @@ Sampler = Callable[[mx.array], mx.array]
 def sampler_for(params: SamplingParams) -> Sampler:
     if params.greedy:
         return make_sampler(temp=0.0)  # argmax
-    return _keyed_sampler(params, secrets.randbits(63) if params.seed is None else params.seed)
+    return _keyed_sampler(params, job_seed(params))
 
 
 def logits_processors_for(params: SamplingParams) -> list | None:
@@ -32,9 +32,8 @@ def logits_processors_for(params: SamplingParams) -> list | None:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
 
 
-def _keyed_sampler(params: SamplingParams, seed: int) -> Sampler:
-    key = mx.random.key(seed)
-    # Same filter order as mlx_lm.sample_utils.make_sampler.
+def filters_for(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """top_p, min_p and top_k over log-probabilities (any leading shape), in mlx-lm's make_sampler order."""
     filters = []
     if 0 < params.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -43,11 +42,25 @@ def _keyed_sampler(params: SamplingParams, seed: int) -> Sampler:
     if params.top_k > 0:
         filters.append(lambda x: apply_top_k(x, params.top_k))
 
+    def apply(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        return logprobs
+
+    return apply
+
+
+def job_seed(params: SamplingParams) -> int:
+    return secrets.randbits(63) if params.seed is None else params.seed
+
+
+def _keyed_sampler(params: SamplingParams, seed: int) -> Sampler:
+    key = mx.random.key(seed)
+    filtered = filters_for(params)
+
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, sub = mx.random.split(key)
-        for f in filters:
-            logprobs = f(logprobs)
-        return mx.random.categorical(logprobs * (1 / params.temperature), key=sub)
+        return mx.random.categorical(filtered(logprobs) * (1 / params.temperature), key=sub)
 
     return sample

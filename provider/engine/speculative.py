@@ -1,9 +1,10 @@
-"""Speculative decoding rounds: draft k tokens, verify k+1 positions in one target forward, keep the longest
-matching prefix plus the target's own token, roll every target cache back exactly.
+"""Speculative decoding rounds: draft k tokens, verify k+1 positions in one target forward, keep the accepted
+prefix plus one token from the target, roll every target cache back exactly.
 
-Greedy only (the caller routes sampling requests to plain decoding), and lossless: the target's argmax is
-computed exactly as mlx-lm's plain path computes it (log-softmax, then argmax), and on this CPU backend a
-row of a width-(k+1) forward equals the width-1 row bit for bit. The host reads values back once per round.
+Lossless for greedy and sampled jobs alike (`acceptance`: greedy matching, or speculative sampling). Greedy:
+the target's argmax is computed exactly as mlx-lm's plain path computes it (log-softmax, then argmax), and
+on this CPU backend a row of a width-(k+1) forward equals the width-1 row bit for bit. The host reads
+values back once per round.
 
 mlx-lm's own speculative loop is not used: `trim_prompt_cache` silently trims nothing from a
 RotatingKVCache once the context passes the sliding window, so Gemma 4 diverges there.
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..models.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
 from ..speculation import SpecMode
-from ..telemetry import SpecTelemetry
+from ..telemetry import SpecTelemetry, decision_dict
+from .acceptance import GREEDY, GreedyChoice
 
 
 @dataclass
@@ -34,14 +36,23 @@ class SpecStats:
     emitted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    scheme: str = GREEDY
+    choice: Any = None  # auto's speculation.KChoice, when auto chose k
+    judged: int = 0  # drafts the target ruled on (a round stops at its first rejection): accepted / judged
+    # Sampled rounds, over the drafts judged: the sum of Σ min(p, q) (this scheme's acceptance probability)
+    # and of Σ p·q (what sample-and-compare, mlx-lm's scheme, would accept there).
+    min_overlap: float = 0.0
+    dot_overlap: float = 0.0
 
     def telemetry(self) -> SpecTelemetry:
         return SpecTelemetry(
-            mode=SpecMode(self.mode), reason="ok", k=self.k, rounds=self.rounds, drafted=self.drafted,
+            mode=SpecMode(self.mode), reason="ok", k=self.k, sampling_scheme=self.scheme, rounds=self.rounds,
+            drafted=self.drafted,
             accepted=self.accepted, acceptance_rate=round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             target_forwards=self.target_forwards,
             tokens_per_target_forward=round(self.emitted / self.target_forwards, 4) if self.target_forwards else 0.0,
-            draft_ms=round(self.draft_s * 1000, 3), verify_ms=round(self.verify_s * 1000, 3))
+            draft_ms=round(self.draft_s * 1000, 3), verify_ms=round(self.verify_s * 1000, 3),
+            decision=decision_dict(self.choice))
 
 
 def rollback(caches: list, n: int) -> None:
@@ -55,12 +66,6 @@ def rollback(caches: list, n: int) -> None:
             # width-1 update trims live entries from the front and writes over the wrong slot.
             c.keys = c.keys[..., : c._idx, :]
             c.values = c.values[..., : c._idx, :]
-
-
-def greedy_tokens(logits: mx.array) -> mx.array:
-    """Argmax exactly as mlx-lm's plain path takes it (over log-probabilities), so near-ties break alike."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.argmax(logprobs, axis=-1)
 
 
 class Target:
@@ -123,16 +128,17 @@ class DraftModelDrafter:
         self._pending: list[int] = []  # tokens accepted but not yet in the draft cache
 
     def start(self, prompt: list[int], first: int, prefill_step: int) -> None:
-        _prefill(self.model, self.cache, prompt[:-1], prefill_step)
+        prefill(self.model, self.cache, prompt[:-1], prefill_step)
         self._pending = [prompt[-1], first]
 
-    def propose(self, k: int, **_) -> mx.array:
+    def propose(self, k: int, choice, **_) -> tuple[mx.array, list]:
         x = mx.array(self._pending)
-        drafted = []
+        drafted, qs = [], []
         for _ in range(k):
-            x = greedy_tokens(self.model(x[None], cache=self.cache)[:, -1, :])
+            x, q = choice.draft(self.model(x[None], cache=self.cache)[:, -1, :])
             drafted.append(x)
-        return mx.concatenate(drafted)
+            qs.append(q)
+        return mx.concatenate(drafted), qs
 
     def accepted(self, n: int, k: int, drafts: list[int], bonus: int) -> None:
         # The cache took the pending tokens and drafts d1..d(k-1).
@@ -155,35 +161,40 @@ class MTPDrafter:
     def start(self, prompt: list[int], first: int, prefill_step: int) -> None:
         pass
 
-    def propose(self, k: int, *, last: mx.array, hidden: mx.array, caches: list, committed: int) -> mx.array:
+    def propose(self, k: int, choice, *, last: mx.array, hidden: mx.array, caches: list,
+                committed: int) -> tuple[mx.array, list]:
         kv = self.target.shared_kv(caches)
         position = committed + QUERY_POSITION_OFFSET  # held for the whole round
-        token, h, drafted = last, hidden, []
+        token, h, drafted, qs = last, hidden, [], []
         for _ in range(k):
             logits, h = self.assistant.step(self.target.scaled_embedding(token)[None], h, kv, position)
-            token = greedy_tokens(logits[:, -1, :])
+            token, q = choice.draft(logits[:, -1, :])
             drafted.append(token)
-        return mx.concatenate(drafted)
+            qs.append(q)
+        return mx.concatenate(drafted), qs
 
     def accepted(self, n: int, k: int, drafts: list[int], bonus: int) -> None:
         pass
 
 
-def _prefill(model, cache: list, tokens: list[int], step: int) -> None:
+def prefill(model, cache: list, tokens: list[int], step: int) -> None:
     for i in range(0, len(tokens), step):
         model(mx.array(tokens[i:i + step])[None], cache=cache)
         mx.eval([c.state for c in cache])
 
 
 def speculative_tokens(model, prompt: list[int], drafter, *, k: int, stats: SpecStats,
-                       prefill_step: int = 2048) -> Iterator[int]:
-    """Greedy tokens for `prompt`, identical to plain decoding, k drafts verified per target forward."""
+                       prefill_step: int = 2048, choice=None) -> Iterator[int]:
+    """Tokens for `prompt`, k drafts verified per target forward: identical to plain greedy decoding, or
+    distributed exactly as plain sampling, as `choice` says (greedy when None)."""
+    choice = choice or GreedyChoice()
+    stats.scheme = choice.scheme
     target = Target(model)
     caches = make_prompt_cache(model)
     # Prefill leaves the last prompt token for a width-1 step, as mlx-lm does.
-    _prefill(model, caches, prompt[:-1], prefill_step)
+    prefill(model, caches, prompt[:-1], prefill_step)
     logits, hidden = target.forward(mx.array(prompt[-1:])[None], caches)
-    last = greedy_tokens(logits[:, -1, :])
+    last = choice.first(logits[:, -1, :])
     first = last.item()
     stats.target_forwards += 1
     stats.emitted += 1
@@ -193,18 +204,22 @@ def speculative_tokens(model, prompt: list[int], drafter, *, k: int, stats: Spec
     yield first
     while True:
         t0 = time.perf_counter()
-        drafts = drafter.propose(k, last=last, hidden=hidden, caches=caches, committed=committed)
-        mx.eval(drafts)  # materialized here so the draft views into the caches are released before verify
+        drafts, qs = drafter.propose(k, choice, last=last, hidden=hidden, caches=caches, committed=committed)
+        mx.eval(drafts, qs)  # materialized here so the draft views into the caches are released before verify
         t1 = time.perf_counter()
         logits, hidden_all = target.forward(mx.concatenate([last, drafts])[None], caches)
-        verdict = greedy_tokens(logits[0])  # [k + 1]: the target's token after each position
-        agree = mx.cumprod((verdict[:k] == drafts).astype(mx.int32)).sum()
-        n, targets, drafted = agree.item(), verdict.tolist(), drafts.tolist()  # the round's one read-back
+        accepted, after, extras = choice.verify(logits[0], drafts, qs)
+        mx.eval(accepted, after, extras)  # the round's one read-back
+        n, bonus, drafted = accepted.item(), after.item(), drafts.tolist()
         rollback(caches, k - n)
         committed += n + 1
-        bonus = targets[n]
         drafter.accepted(n, k, drafted, bonus)
-        last = verdict[n:n + 1]
+        last = after
+        judged = min(n + 1, k)  # the drafts judged this round: up to and including the first rejection
+        stats.judged += judged
+        if extras:
+            stats.min_overlap += sum(extras["min_overlap"].tolist()[:judged])
+            stats.dot_overlap += sum(extras["dot_overlap"].tolist()[:judged])
         hidden = hidden_all[:, n:n + 1, :] if hidden_all is not None else None
         stats.rounds += 1
         stats.drafted += k

@@ -23,6 +23,7 @@ class LoadedModel:
     drafter: Any = None  # a Gemma4Assistant or a draft mlx-lm model, loaded and freed with the target
     drafter_mode: str | None = None  # mtp | draft | None
     drafter_reason: str = "no_drafter"  # why there is no drafter (stable reason), or "ok"
+    spec_profile: Any = None  # speculation.SpecProfile: the pair's measured costs and acceptance (auto's k)
 
     @property
     def context_length(self) -> int:

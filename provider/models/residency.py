@@ -16,12 +16,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .. import logs
 from ..jobs import Cause, JobError
 from ..memory.admission import ADMIT, JobAdmission, Resident, idle_to_unload, plan_job, plan_load
 from ..memory.budget import Budget
-from ..speculation import INSUFFICIENT_HEADROOM, SpecMode, SpeculationConfig, plan_drafter
+from ..speculation import INSUFFICIENT_HEADROOM, Policy, SpecMode, SpeculationConfig, plan_drafter
 from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
@@ -80,6 +81,8 @@ class Residency:
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
         self.loads_started = 0
         self.evictions = 0
+        # Measures a loaded pair's speculation costs (provider.engine.profile.measure), on the loader thread.
+        self.profiler: Callable[[LoadedModel], object] | None = None
 
     # --- any thread ---------------------------------------------------------------
 
@@ -118,7 +121,8 @@ class Residency:
                     status, state="ready" if e.ready else "loading", bytes=e.bytes,
                     measured_weight_bytes=e.measured_weights, load_active_delta_bytes=e.active_delta,
                     active_jobs=e.in_use, idle_s=round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0,
-                    load_seconds=round(e.lm.load_seconds, 3) if e.lm is not None else None)
+                    load_seconds=round(e.lm.load_seconds, 3) if e.lm is not None else None,
+                    speculation=e.lm.spec_profile.as_dict() if e.lm is not None and e.lm.spec_profile else None)
             out.append(status)
         return out
 
@@ -239,6 +243,11 @@ class Residency:
         if drafting.reason == INSUFFICIENT_HEADROOM:
             log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting)
+        if lm.drafter is not None and self.profiler is not None and self.speculation.policy is not Policy.OFF:
+            try:
+                lm.spec_profile = self.profiler(lm)
+            except Exception:  # without a profile, auto uses the configured k
+                log.exception("speculation_profile_failed", model=model_id)
         # Never account for less than the parameters hold (concurrent frees can hide part of the delta).
         measured = max(active_delta, loader.parameter_bytes(lm))
         with self._lock:

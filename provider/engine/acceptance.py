@@ -1,0 +1,93 @@
+"""How drafts are chosen and judged in a speculative round: greedy matching, or speculative sampling.
+
+Greedy: the drafter proposes its argmax. The target keeps the longest prefix that matches its own argmax,
+then adds its own next token. The output is token-identical to plain greedy decoding.
+
+Sampled (Leviathan et al. 2023; Chen et al. 2023): the drafter samples d_i from q_i, and the target
+accepts d_i with probability min(1, p_i(d_i) / q_i(d_i)). On the first rejection it samples from the
+normalised residual max(0, p_i - q_i); when all k are accepted it samples the bonus token from p_k. The
+output is then distributed exactly as plain sampling from p. Both p and q are the job's own distribution:
+log-softmax, then top_p / min_p / top_k, then temperature, exactly as the plain sampler builds it. Every
+draw comes from the job's own PRNG key, so a seeded job reproduces run to run.
+
+`verify` returns device arrays and never reads back; the round loop reads everything once.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..jobs import SamplingParams
+from ..speculation import GREEDY, SPECULATIVE_SAMPLING
+from .sampling import filters_for, job_seed
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """Argmax exactly as mlx-lm's plain path takes it (over log-probabilities), so near-ties break alike."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.argmax(logprobs, axis=-1)
+
+
+class GreedyChoice:
+    scheme = GREEDY
+
+    def first(self, logits: mx.array) -> mx.array:
+        return greedy_tokens(logits)
+
+    def draft(self, logits: mx.array) -> tuple[mx.array, None]:
+        return greedy_tokens(logits), None
+
+    def verify(self, logits: mx.array, drafts: mx.array, q: list) -> tuple[mx.array, mx.array, dict]:
+        """logits [k+1, V] -> (accepted count n, the token after them [1], per-round extras)."""
+        verdict = greedy_tokens(logits)
+        k = drafts.shape[0]
+        n = mx.cumprod((verdict[:k] == drafts).astype(mx.int32)).sum()
+        return n, mx.take(verdict, n)[None], {}
+
+
+class SampledChoice:
+    scheme = SPECULATIVE_SAMPLING
+
+    def __init__(self, params: SamplingParams, seed: int | None = None):
+        self._filtered = filters_for(params)
+        self._inv_temp = 1 / params.temperature
+        self._key = mx.random.key(job_seed(params) if seed is None else seed)
+
+    def _next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def probs(self, logits: mx.array) -> mx.array:
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.softmax(self._filtered(logprobs) * self._inv_temp, axis=-1)
+
+    def first(self, logits: mx.array) -> mx.array:
+        return mx.random.categorical(mx.log(self.probs(logits)), key=self._next_key())
+
+    def draft(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        q = self.probs(logits)
+        return mx.random.categorical(mx.log(q), key=self._next_key()), q
+
+    def verify(self, logits: mx.array, drafts: mx.array, q: list) -> tuple[mx.array, mx.array, dict]:
+        k = drafts.shape[0]
+        q = mx.concatenate(q, axis=0)  # [k, V]
+        p = self.probs(logits)  # [k+1, V]
+        at = drafts[:, None]
+        p_d = mx.take_along_axis(p[:k], at, axis=-1)[:, 0]
+        q_d = mx.take_along_axis(q, at, axis=-1)[:, 0]  # > 0: each draft was sampled from its q
+        u = mx.random.uniform(shape=(k,), key=self._next_key())
+        n = mx.cumprod((u * q_d < p_d).astype(mx.int32)).sum()  # u < p/q, without dividing
+        # Row i < k: the residual after a rejection at i; row k: p itself, for a bonus after k acceptances.
+        rows = mx.concatenate([mx.maximum(p[:k] - q, 0.0), p[k:]], axis=0)
+        dist = mx.take(rows, n, axis=0)
+        dist = mx.where(dist.sum() > 0, dist, mx.take(p, n, axis=0))  # p == q exactly leaves no residual
+        bonus = mx.random.categorical(mx.log(dist), key=self._next_key())
+        # Per draft position, the probability this scheme accepts it, Σ min(p, q), and the probability
+        # sample-and-compare (mlx-lm's scheme) would, Σ p·q; the round loop counts the positions judged.
+        overlap = {"min_overlap": mx.minimum(p[:k], q).sum(axis=-1), "dot_overlap": (p[:k] * q).sum(axis=-1)}
+        return n, bonus[None], overlap
+
+
+def choice_for(params: SamplingParams) -> GreedyChoice | SampledChoice:
+    return GreedyChoice() if params.greedy else SampledChoice(params)

@@ -1,0 +1,142 @@
+"""Speculation for sampled requests and auto's choice of k: lossless in distribution, reproducible when seeded,
+and on only where the costs measured on this machine say it pays."""
+
+import asyncio
+import itertools
+
+import pytest
+from mlx_lm import load
+
+from provider import speculation as sp
+from provider.engine.acceptance import SampledChoice
+from provider.engine.speculative import DraftModelDrafter, SpecStats, speculative_tokens
+from provider.jobs import Job, SamplingParams
+from tests.helpers import collect, make_node, run
+from tools.spec_distribution import AcceptEveryDraft, compare, plain_samples, speculative_samples
+
+SAMPLES = 2000
+
+
+def test_sampled_speculation_is_distributed_as_plain_sampling(fixtures_dir):
+    """The first 6 tokens at T = 0.7 with top_p and top_k, over 2,000 samples a side: a chi-square test does not tell
+    speculative sampling from the node's plain sampler, and it does tell a biased one. The fixture pair is
+    random, so its distributions are flat over 512 tokens; top_k = 64 gives the test power at this size.
+    The bundled demo pair, at top_k off: `python tools/spec_distribution.py`."""
+    model, tok = load(str(fixtures_dir / "llama-tiny"))
+    draft, _ = load(str(fixtures_dir / "llama-tiny-draft"))
+    prompt = tok.encode("The cache")
+    params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=64, seed=3)
+    plain = plain_samples(model, prompt, params, SAMPLES, 6)
+    spec, stats = speculative_samples(model, lambda: DraftModelDrafter(draft), prompt, params, SAMPLES, 6, k=1)
+    assert 0.05 < stats.accepted / stats.judged < 0.95  # both branches (accept, resample the residual) exercised
+    rows = compare(plain, spec, 6)
+    assert all(r["p"] >= 1e-3 for r in rows), rows
+    biased, _ = speculative_samples(model, lambda: DraftModelDrafter(draft), prompt, params, 300, 6, k=2,
+                                    choice=AcceptEveryDraft, seed0=10**6)
+    assert min(r["p"] for r in compare(plain, biased, 6)) < 1e-3  # the test has the power to see a bias
+
+
+def test_seeded_sampled_speculation_reproduces_and_unseeded_varies(fixtures_dir):
+    node = make_node({"l": fixtures_dir / "llama-tiny"}, speculation="on",
+                     manager_kw={"drafters": {"l": fixtures_dir / "llama-tiny-draft"}})
+
+    async def main():
+        seeded = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=11)
+        runs = [await collect(node, Job(f"s{i}", "l", seeded, prompt="The cache")) for i in range(2)]
+        assert runs[0][0] == runs[1][0]
+        spec = runs[0][2].telemetry.speculation.as_dict()
+        assert spec["mode"] == "draft" and spec["sampling_scheme"] == "speculative_sampling"
+        unseeded = SamplingParams(max_tokens=24, temperature=0.9)
+        outs = {tuple((await collect(node, Job(f"u{i}", "l", unseeded, prompt="The cache")))[0]) for i in range(4)}
+        assert len(outs) > 1
+        await node.stop()
+
+    run(main())
+
+
+def test_speculative_sampling_emits_the_seeded_job_s_tokens_at_every_k(fixtures_dir):
+    """Same seed, same k: the same tokens; and the stream is not stuck on the drafter's proposals."""
+    model, tok = load(str(fixtures_dir / "llama-tiny"))
+    draft, _ = load(str(fixtures_dir / "llama-tiny-draft"))
+    prompt = tok.encode("hello")
+    params = SamplingParams(max_tokens=20, temperature=1.0)
+    for k in (1, 4):
+        a, b = ([*itertools.islice(speculative_tokens(model, prompt, DraftModelDrafter(draft), k=k,
+                                                        stats=SpecStats("draft", k),
+                                                        choice=SampledChoice(params, seed)), 20)] for seed in (5, 5))
+        assert a == b and len(a) == 20
+
+
+def test_choose_k_is_the_best_expected_rate_or_off():
+    costs = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016, 0.022, 0.030))
+    assert sp.expected_tokens(0.0, 3) == 1 and sp.expected_tokens(1.0, 3) == 4
+    assert sp.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    high = sp.choose_k(costs, 0.9)
+    assert high.k == max(high.speedups, key=high.speedups.get) and high.speedup > 1.05
+    assert high.speedups[1] == pytest.approx((1 + 0.9) / 0.012 * 0.010)
+    low = sp.choose_k(costs, 0.1)
+    assert low.k == 0 and low.speedup == 1.0 and max(low.speedups.values()) < 1.05
+    # Cheaper drafting moves the best k up.
+    cheap = sp.SpecCosts(plain_token_s=0.010, round_s=(0.0105, 0.011, 0.0115, 0.012))
+    assert sp.choose_k(cheap, 0.9).k == 4
+
+
+def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
+    costs = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016))
+    profile = sp.SpecProfile(costs, {sp.GREEDY: 0.1, sp.SPECULATIVE_SAMPLING: 0.1})
+    decisions = [profile.decide(sp.GREEDY).k for _ in range(32)]
+    assert [i for i, k in enumerate(decisions) if k] == [15, 31]  # probes keep the estimate alive
+    for _ in range(30):  # the traffic accepts nearly everything now
+        profile.observe(sp.GREEDY, accepted=19, judged=20)
+    assert profile.acceptance[sp.GREEDY].rate > 0.9 and profile.decide(sp.GREEDY).k > 0
+    assert profile.acceptance[sp.SPECULATIVE_SAMPLING].rate == pytest.approx(0.1)  # per scheme
+    assert sp.plan(policy="auto", drafter_mode="draft", drafter_reason="ok", sampling=SamplingParams(4),
+                   k=3, decide=lambda: sp.KChoice(0, 1.0, 0.1, {1: 0.8})).reason == sp.NOT_PROFITABLE
+    on = sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=SamplingParams(4), k=3,
+                 decide=lambda: sp.KChoice(0, 1.0, 0.1, {1: 0.8}))
+    assert on.on and on.k == 3  # `on` forces the configured k
+
+
+def test_auto_measures_at_load_and_says_not_profitable_with_the_numbers(fixtures_dir):
+    """The fixtures' drafters are random (or the target itself): on this machine no k pays, and auto says so."""
+    node = make_node({"g": fixtures_dir / "gemma4-tiny"},
+                     manager_kw={"drafters": {"g": fixtures_dir / "gemma4-tiny-assistant"}})
+
+    async def main():
+        for params in (SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8, temperature=0.7)):
+            done = (await collect(node, Job("j", "g", params, prompt="The cache")))[2]
+            spec = done.telemetry.speculation.as_dict()
+            assert spec["mode"] == "off" and spec["reason"] == "not_profitable"
+            d = spec["decision"]
+            assert d["k"] == 0 and 0 <= d["acceptance"] < 0.5 and max(d["expected_speedup"].values()) < 1.05
+        (model,) = [m for m in node.status().models if m.id == "g"]
+        profile = model.speculation
+        assert profile["plain_token_ms"] > 0 and len(profile["round_ms"]) == 4
+        assert profile["greedy"]["k"] == 0 and profile["speculative_sampling"]["k"] == 0
+        await node.stop()
+
+    run(main())
+
+
+def test_auto_s_decision_and_costs_reach_the_coordinator(fixtures_dir, tmp_path):
+    from coordinator_client.pb import provider_pb2 as pb
+    from tools.harness import harness, job
+
+    async def main():
+        drafters = {"g": fixtures_dir / "gemma4-tiny-assistant"}
+        async with harness({"g": fixtures_dir / "gemma4-tiny"}, tmp_path, manager_kw={"drafters": drafters}) as (
+                coord, _, _s):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("auto", "g", max_tokens=6, temperature=0.7))
+            spec = (await coord.outcome("auto")).job_done.telemetry.speculation
+            assert spec.mode == "off" and spec.reason == "not_profitable"
+            assert spec.decision.k == 0 and len(spec.decision.expected_speedup) == 4
+            coord.dispatch(s, job("forced", "g", max_tokens=6, temperature=0.7, speculation=pb.SPECULATION_POLICY_ON))
+            forced = (await coord.outcome("forced")).job_done.telemetry.speculation
+            assert forced.mode == "mtp" and forced.k == 3 and forced.sampling_scheme == "speculative_sampling"
+            await asyncio.sleep(0.5)
+            (profile,) = s.heartbeats[-1].speculation
+            assert profile.model == "g" and profile.plain_token_ms > 0 and len(profile.round_ms) == 4
+            assert profile.greedy.k == 0 and profile.sampled.k == 0
+
+    run(main())
