@@ -35,6 +35,7 @@ BATCH_TOO_LARGE = "batch_too_large"  # other jobs share the model: the job decod
 GREEDY, SPECULATIVE_SAMPLING = "greedy", "speculative_sampling"  # how drafts are judged (engine.acceptance)
 NOT_PROFITABLE = "not_profitable"  # auto: on this machine, at the acceptance seen, no k beats plain decoding
 PROFIT_MARGIN = 1.05  # auto speculates only when the expected gain clears measurement noise
+NEAR_BEST = 0.97  # of the k within 3 % of the best expected rate, auto takes the smallest: it wastes less
 PROBE_EVERY = 16  # while not profitable, every 16th eligible job speculates anyway, to keep the estimate fresh
 
 
@@ -80,7 +81,16 @@ class SpecCosts:
         return len(self.round_s)
 
     def round(self, k: int) -> float:
-        return self.round_s[k - 1]
+        """A round's time with k drafts from a least-squares line through the measured rounds: each draft
+        adds a drafter step and a verify column, and the line smooths the noise of a few rounds per k."""
+        n = len(self.round_s)
+        if n == 1:
+            return self.round_s[0]
+        mean_k, mean_t = (n + 1) / 2, sum(self.round_s) / n
+        slope = (sum((i + 1 - mean_k) * (t - mean_t) for i, t in enumerate(self.round_s))
+                 / sum((i + 1 - mean_k) ** 2 for i in range(n)))
+        slope = max(0.0, slope)
+        return max(1e-9, mean_t + slope * (k - mean_k))
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -103,12 +113,15 @@ class KChoice:
 
 
 def choose_k(costs: SpecCosts, acceptance: float, margin: float = PROFIT_MARGIN) -> KChoice:
-    """The k with the best expected tokens/s, or 0 when none beats plain decoding by `margin`."""
+    """The k with the best expected tokens/s, or 0 when none beats plain decoding by `margin`. Among k whose
+    expected rate is within NEAR_BEST of the best, the smallest: a longer round costs more than its expected
+    gain whenever the measurement or the acceptance is a little off."""
     by_k = speedups(costs, acceptance)
-    best = max(by_k, key=by_k.get)
-    if by_k[best] < margin:
+    top = max(by_k.values())
+    if top < margin:
         return KChoice(0, 1.0, acceptance, by_k)
-    return KChoice(best, by_k[best], acceptance, by_k)
+    k = min(k for k, v in by_k.items() if v >= NEAR_BEST * top)
+    return KChoice(k, by_k[k], acceptance, by_k)
 
 
 class Acceptance:

@@ -68,17 +68,23 @@ def test_speculative_sampling_emits_the_seeded_job_s_tokens_at_every_k(fixtures_
 
 
 def test_choose_k_is_the_best_expected_rate_or_off():
-    costs = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016, 0.022, 0.030))
+    costs = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016, 0.020, 0.024))  # on a line
     assert sp.expected_tokens(0.0, 3) == 1 and sp.expected_tokens(1.0, 3) == 4
     assert sp.expected_tokens(0.5, 2) == pytest.approx(1.75)
     high = sp.choose_k(costs, 0.9)
-    assert high.k == max(high.speedups, key=high.speedups.get) and high.speedup > 1.05
+    best = max(high.speedups.values())
+    assert high.speedup > 1.05 and high.speedup >= 0.97 * best
+    assert all(v < 0.97 * best for k, v in high.speedups.items() if k < high.k)  # the smallest near the best
     assert high.speedups[1] == pytest.approx((1 + 0.9) / 0.012 * 0.010)
     low = sp.choose_k(costs, 0.1)
     assert low.k == 0 and low.speedup == 1.0 and max(low.speedups.values()) < 1.05
     # Cheaper drafting moves the best k up.
     cheap = sp.SpecCosts(plain_token_s=0.010, round_s=(0.0105, 0.011, 0.0115, 0.012))
     assert sp.choose_k(cheap, 0.9).k == 4
+    # A noisy measurement (k = 4 timed faster than k = 3) is smoothed by the fitted line, not believed.
+    noisy = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016, 0.024, 0.020))
+    assert [noisy.round(k) for k in (1, 2, 3, 4)] == sorted(noisy.round(k) for k in (1, 2, 3, 4))
+    assert noisy.round(4) > noisy.round(3)
 
 
 def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
