@@ -135,6 +135,11 @@ class CoordinatorJobs:
             except JobError as e:
                 self._outcome(outbox, convert.error_frame(job_id, e.cause, e.message), job_id)
                 return
+            except Exception as e:  # a bug must still end the job with its one outcome
+                log.exception("pin_check_failed", job_id=job_id)
+                self._outcome(outbox, convert.error_frame(job_id, Cause.INTERNAL, f"checking the pin failed: "
+                                                          f"{type(e).__name__}"), job_id)
+                return
         stream = self.node.run(job)
         if job_id in self._cancelled:  # cancelled during the pin check: the engine ends it at once, as cancelled
             self.node.cancel(job_id)

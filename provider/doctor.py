@@ -111,10 +111,10 @@ def speculation_costs(settings, budget) -> None:
         return
     finally:
         models.close()
-    if lm.spec_profile is None:
+    if lm.drafter is None:
         print(f"  {model_id}: no drafter ({lm.drafter_reason}); plain decoding")
         return
-    p = lm.spec_profile.as_dict()
+    p = (lm.spec_profile or profile.measure(lm)).as_dict()  # measured at load only under auto
     rounds = ", ".join(f"k={k} {ms}" for k, ms in enumerate(p["round_ms"], 1))
     print(f"  {model_id} ({lm.drafter_mode.value}): plain {p['plain_token_ms']} ms/token; a round: {rounds} ms")
     for scheme in ("greedy", "speculative_sampling"):

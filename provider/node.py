@@ -168,7 +168,10 @@ class Node:
         """The served id of `name` if its files hash to `pinned` now; JobError(WEIGHTS_MISMATCH) otherwise,
         before anything is loaded. Blocking (stats every file; hashes those that changed)."""
         model_id = self.resolve_model(name)
-        actual = self.catalog.manifest_hash(model_id)
+        try:
+            actual = self.catalog.manifest_hash(model_id)
+        except OSError as e:
+            raise JobError(Cause.WEIGHTS_MISMATCH, f"{model_id}'s files cannot be read to check the pin: {e}") from None
         if not actual:
             raise JobError(Cause.WEIGHTS_MISMATCH, f"{model_id} is not on this node's disk yet, so it cannot be "
                            "checked against the pin; send the job unpinned, or after the node advertises its hash")

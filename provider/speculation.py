@@ -219,6 +219,10 @@ def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_r
         return SpecPlan(SpecMode.OFF, f"ineligible_request:{why}")
     if policy == Policy.AUTO and sharing + 1 > max_batch:
         return SpecPlan(SpecMode.OFF, BATCH_TOO_LARGE)
+    if policy == Policy.AUTO and not sampling.greedy and sampling.seed is not None:
+        # Plain and speculative sampling draw differently from the same seed, and auto's choice follows what
+        # it measures: a seed must give the same tokens every time, so under auto it decodes plain.
+        return SpecPlan(SpecMode.OFF, "ineligible_request:seed")
     if policy == Policy.AUTO and decide is not None:
         choice = decide()
         if not choice.k:

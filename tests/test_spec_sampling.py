@@ -14,11 +14,11 @@ from provider.jobs import Job, SamplingParams
 from tests.helpers import collect, make_node, run
 from tools.spec_distribution import AcceptEveryDraft, compare, plain_samples, speculative_samples
 
-SAMPLES = 2000
+SAMPLES = 1000  # a side; the demo pair's 2,000-a-side campaign is tools/spec_distribution.py
 
 
 def test_sampled_speculation_is_distributed_as_plain_sampling(fixtures_dir):
-    """The first 6 tokens at T = 0.7 with top_p and top_k, over 2,000 samples a side: a chi-square test does not tell
+    """The first 6 tokens at T = 0.7 with top_p and top_k, over 1,000 samples a side: a chi-square test does not tell
     speculative sampling from the node's plain sampler, and it does tell a biased one. The fixture pair is
     random, so its distributions are flat over 512 tokens; top_k = 64 gives the test power at this size.
     The bundled demo pair, at top_k off: `python tools/spec_distribution.py`."""
@@ -31,7 +31,7 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(fixtures_dir):
     assert 0.05 < stats.accepted / stats.judged < 0.95  # both branches (accept, resample the residual) exercised
     rows = compare(plain, spec, 6)
     assert all(r["p"] >= 1e-3 for r in rows), rows
-    biased, _ = speculative_samples(model, lambda: DraftModelDrafter(draft), prompt, params, 300, 6, k=2,
+    biased, _ = speculative_samples(model, lambda: DraftModelDrafter(draft), prompt, params, 200, 6, k=2,
                                     choice=AcceptEveryDraft, seed0=10**6)
     assert min(r["p"] for r in compare(plain, biased, 6)) < 1e-3  # the test has the power to see a bias
 
@@ -101,6 +101,11 @@ def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
     on = sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=SamplingParams(4), k=3,
                  decide=lambda: sp.KChoice(0, 1.0, 0.1, {1: 0.8}))
     assert on.on and on.k == 3  # `on` forces the configured k
+    # Under auto a seeded sampled job decodes plain: auto's choice follows measurements, a seed's tokens must not.
+    seeded = SamplingParams(4, temperature=0.8, seed=7)
+    assert sp.plan(policy="auto", drafter_mode="draft", drafter_reason="ok", sampling=seeded, k=3,
+                   decide=lambda: sp.KChoice(2, 1.5, 0.9, {2: 1.5})).reason == "ineligible_request:seed"
+    assert sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=seeded, k=3).on
 
 
 def test_auto_measures_at_load_and_says_not_profitable_with_the_numbers(fixtures_dir):
@@ -146,3 +151,27 @@ def test_auto_s_decision_and_costs_reach_the_coordinator(fixtures_dir, tmp_path)
             assert profile.greedy.k == 0 and profile.sampled.k == 0
 
     run(main())
+
+
+def test_one_round_emits_exactly_the_target_distribution():
+    """One round on a 4-token vocabulary where the drafter is badly wrong: the first emitted token (the draft
+    if accepted, else the residual's sample) must follow p, not q. 4,000 rounds, goodness of fit."""
+    import collections
+    import math
+
+    import mlx.core as mx
+
+    from tools.spec_distribution import _upper_gamma_regularized
+
+    p = [0.5, 0.3, 0.15, 0.05]
+    q = [0.1, 0.2, 0.3, 0.4]
+    choice = SampledChoice(SamplingParams(4, temperature=1.0), seed=0)
+    target_logits = mx.log(mx.array([p, p]))  # positions 0 and 1 (the bonus after one accepted draft)
+    counts = collections.Counter()
+    for _ in range(4000):
+        draft, q_row = choice.draft(mx.log(mx.array([q])))
+        n, bonus, _ = choice.verify(target_logits, draft, [q_row])
+        counts[draft.item() if n.item() == 1 else bonus.item()] += 1
+    stat = sum((counts[i] - 4000 * p[i]) ** 2 / (4000 * p[i]) for i in range(4))
+    assert _upper_gamma_regularized(1.5, stat / 2) > 1e-3, counts  # 3 degrees of freedom
+    assert math.isclose(counts[0] / 4000, 0.5, abs_tol=0.04)  # q alone would give 0.1

@@ -10,12 +10,15 @@ import functools
 import threading
 from pathlib import Path
 
+from .. import logs
 from ..jobs import Cause, JobError
 from ..memory import estimate
 from ..status import ModelFacts
 from . import loader, manifest
 from .checkpoint import open_checkpoint, read_config
 from .store import StoredModel
+
+log = logs.get("models")
 
 
 class Catalog:
@@ -74,10 +77,15 @@ class Catalog:
             return self._hashes.get(path, "") if path is not None else ""
 
     def hash_all(self) -> None:
-        """Compute every model's and drafter's manifest hash (before registering, so the coordinator can pin)."""
+        """Compute every model's and drafter's manifest hash (before registering, so the coordinator can pin).
+        Files that cannot be read leave that hash unknown ("" in the registration); they never stop the node
+        from registering."""
         for mid in self.ids():
-            self.manifest_hash(mid)
-            self.manifest_hash(mid, drafter=True)
+            for drafter in (False, True):
+                try:
+                    self.manifest_hash(mid, drafter=drafter)
+                except OSError as e:
+                    log.warning("manifest_hash_failed", model=mid, drafter=drafter, error=str(e))
 
     def facts(self, model_id: str) -> ModelFacts | None:
         """What the files say the model is; None while not downloaded or when its files cannot be read."""

@@ -81,7 +81,8 @@ class Residency:
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
         self.loads_started = 0
         self.evictions = 0
-        # Measures a loaded pair's speculation costs (provider.engine.profile.measure), on the loader thread.
+        # Measures a loaded pair's speculation costs (provider.engine.profile.measure), on the loader thread;
+        # only auto uses them (`on` keeps the configured k).
         self.profiler: Callable[[LoadedModel], object] | None = None
 
     # --- any thread ---------------------------------------------------------------
@@ -243,7 +244,7 @@ class Residency:
         if drafting.reason == INSUFFICIENT_HEADROOM:
             log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting)
-        if lm.drafter is not None and self.profiler is not None and self.speculation.policy is not Policy.OFF:
+        if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:
             try:
                 lm.spec_profile = self.profiler(lm)
             except Exception:  # without a profile, auto uses the configured k
