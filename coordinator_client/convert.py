@@ -100,22 +100,21 @@ def decision_to_pb(d: dict) -> pb.SpeculationDecision:
                                   expected_speedup=[speedups[k] for k in sorted(speedups, key=int)])
 
 
+def usage_to_pb(u: Usage) -> pb.Usage:
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                    total_tokens=u.total_tokens, cached_prompt_tokens=u.cached_prompt_tokens)
+
+
 def done_frame(ev: Done) -> pb.ProviderFrame:
-    u = ev.usage
     return pb.ProviderFrame(job_done=pb.JobDone(
-        job_id=ev.job_id, finish_reason=ev.finish_reason.value,
-        usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                       total_tokens=u.total_tokens, cached_prompt_tokens=u.cached_prompt_tokens),
+        job_id=ev.job_id, finish_reason=ev.finish_reason.value, usage=usage_to_pb(ev.usage),
         telemetry=telemetry_to_pb(ev.telemetry)))
 
 
 def error_frame(job_id: str, cause: Cause, message: str, usage: Usage | None = None) -> pb.ProviderFrame:
     frame = pb.ProviderFrame(job_error=pb.JobError(job_id=job_id, cause=CAUSE_TO_PB[cause], message=message))
     if usage is not None:
-        frame.job_error.usage.CopyFrom(pb.Usage(prompt_tokens=usage.prompt_tokens,
-                                                completion_tokens=usage.completion_tokens,
-                                                total_tokens=usage.total_tokens,
-                                                cached_prompt_tokens=usage.cached_prompt_tokens))
+        frame.job_error.usage.CopyFrom(usage_to_pb(usage))
     return frame
 
 

@@ -15,7 +15,7 @@ from ..telemetry import FinishReason
 from .acceptance import GREEDY, SPECULATIVE_SAMPLING, choice_for
 from .output import JobOutput
 from .sampling import logits_processors_for, sampler_for
-from .speculative import DraftModelDrafter, MTPDrafter, SpecStats, Target, speculative_tokens
+from .speculative import SpecStats, drafter_for, speculative_tokens
 
 __all__ = ["SpeculativeGeneration", "job_plan", "logits_processors_for", "sampler_for"]
 
@@ -40,9 +40,7 @@ class SpeculativeGeneration:
         self.model_id = lm.id
         self._profile = lm.spec_profile
         output.spec_stats = SpecStats(plan.mode, plan.k, choice=plan.choice)
-        drafter = (MTPDrafter(lm.drafter, Target(lm.model)) if plan.mode == speculation.SpecMode.MTP
-                   else DraftModelDrafter(lm.drafter))
-        self._tokens = speculative_tokens(lm.model, prompt, drafter, k=plan.k, stats=output.spec_stats,
+        self._tokens = speculative_tokens(lm.model, prompt, drafter_for(lm), k=plan.k, stats=output.spec_stats,
                                           prefill_step=prefill_step_size, choice=choice_for(output.job.sampling))
 
     def step(self) -> list[Event]:

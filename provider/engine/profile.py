@@ -20,9 +20,9 @@ from mlx_lm.generate import generate_step
 
 from ..jobs import SamplingParams
 from ..models.loader import LoadedModel
-from ..speculation import GREEDY, SPECULATIVE_SAMPLING, SpecCosts, SpecMode, SpecProfile
+from ..speculation import GREEDY, SPECULATIVE_SAMPLING, SpecCosts, SpecProfile
 from .acceptance import GreedyChoice, SampledChoice
-from .speculative import DraftModelDrafter, MTPDrafter, SpecStats, Target, speculative_tokens
+from .speculative import SpecStats, drafter_for, speculative_tokens
 
 TEXT = ("A provider node serves language models to a network. It loads a model when a job asks for it, keeps "
         "it while it is used, and evicts it when memory is needed. Speculative decoding drafts a few tokens "
@@ -31,10 +31,6 @@ CONTEXT_TOKENS = 24  # under the smallest sliding window, so every cache kind be
 RUN_TOKENS = 10
 PLAIN_TOKENS = 10
 K_MAX = 4
-
-
-def drafter_for(lm: LoadedModel):
-    return MTPDrafter(lm.drafter, Target(lm.model)) if lm.drafter_mode == SpecMode.MTP else DraftModelDrafter(lm.drafter)
 
 
 def _prompt(lm: LoadedModel) -> list[int]:

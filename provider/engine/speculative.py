@@ -177,6 +177,13 @@ class MTPDrafter:
         pass
 
 
+def drafter_for(lm):
+    """A fresh drafter for a loaded pair (`models.loader.LoadedModel`): its own caches, one per job."""
+    if lm.drafter_mode == SpecMode.MTP:
+        return MTPDrafter(lm.drafter, Target(lm.model))
+    return DraftModelDrafter(lm.drafter)
+
+
 def prefill(model, cache: list, tokens: list[int], step: int) -> None:
     for i in range(0, len(tokens), step):
         model(mx.array(tokens[i:i + step])[None], cache=cache)
