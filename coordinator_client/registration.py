@@ -67,4 +67,5 @@ def heartbeat(st: NodeStatus, *, draining: bool) -> pb.Heartbeat:
 def _profile(model: str, p: dict) -> pb.SpeculationProfile:
     return pb.SpeculationProfile(
         model=model, plain_token_ms=p["plain_token_ms"], round_ms=p["round_ms"], greedy=decision_to_pb(p[GREEDY]),
-        sampled=decision_to_pb(p[SPECULATIVE_SAMPLING]))
+        sampled=decision_to_pb(p[SPECULATIVE_SAMPLING]), rows=p["rows"], plain_rows_ms=p["plain_rows_ms"],
+        round_rows_ms=p["round_rows_ms"])

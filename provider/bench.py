@@ -89,7 +89,7 @@ def _pair(model_path: Path, drafter_path: Path):
     """The loaded target and drafter as the node holds them, and a factory of fresh drafters."""
     from mlx_lm import load
 
-    from .engine.speculative import drafter_for
+    from .engine.drafters import drafter_for
     from .models import capability
     from .models.gemma4_assistant import load_assistant
     from .models.loader import LoadedModel

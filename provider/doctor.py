@@ -117,8 +117,10 @@ def speculation_costs(settings, budget) -> None:
     p = (lm.spec_profile or profile.measure(lm)).as_dict()  # measured at load only under auto
     rounds = ", ".join(f"k={k} {ms}" for k, ms in enumerate(p["round_ms"], 1))
     print(f"  {model_id} ({lm.drafter_mode.value}): plain {p['plain_token_ms']} ms/token; a round: {rounds} ms")
+    rounds = ", ".join(f"k={k} {ms}" for k, ms in enumerate(p["round_rows_ms"], 1))
+    print(f"  {p['rows']} rows together: plain {p['plain_rows_ms']} ms a step; a round: {rounds} ms")
     for scheme in ("greedy", "speculative_sampling"):
         d = p[scheme]
         gains = ", ".join(f"k={k} {v}x" for k, v in d["expected_speedup"].items())
         verdict = f"k = {d['k']}" if d["k"] else "off (not_profitable)"
-        print(f"  {scheme:21} acceptance {d['acceptance']:.3f}: expected {gains} -> auto uses {verdict}")
+        print(f"  {scheme:21} acceptance {d['acceptance']:.3f}: expected {gains} -> auto uses {verdict} alone")

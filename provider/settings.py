@@ -73,6 +73,9 @@ class Settings:
     drafter: str = ""
     speculation: str = field(default="auto", metadata=_choice("auto", "on", "off"))
     speculation_k: int = field(default=3, metadata=_range(1, 16))  # draft tokens per round
+    # Under auto, a job speculates (verified in one batch with the model's other speculating jobs) only while
+    # its model runs at most this many jobs; past it, new jobs decode in the plain batch (batch_too_large).
+    speculation_max_batch: int = field(default=8, metadata=_range(1, 256))
 
     # Local OpenAI-compatible API.
     bind: str = "127.0.0.1"

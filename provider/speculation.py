@@ -31,7 +31,7 @@ class SpecMode(str, enum.Enum):
 # Why a target has no drafter; the stable reasons telemetry carries.
 NOT_MTP_CAPABLE, NO_DRAFTER, INSUFFICIENT_HEADROOM, POLICY_OFF = (
     "not_mtp_capable", "no_drafter", "insufficient_headroom", "policy_off")
-BATCH_TOO_LARGE = "batch_too_large"  # other jobs share the model: the job decodes in their batch instead
+BATCH_TOO_LARGE = "batch_too_large"  # the model runs speculation_max_batch jobs already: plain batch decoding
 GREEDY, SPECULATIVE_SAMPLING = "greedy", "speculative_sampling"  # how drafts are judged (engine.acceptance)
 NOT_PROFITABLE = "not_profitable"  # auto: on this machine, at the acceptance seen, no k beats plain decoding
 PROFIT_MARGIN = 1.05  # auto speculates only when the expected gain clears measurement noise
@@ -43,10 +43,11 @@ PROBE_EVERY = 16  # while not profitable, every 16th eligible job speculates any
 class SpeculationConfig:
     policy: Policy = Policy.AUTO
     k: int = 3  # draft tokens per round
+    max_batch: int = 8  # under auto, a job speculates only while its model runs at most this many jobs
 
     @classmethod
     def of(cls, settings) -> "SpeculationConfig":
-        return cls(Policy(settings.speculation), settings.speculation_k)
+        return cls(Policy(settings.speculation), settings.speculation_k, settings.speculation_max_batch)
 
 
 @dataclass(frozen=True)
@@ -71,26 +72,45 @@ def plan_drafter(caps: "Capabilities", policy: Policy, need_bytes: int, free_byt
 
 @dataclass(frozen=True)
 class SpecCosts:
-    """What decoding costs on this machine, measured wall-clock once per loaded pair (provider.engine.profile)."""
+    """What decoding costs on this machine, measured wall-clock once per loaded pair (provider.engine.profile):
+    one row, and again with `rows` rows decoding together. Between and beyond the two, a step's time is taken
+    as linear in the rows: near flat where a forward is bound by reading the weights (a GPU), near
+    proportional where it is bound by arithmetic (this CPU), and the two measurements say which."""
 
-    plain_token_s: float  # plain decoding, per token
-    round_s: tuple[float, ...]  # a speculative round with k = 1, 2, ... drafts (index k - 1)
+    plain_token_s: float  # a plain decode step of one row (one token)
+    round_s: tuple[float, ...]  # a speculative round of one row with k = 1, 2, ... drafts (index k - 1)
+    rows: int = 1  # rows of the second measurement (1: there is none)
+    plain_rows_s: float = 0.0  # a plain decode step of `rows` rows
+    round_rows_s: tuple[float, ...] = ()  # a speculative round of `rows` rows, k = 1, 2, ...
 
     @property
     def k_max(self) -> int:
         return len(self.round_s)
 
-    def round(self, k: int) -> float:
+    def plain(self, rows: int = 1) -> float:
+        return self._in_rows(self.plain_token_s, self.plain_rows_s, rows)
+
+    def round(self, k: int, rows: int = 1) -> float:
         """A round's time with k drafts from a least-squares line through the measured rounds: each draft
         adds a drafter step and a verify column, and the line smooths the noise of a few rounds per k."""
-        n = len(self.round_s)
-        if n == 1:
-            return self.round_s[0]
-        mean_k, mean_t = (n + 1) / 2, sum(self.round_s) / n
-        slope = (sum((i + 1 - mean_k) * (t - mean_t) for i, t in enumerate(self.round_s))
-                 / sum((i + 1 - mean_k) ** 2 for i in range(n)))
-        slope = max(0.0, slope)
-        return max(1e-9, mean_t + slope * (k - mean_k))
+        return self._in_rows(_on_line(self.round_s, k), _on_line(self.round_rows_s, k) if self.round_rows_s
+                             else 0.0, rows)
+
+    def _in_rows(self, one: float, measured: float, rows: int) -> float:
+        if self.rows <= 1 or rows <= 1 or measured <= 0:
+            return one
+        per_row = max(0.0, (measured - one) / (self.rows - 1))
+        return one + per_row * (rows - 1)
+
+
+def _on_line(times: tuple[float, ...], k: int) -> float:
+    n = len(times)
+    if n == 1:
+        return times[0]
+    mean_k, mean_t = (n + 1) / 2, sum(times) / n
+    slope = (sum((i + 1 - mean_k) * (t - mean_t) for i, t in enumerate(times))
+             / sum((i + 1 - mean_k) ** 2 for i in range(n)))
+    return max(1e-9, mean_t + max(0.0, slope) * (k - mean_k))
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -98,9 +118,10 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance ** i for i in range(k + 1))
 
 
-def speedups(costs: SpecCosts, acceptance: float) -> dict[int, float]:
-    """Expected tokens/s with k drafts per round over plain decoding's, for every measured k."""
-    return {k: expected_tokens(acceptance, k) / costs.round(k) * costs.plain_token_s
+def speedups(costs: SpecCosts, acceptance: float, rows: int = 1) -> dict[int, float]:
+    """Expected tokens/s with k drafts per round over plain decoding's, for every measured k, when `rows`
+    rows decode together (each round and each plain step serves all of them)."""
+    return {k: expected_tokens(acceptance, k) / costs.round(k, rows) * costs.plain(rows)
             for k in range(1, costs.k_max + 1)}
 
 
@@ -112,11 +133,11 @@ class KChoice:
     speedups: dict[int, float]
 
 
-def choose_k(costs: SpecCosts, acceptance: float, margin: float = PROFIT_MARGIN) -> KChoice:
+def choose_k(costs: SpecCosts, acceptance: float, margin: float = PROFIT_MARGIN, rows: int = 1) -> KChoice:
     """The k with the best expected tokens/s, or 0 when none beats plain decoding by `margin`. Among k whose
     expected rate is within NEAR_BEST of the best, the smallest: a longer round costs more than its expected
     gain whenever the measurement or the acceptance is a little off."""
-    by_k = speedups(costs, acceptance)
+    by_k = speedups(costs, acceptance, rows)
     top = max(by_k.values())
     if top < margin:
         return KChoice(0, 1.0, acceptance, by_k)
@@ -153,8 +174,9 @@ class SpecProfile:
         self.acceptance = {scheme: Acceptance(rate) for scheme, rate in acceptance.items()}
         self._unprofitable_jobs = 0
 
-    def decide(self, scheme: str) -> KChoice:
-        choice = choose_k(self.costs, self.acceptance[scheme].rate)
+    def decide(self, scheme: str, rows: int = 1) -> KChoice:
+        """For a job that would speculate with `rows` - 1 others on its model."""
+        choice = choose_k(self.costs, self.acceptance[scheme].rate, rows=rows)
         if choice.k:
             return choice
         self._unprofitable_jobs += 1
@@ -168,7 +190,9 @@ class SpecProfile:
 
     def as_dict(self) -> dict:
         c = self.costs
-        out = {"plain_token_ms": round(c.plain_token_s * 1000, 3), "round_ms": [round(r * 1000, 3) for r in c.round_s]}
+        out = {"plain_token_ms": round(c.plain_token_s * 1000, 3), "round_ms": [round(r * 1000, 3) for r in c.round_s],
+               "rows": c.rows, "plain_rows_ms": round(c.plain_rows_s * 1000, 3),
+               "round_rows_ms": [round(r * 1000, 3) for r in c.round_rows_s]}
         for scheme, a in self.acceptance.items():
             choice = choose_k(c, a.rate)
             out[scheme] = {"acceptance": round(a.rate, 4), "jobs": a.jobs, "k": choice.k,
@@ -203,11 +227,11 @@ def ineligibility(sampling: "SamplingParams") -> str | None:
 
 
 def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_reason: str,
-         sampling: "SamplingParams", k: int, sharing: int = 0, max_batch: int = 1,
-         decide: "Callable[[], KChoice] | None" = None) -> SpecPlan:
+         sampling: "SamplingParams", k: int, sharing: int = 0, max_batch: int = 8,
+         decide: "Callable[[int], KChoice] | None" = None) -> SpecPlan:
     """One job's plan. `drafter_mode` is the loaded drafter's, or None with `drafter_reason` saying why.
     `sharing` jobs already run on the model; under `auto`, a job speculates only while the model's jobs
-    number at most `max_batch` (speculating rows run alone, so past that the batch's throughput wins), and
+    number at most `max_batch` (past that, a batch's rows keep the hardware busy without drafts), and
     with the k `decide` picks from measured costs and acceptance (none: the configured k). `on` always
     uses the configured k."""
     if policy == Policy.OFF:
@@ -224,7 +248,7 @@ def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_r
         # it measures: a seed must give the same tokens every time, so under auto it decodes plain.
         return SpecPlan(SpecMode.OFF, "ineligible_request:seed")
     if policy == Policy.AUTO and decide is not None:
-        choice = decide()
+        choice = decide(sharing + 1)
         if not choice.k:
             return SpecPlan(SpecMode.OFF, NOT_PROFITABLE, choice=choice)
         return SpecPlan(SpecMode(drafter_mode), "ok", choice.k, choice)

@@ -30,6 +30,7 @@ class SpecTelemetry:
     tokens_per_target_forward: float = 0.0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    mean_batch: float = 0.0  # rows verified together per round, on average
     # Auto's decision from measured costs: per-draft acceptance and expected speedup per k.
     decision: dict[str, Any] | None = None
 

@@ -34,6 +34,7 @@ def test_doctor_reports_budget_models_and_passes(home):
     assert "mtp-capable" in r.stdout  # the assistant in the models dir pairs with gemma4-tiny
     assert "gemma4-tiny-assistant" not in r.stdout  # drafters are never servable models
     assert "ok: this node can serve" in r.stdout
+    assert "ms/token" in r.stdout and "4 rows together" in r.stdout  # what speculation costs here, 1 and 4 rows
 
 
 def test_doctor_fails_when_nothing_fits_or_config_is_bad(home):

@@ -19,8 +19,8 @@ transformers = pytest.importorskip("transformers")
 from mlx_lm import load  # noqa: E402
 
 from provider.engine.acceptance import GreedyChoice, greedy_tokens  # noqa: E402
-from provider.engine.speculative import MTPDrafter, Target, speculative_tokens  # noqa: E402
-from provider.engine.speculative import SpecStats  # noqa: E402
+from provider.engine.drafters import MTPDrafter  # noqa: E402
+from provider.engine.speculative import SpecRow, SpecStats, Target, speculative_tokens  # noqa: E402
 from provider.models import capability  # noqa: E402
 from provider.models.gemma4_assistant import load_assistant  # noqa: E402
 
@@ -134,7 +134,7 @@ def test_target_hidden_and_shared_kv_match_transformers(pair):
     logits, hidden = target.forward(mx.array(PROMPT[-1:])[None], caches)
     np.testing.assert_allclose(_np(hidden[0, -1]), _np(out.hidden_states[-1][0, -1]), atol=1e-4)
     np.testing.assert_allclose(_np(logits[0, -1]), _np(out.logits[0, -1]), atol=1e-4)
-    ours = target.shared_kv(caches)
+    ours, _ = target.shared_kv(caches)
     for kind, (k, v) in out.shared_kv_states.items():
         np.testing.assert_allclose(_np(ours[kind][0]), _np(k), atol=1e-4, err_msg=f"{kind} K")
         np.testing.assert_allclose(_np(ours[kind][1]), _np(v), atol=1e-4, err_msg=f"{kind} V")
@@ -170,7 +170,7 @@ def test_draft_tokens_and_logits_match_transformers(pair):
     model(mx.array(PROMPT[:-1])[None], cache=caches)
     logits, hidden = target.forward(mx.array(PROMPT[-1:])[None], caches)
     assert greedy_tokens(logits[:, -1]).item() == int(first)
-    shared = target.shared_kv(caches)
+    shared, _ = target.shared_kv(caches)
     token, h_mx = mx.array([int(first)]), hidden[:, -1:]
     for i in range(k):
         step_logits, h_mx = assistant.step(target.scaled_embedding(token)[None], h_mx, shared, len(PROMPT))
@@ -178,9 +178,10 @@ def test_draft_tokens_and_logits_match_transformers(pair):
         token = mx.argmax(step_logits[:, -1], -1)
         assert token.item() == hf_tokens[i], f"draft step {i}"
     # The drafter the engine uses proposes the same tokens.
-    proposed, _ = MTPDrafter(assistant, target).propose(k, GreedyChoice(), last=mx.array([int(first)]),
-                                                        hidden=hidden[:, -1:], caches=caches, committed=len(PROMPT))
-    assert proposed.tolist() == hf_tokens
+    row = SpecRow(PROMPT, GreedyChoice(), SpecStats("mtp", k), caches, last=int(first), hidden=hidden[:, -1:],
+                  committed=len(PROMPT))
+    proposed, _ = MTPDrafter(assistant, target).propose([row], k, caches)
+    assert proposed[0].tolist() == hf_tokens
 
 
 def test_assisted_generation_equals_plain_greedy_in_both_stacks(pair):

@@ -396,7 +396,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationTelemetry(_message.Message):
-    __slots__ = ("mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_target_forward", "draft_ms", "verify_ms", "sampling_scheme", "decision")
+    __slots__ = ("mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_target_forward", "draft_ms", "verify_ms", "sampling_scheme", "decision", "mean_batch")
     MODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +410,7 @@ class SpeculationTelemetry(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_SCHEME_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_FIELD_NUMBER: _ClassVar[int]
     mode: str
     reason: str
     k: int
@@ -423,7 +424,8 @@ class SpeculationTelemetry(_message.Message):
     verify_ms: float
     sampling_scheme: str
     decision: SpeculationDecision
-    def __init__(self, mode: _Optional[str] = ..., reason: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., target_forwards: _Optional[int] = ..., tokens_per_target_forward: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., sampling_scheme: _Optional[str] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
+    mean_batch: float
+    def __init__(self, mode: _Optional[str] = ..., reason: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., target_forwards: _Optional[int] = ..., tokens_per_target_forward: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., sampling_scheme: _Optional[str] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., mean_batch: _Optional[float] = ...) -> None: ...
 
 class SpeculationDecision(_message.Message):
     __slots__ = ("k", "acceptance", "expected_speedup")
@@ -436,18 +438,24 @@ class SpeculationDecision(_message.Message):
     def __init__(self, k: _Optional[int] = ..., acceptance: _Optional[float] = ..., expected_speedup: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SpeculationProfile(_message.Message):
-    __slots__ = ("model", "plain_token_ms", "round_ms", "greedy", "sampled")
+    __slots__ = ("model", "plain_token_ms", "round_ms", "greedy", "sampled", "rows", "plain_rows_ms", "round_rows_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PLAIN_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     ROUND_MS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_ROWS_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ROWS_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     plain_token_ms: float
     round_ms: _containers.RepeatedScalarFieldContainer[float]
     greedy: SpeculationDecision
     sampled: SpeculationDecision
-    def __init__(self, model: _Optional[str] = ..., plain_token_ms: _Optional[float] = ..., round_ms: _Optional[_Iterable[float]] = ..., greedy: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., sampled: _Optional[_Union[SpeculationDecision, _Mapping]] = ...) -> None: ...
+    rows: int
+    plain_rows_ms: float
+    round_rows_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model: _Optional[str] = ..., plain_token_ms: _Optional[float] = ..., round_ms: _Optional[_Iterable[float]] = ..., greedy: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., sampled: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., rows: _Optional[int] = ..., plain_rows_ms: _Optional[float] = ..., round_rows_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Telemetry(_message.Message):
     __slots__ = ("ttft_ms", "queue_ms", "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes", "finish_reason", "speculation")

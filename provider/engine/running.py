@@ -1,5 +1,6 @@
-"""The jobs running now, and one pass over them: per model, one batched step (provider.engine.batch), then
-one round of each job that speculates on its own; with each resident model's prefix cache.
+"""The jobs running now, and one pass over them: per model, one batched step of its plain rows
+(provider.engine.batch), then one speculative round of its speculating rows (provider.engine.speculating);
+with each resident model's prefix cache.
 
 Engine thread only. The scheduler decides what starts; this runs it and returns the events. Whatever a job
 raises fails that job; a failure inside a forward shared by a batch fails that batch's jobs, not the node.
@@ -19,6 +20,7 @@ from . import generation
 from .batch import ModelBatch
 from .output import JobOutput
 from .prefix_cache import PrefixCache
+from .speculating import SpecBatch
 
 if TYPE_CHECKING:
     from .scheduler import EngineStats
@@ -33,7 +35,7 @@ class Running:
         self._max_rows = max_rows
         self._prefix_cache_bytes = prefix_cache_bytes
         self._batches: dict[str, ModelBatch] = {}  # by model id: the jobs that decode together
-        self._solo: dict[str, tuple[generation.SpeculativeGeneration, Sink]] = {}  # jobs speculating alone
+        self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
         self._model_of: dict[str, str] = {}  # job id -> model id
         self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
         self.stats = stats  # the engine's: batch and prefix-reuse counters are added to it here
@@ -54,33 +56,29 @@ class Running:
 
     def start(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], *, max_tokens: int, arrived: float,
               plan: SpecPlan, shared_prefix: int) -> None:
-        if plan.on:
-            output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived)
-            gen = generation.SpeculativeGeneration(output, lm, prompt, plan, prefill_step_size=self._prefill_step_size)
-            self._solo[job.id] = (gen, sink)
-        else:
-            self._start_row(job, sink, lm, prompt, max_tokens, arrived, plan, shared_prefix)
-        self._model_of[job.id] = lm.id
-
-    def _start_row(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], max_tokens: int, arrived: float,
-                   plan: SpecPlan, shared_prefix: int) -> None:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
             prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes)
-        sampler = None if job.sampling.greedy else generation.sampler_for(job.sampling)
-        processors = generation.logits_processors_for(job.sampling)
         cache, cached = prefix.lookup(prompt)
         if cached:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += cached
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice)
-        batch = self._batches.get(lm.id)
-        if batch is None:
-            batch = self._batches[lm.id] = ModelBatch(lm, prefix, prefill_step_size=self._prefill_step_size,
-                                                      max_rows=self._max_rows)
-        batch.add(output, sink, prompt, cache=cache, sampler=sampler, processors=processors,
-                  shared_prefix=shared_prefix)
+        if plan.on:
+            spec = self._speculating.get(lm.id)
+            if spec is None:
+                spec = self._speculating[lm.id] = SpecBatch(lm, prefix, prefill_step_size=self._prefill_step_size)
+            spec.add(output, sink, prompt, plan, cache=cache, cached=cached)
+        else:
+            batch = self._batches.get(lm.id)
+            if batch is None:
+                batch = self._batches[lm.id] = ModelBatch(lm, prefix, prefill_step_size=self._prefill_step_size,
+                                                          max_rows=self._max_rows)
+            sampler = None if job.sampling.greedy else generation.sampler_for(job.sampling)
+            batch.add(output, sink, prompt, cache=cache, sampler=sampler,
+                      processors=generation.logits_processors_for(job.sampling), shared_prefix=shared_prefix)
+        self._model_of[job.id] = lm.id
 
     # --- one pass -------------------------------------------------------------------
 
@@ -88,16 +86,21 @@ class Running:
         out: list[Delivery] = []
         for model_id, batch in list(self._batches.items()):
             out += self._step_batch(model_id, batch)
-        for job_id, (gen, sink) in list(self._solo.items()):
-            try:
-                events = gen.step()
-            except Exception as e:  # a bug or MLX failure (in a forward or a drafter) ends this job
-                log.exception("job_step_failed", job_id=job_id)
-                restore_random_state()
-                gen.close()
-                events = [_failed(job_id, e)]
-            out.append((events, sink))
+        for model_id, spec in list(self._speculating.items()):
+            out += self._step_speculating(model_id, spec)
         return out
+
+    def _step_speculating(self, model_id: str, spec: SpecBatch) -> list[Delivery]:
+        try:
+            results = spec.step()
+        except Exception as e:  # a bug or MLX failure in a forward the rows share fails those rows, not the node
+            log.exception("speculation_step_failed", model=model_id, jobs=spec.job_ids())
+            restore_random_state()
+            del self._speculating[model_id]
+            return [([_failed(row.output.job.id, e)], row.sink) for row in spec.close()]
+        if not len(spec):
+            del self._speculating[model_id]
+        return [(events, row.sink) for row, events in results]
 
     def _step_batch(self, model_id: str, batch: ModelBatch) -> list[Delivery]:
         try:
@@ -124,26 +127,23 @@ class Running:
 
     def ended(self, job_id: str) -> str | None:
         """Forget a job that delivered its last event; its model id."""
-        self._solo.pop(job_id, None)
         return self._model_of.pop(job_id, None)
 
     def cancel(self, job_id: str) -> Delivery | None:
-        if job_id in self._solo:
-            gen, sink = self._solo[job_id]
-            return gen.finish(FinishReason.CANCELLED), sink
-        batch = self._batches.get(self._model_of.get(job_id, ""))
-        row = batch.cancel(job_id) if batch is not None else None
-        if row is None:
-            return None
-        return row.output.finish(FinishReason.CANCELLED), row.sink
+        model_id = self._model_of.get(job_id, "")
+        for rows in (self._batches.get(model_id), self._speculating.get(model_id)):
+            row = rows.cancel(job_id) if rows is not None else None
+            if row is not None:
+                return row.output.finish(FinishReason.CANCELLED), row.sink
+        return None
 
     def sinks(self) -> dict[str, Sink]:
-        sinks = {row.output.job.id: row.sink for batch in self._batches.values() for row in batch.rows()}
-        return sinks | {job_id: sink for job_id, (_, sink) in self._solo.items()}
+        groups = [*self._batches.values(), *self._speculating.values()]
+        return {row.output.job.id: row.sink for rows in groups for row in rows.rows()}
 
     def clear(self) -> None:
         self._batches.clear()
-        self._solo.clear()
+        self._speculating.clear()
         self._model_of.clear()
 
     # --- prefix caches --------------------------------------------------------------

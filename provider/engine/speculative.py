@@ -1,10 +1,17 @@
-"""Speculative decoding rounds: draft k tokens, verify k+1 positions in one target forward, keep the accepted
-prefix plus one token from the target, roll every target cache back exactly.
+"""Speculative decoding rounds over one or many sequences: draft k tokens per row, verify k+1 positions of
+every row in one batched target forward, keep each row's accepted prefix plus one token from the target,
+roll each row's caches back exactly.
 
-Lossless for greedy and sampled jobs alike (`acceptance`: greedy matching, or speculative sampling). Greedy:
+Lossless for greedy and sampled rows alike (`acceptance`: greedy matching, or speculative sampling). Greedy:
 the target's argmax is computed exactly as mlx-lm's plain path computes it (log-softmax, then argmax), and
 on this CPU backend a row of a width-(k+1) forward equals the width-1 row bit for bit. The host reads
 values back once per round.
+
+Each row owns plain per-sequence caches (KVCache, RotatingKVCache), whose rollback is exact. A round over
+several rows merges them into mlx-lm's batch caches (left-padded to the longest row), runs the drafter and
+the verify forward on those, and extracts each row's caches back, so rows join and leave between rounds
+freely and each keeps its own acceptance length. The merge copies the rows' K/V once per round; a lone row
+uses its caches directly.
 
 mlx-lm's own speculative loop is not used: `trim_prompt_cache` silently trims nothing from a
 RotatingKVCache once the context passes the sliding window, so Gemma 4 diverges there.
@@ -13,13 +20,13 @@ RotatingKVCache once the context passes the sliding window, so Gemma 4 diverges 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, RotatingKVCache,
+                                 make_prompt_cache)
 
-from ..models.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
 from ..speculation import SpecMode
 from ..telemetry import SpecTelemetry, decision_dict
 from .acceptance import GREEDY, GreedyChoice
@@ -43,6 +50,7 @@ class SpecStats:
     # and of Σ p·q (what sample-and-compare, mlx-lm's scheme, would accept there).
     min_overlap: float = 0.0
     dot_overlap: float = 0.0
+    batch_rows: int = 0  # summed over rounds: rows / rounds is the mean batch this job's rounds ran in
 
     def telemetry(self) -> SpecTelemetry:
         return SpecTelemetry(
@@ -52,7 +60,33 @@ class SpecStats:
             target_forwards=self.target_forwards,
             tokens_per_target_forward=round(self.emitted / self.target_forwards, 4) if self.target_forwards else 0.0,
             draft_ms=round(self.draft_s * 1000, 3), verify_ms=round(self.verify_s * 1000, 3),
+            mean_batch=round(self.batch_rows / self.rounds, 3) if self.rounds else 0.0,
             decision=decision_dict(self.choice))
+
+
+@dataclass
+class SpecRow:
+    """One sequence decoding speculatively. Its caches hold the K/V of every committed token but `last`,
+    the next round's first input; `hidden` is the target's final-norm hidden state that produced `last`."""
+
+    prompt: list[int]
+    choice: Any  # acceptance.GreedyChoice or SampledChoice: how this row drafts and judges
+    stats: SpecStats
+    caches: list
+    read: int = 0  # prompt tokens in the caches while the prompt is being read
+    last: int | None = None  # None while the prompt is being read
+    hidden: mx.array | None = None
+    committed: int = 0  # K/V rows in the caches
+    draft: Any = None  # the drafter's own state for this row (a draft model's caches and pending tokens)
+    tokens: list[int] = field(default_factory=list)  # what the caches hold K/V for, in order
+
+    @property
+    def k(self) -> int:
+        return self.stats.k
+
+    @property
+    def reading(self) -> bool:
+        return self.last is None
 
 
 def rollback(caches: list, n: int) -> None:
@@ -66,6 +100,24 @@ def rollback(caches: list, n: int) -> None:
             # width-1 update trims live entries from the front and writes over the wrong slot.
             c.keys = c.keys[..., : c._idx, :]
             c.values = c.values[..., : c._idx, :]
+
+
+def merged(rows_caches: list[list]) -> list:
+    """Per-layer batch caches of several rows (left-padded to the longest); one row's own caches as they are."""
+    if len(rows_caches) == 1:
+        return rows_caches[0]
+    out = []
+    for layer in zip(*rows_caches):
+        kind = BatchRotatingKVCache if isinstance(layer[0], RotatingKVCache) else BatchKVCache
+        out.append(kind.merge(list(layer)))
+    return out
+
+
+def split(caches: list, rows: int) -> list[list]:
+    """Each row's own caches back out of merged ones."""
+    if rows == 1:
+        return [caches]
+    return [[c.extract(i) for c in caches] for i in range(rows)]
 
 
 class Target:
@@ -89,7 +141,7 @@ class Target:
             self.hidden_size = args.hidden_size
 
     def forward(self, tokens: mx.array, caches: list) -> tuple[mx.array, mx.array | None]:
-        """tokens [1, L] -> (logits [1, L, V], final-norm hidden [1, L, H] or None)."""
+        """tokens [B, L] -> (logits [B, L, V], final-norm hidden [B, L, H] or None)."""
         if not self.gemma4:
             return self.model(tokens, cache=caches), None
         text = self.lm.model
@@ -103,85 +155,24 @@ class Target:
         text = self.lm.model
         return text.embed_tokens(tokens) * text.embed_scale
 
-    def shared_kv(self, caches: list) -> dict[str, tuple[mx.array, mx.array]]:
-        """Committed K/V of the last sliding and last full layer (sliding: the last `window` rows)."""
-        out = {}
+    def shared_kv(self, caches: list) -> tuple[dict[str, tuple[mx.array, mx.array]], dict[str, mx.array] | None]:
+        """Committed K/V of the last sliding and last full layer (sliding: the last `window` rows), and for
+        merged rows, per layer type, the mask of each row's real positions."""
+        out, masks = {}, {}
         for kind, i in self.kv_layer.items():
             c = caches[i]
-            if isinstance(c, RotatingKVCache):
+            if isinstance(c, (BatchKVCache, BatchRotatingKVCache)):  # fresh from `merged`: in temporal order
+                n = min(c._idx, self.window) if isinstance(c, BatchRotatingKVCache) else c._idx
+                start = c._idx - n
+                out[kind] = (c.keys[..., start:c._idx, :], c.values[..., start:c._idx, :])
+                masks[kind] = (mx.arange(start, c._idx)[None] >= c.left_padding[:, None])[:, None, None, :]
+            elif isinstance(c, RotatingKVCache):
                 k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
                 n = min(c.offset, k.shape[2], self.window)
                 out[kind] = (k[..., k.shape[2] - n:, :], v[..., v.shape[2] - n:, :])
             else:
                 out[kind] = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
-        return out
-
-
-class DraftModelDrafter:
-    """A smaller LM with the target's vocabulary and its own trimmable caches."""
-
-    mode = "draft"
-
-    def __init__(self, model):
-        self.model = model
-        self.cache = make_prompt_cache(model)
-        self._pending: list[int] = []  # tokens accepted but not yet in the draft cache
-
-    def start(self, prompt: list[int], first: int, prefill_step: int) -> None:
-        prefill(self.model, self.cache, prompt[:-1], prefill_step)
-        self._pending = [prompt[-1], first]
-
-    def propose(self, k: int, choice, **_) -> tuple[mx.array, list]:
-        x = mx.array(self._pending)
-        drafted, qs = [], []
-        for _ in range(k):
-            x, q = choice.draft(self.model(x[None], cache=self.cache)[:, -1, :])
-            drafted.append(x)
-            qs.append(q)
-        return mx.concatenate(drafted), qs
-
-    def accepted(self, n: int, k: int, drafts: list[int], bonus: int) -> None:
-        # The cache took the pending tokens and drafts d1..d(k-1).
-        if n == k:
-            self._pending = [drafts[-1], bonus]
-        else:
-            rollback(self.cache, (k - 1) - n)
-            self._pending = [bonus]
-
-
-class MTPDrafter:
-    """The Gemma 4 assistant: reads the target's committed K/V and last hidden state."""
-
-    mode = "mtp"
-
-    def __init__(self, assistant: Gemma4Assistant, target: Target):
-        self.assistant = assistant
-        self.target = target
-
-    def start(self, prompt: list[int], first: int, prefill_step: int) -> None:
-        pass
-
-    def propose(self, k: int, choice, *, last: mx.array, hidden: mx.array, caches: list,
-                committed: int) -> tuple[mx.array, list]:
-        kv = self.target.shared_kv(caches)
-        position = committed + QUERY_POSITION_OFFSET  # held for the whole round
-        token, h, drafted, qs = last, hidden, [], []
-        for _ in range(k):
-            logits, h = self.assistant.step(self.target.scaled_embedding(token)[None], h, kv, position)
-            token, q = choice.draft(logits[:, -1, :])
-            drafted.append(token)
-            qs.append(q)
-        return mx.concatenate(drafted), qs
-
-    def accepted(self, n: int, k: int, drafts: list[int], bonus: int) -> None:
-        pass
-
-
-def drafter_for(lm):
-    """A fresh drafter for a loaded pair (`models.loader.LoadedModel`): its own caches, one per job."""
-    if lm.drafter_mode == SpecMode.MTP:
-        return MTPDrafter(lm.drafter, Target(lm.model))
-    return DraftModelDrafter(lm.drafter)
+        return out, masks or None
 
 
 def prefill(model, cache: list, tokens: list[int], step: int) -> None:
@@ -190,50 +181,110 @@ def prefill(model, cache: list, tokens: list[int], step: int) -> None:
         mx.eval([c.state for c in cache])
 
 
-def speculative_tokens(model, prompt: list[int], drafter, *, k: int, stats: SpecStats,
-                       prefill_step: int = 2048, choice=None) -> Iterator[int]:
-    """Tokens for `prompt`, k drafts verified per target forward: identical to plain greedy decoding, or
-    distributed exactly as plain sampling, as `choice` says (greedy when None)."""
-    choice = choice or GreedyChoice()
-    stats.scheme = choice.scheme
-    target = Target(model)
-    caches = make_prompt_cache(model)
-    # Prefill leaves the last prompt token for a width-1 step, as mlx-lm does.
-    prefill(model, caches, prompt[:-1], prefill_step)
-    logits, hidden = target.forward(mx.array(prompt[-1:])[None], caches)
-    last = choice.first(logits[:, -1, :])
-    first = last.item()
-    stats.target_forwards += 1
-    stats.emitted += 1
-    committed = len(prompt)  # K/V rows the target holds for accepted tokens
-    hidden = hidden[:, -1:, :] if hidden is not None else None
-    drafter.start(prompt, first, prefill_step)
-    yield first
-    while True:
+class Speculator:
+    """One loaded pair's round loop over any set of rows."""
+
+    def __init__(self, model, drafter):
+        self.target = Target(model)
+        self.model = model
+        self.drafter = drafter
+
+    def new_row(self, prompt: list[int], *, stats: SpecStats, choice=None, caches: list | None = None,
+                cached: int = 0) -> SpecRow:
+        """A row for `prompt`; `caches` may already hold the K/V of its first `cached` tokens."""
+        choice = choice or GreedyChoice()
+        stats.scheme = choice.scheme
+        row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model))
+        row.read = row.committed = cached
+        row.tokens = list(prompt[:cached])
+        self.drafter.begin(row)
+        if cached:
+            self.drafter.read(row, prompt[:cached])
+        return row
+
+    def read(self, row: SpecRow, step: int) -> bool:
+        """Read up to `step` more prompt tokens, all but the last; True once they are all in the caches."""
+        rest = row.prompt[row.read:-1][:step]
+        if rest:
+            self.model(mx.array(rest)[None], cache=row.caches)
+            mx.eval([c.state for c in row.caches])
+            self.drafter.read(row, rest)
+            row.read += len(rest)
+            row.tokens += rest
+        return row.read >= len(row.prompt) - 1
+
+    def begin(self, rows: list[SpecRow]) -> list[int]:
+        """The first token of each row whose prompt is read but its last token: that token, width 1 as
+        mlx-lm's plain path reads it, in one forward over the rows."""
+        caches = merged([r.caches for r in rows])
+        logits, hidden = self.target.forward(mx.array([[r.prompt[-1]] for r in rows]), caches)
+        firsts = [r.choice.first(logits[i:i + 1, -1, :]) for i, r in enumerate(rows)]
+        mx.eval(firsts, hidden if hidden is not None else [])
+        for i, (row, own, first) in enumerate(zip(rows, split(caches, len(rows)), firsts)):
+            row.caches = own
+            row.last, row.read = first.item(), len(row.prompt)
+            row.committed = len(row.prompt)
+            row.tokens.append(row.prompt[-1])
+            row.hidden = hidden[i:i + 1, -1:, :] if hidden is not None else None
+            row.stats.target_forwards += 1
+            row.stats.emitted += 1
+            self.drafter.start(row, row.last)
+        return [row.last for row in rows]
+
+    def round(self, rows: list[SpecRow]) -> list[list[int]]:
+        """One round over rows that share a k: each row's new tokens (its accepted drafts, then one more)."""
+        k = rows[0].k
+        assert all(r.k == k for r in rows), "a round's rows share one k"
         t0 = time.perf_counter()
-        drafts, qs = drafter.propose(k, choice, last=last, hidden=hidden, caches=caches, committed=committed)
+        caches = merged([r.caches for r in rows])
+        drafts, qs = self.drafter.propose(rows, k, caches)
         mx.eval(drafts, qs)  # materialized here so the draft views into the caches are released before verify
         t1 = time.perf_counter()
-        logits, hidden_all = target.forward(mx.concatenate([last, drafts])[None], caches)
-        accepted, after, extras = choice.verify(logits[0], drafts, qs)
-        mx.eval(accepted, after, extras)  # the round's one read-back
-        n, bonus, drafted = accepted.item(), after.item(), drafts.tolist()
-        rollback(caches, k - n)
-        committed += n + 1
-        drafter.accepted(n, k, drafted, bonus)
-        last = after
+        last = mx.array([[r.last] for r in rows])
+        logits, hidden_all = self.target.forward(mx.concatenate([last, drafts], axis=1), caches)
+        verdicts = [r.choice.verify(logits[i], drafts[i], qs[i]) for i, r in enumerate(rows)]
+        mx.eval(verdicts)  # the round's one read-back
+        t2 = time.perf_counter()
+        out = []
+        drafted = drafts.tolist()
+        for i, (row, own, (accepted, after, extras)) in enumerate(zip(rows, split(caches, len(rows)), verdicts)):
+            n, bonus = accepted.item(), after.item()
+            rollback(own, k - n)
+            row.caches = own
+            row.tokens += [row.last, *drafted[i][:n]]
+            row.committed += n + 1
+            row.last = bonus
+            row.hidden = hidden_all[i:i + 1, n:n + 1, :] if hidden_all is not None else None
+            self.drafter.accepted(row, n, k, drafted[i], bonus)
+            self._count(row.stats, n, k, len(rows), extras, t1 - t0, t2 - t1)
+            out.append([*drafted[i][:n], bonus])
+        return out
+
+    @staticmethod
+    def _count(stats: SpecStats, n: int, k: int, rows: int, extras: dict, draft_s: float, verify_s: float) -> None:
         judged = min(n + 1, k)  # the drafts judged this round: up to and including the first rejection
         stats.judged += judged
         if extras:
             stats.min_overlap += sum(extras["min_overlap"].tolist()[:judged])
             stats.dot_overlap += sum(extras["dot_overlap"].tolist()[:judged])
-        hidden = hidden_all[:, n:n + 1, :] if hidden_all is not None else None
         stats.rounds += 1
         stats.drafted += k
         stats.accepted += n
         stats.target_forwards += 1
         stats.emitted += n + 1
-        stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-        yield from drafted[:n]
-        yield bonus
+        stats.batch_rows += rows
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+
+
+def speculative_tokens(model, prompt: list[int], drafter, *, k: int, stats: SpecStats,
+                       prefill_step: int = 2048, choice=None) -> Iterator[int]:
+    """Tokens for `prompt` alone, k drafts verified per target forward: identical to plain greedy decoding,
+    or distributed exactly as plain sampling, as `choice` says (greedy when None)."""
+    spec = Speculator(model, drafter)
+    row = spec.new_row(prompt, stats=stats, choice=choice)
+    while not spec.read(row, prefill_step):
+        pass
+    yield spec.begin([row])[0]
+    while True:
+        yield from spec.round([row])[0]

@@ -69,7 +69,7 @@ class MaskedEmbedder(nn.Module):
         chosen = buckets[top].reshape(B, L, -1)  # [B, L, k * per_centroid] token ids
         emb = embed_weight[chosen.reshape(-1)].reshape(B, L, -1, H)
         scores = (x[..., None, :] @ emb.swapaxes(-1, -2)).squeeze(-2)  # [B, L, k * per_centroid]
-        floor = scores.min() - 1.0
+        floor = scores.min(axis=-1, keepdims=True) - 1.0  # per row: a row's logits never depend on its batch
         out = mx.full((B, L, self.vocab_size), floor, dtype=scores.dtype)
         return mx.put_along_axis(out, chosen, scores, axis=-1)
 
@@ -90,12 +90,16 @@ class Gemma4Assistant(nn.Module):
         return [layer.layer_type for layer in self.model.layers]
 
     def step(self, token_embedding: mx.array, h: mx.array, shared_kv: dict[str, tuple[mx.array, mx.array]],
-             position: int) -> tuple[mx.array, mx.array]:
+             position: int | mx.array, masks: dict[str, mx.array] | None = None) -> tuple[mx.array, mx.array]:
         """One draft step. token_embedding and h: [B, 1, Hb] (the target's scaled embedding and hidden).
-        shared_kv: layer type -> the target's (K, V), [B, kv_heads, N, D]. Returns (logits [B, 1, V], h_next)."""
+        shared_kv: layer type -> the target's (K, V), [B, kv_heads, N, D]; `masks`, per layer type, [B, 1, 1, N]
+        (False for a row's left padding) when rows hold K/V of different lengths; `position` per row ([B]) or
+        shared. Returns (logits [B, 1, V], h_next)."""
         x = self.pre_projection(mx.concatenate([token_embedding, h], axis=-1))
+        masks = masks or {}
         for layer in self.model.layers:
-            x, _, _ = layer(x, None, None, shared_kv=shared_kv[layer.layer_type], offset=position)
+            x, _, _ = layer(x, masks.get(layer.layer_type), None, shared_kv=shared_kv[layer.layer_type],
+                            offset=position)
         xn = self.model.norm(x)
         if self.cfg.use_ordered_embeddings:
             logits = self.masked_embedding(xn, self.model.embed_tokens.weight)

@@ -1,0 +1,108 @@
+"""One model's speculating jobs, advanced together: each `step()` reads at most one prompt chunk of a row
+still reading its prompt, gives every row whose prompt is read its first token (one forward over their
+last prompt tokens), then runs one speculative round (provider.engine.speculative) over every row
+that decodes: their drafts together, one batched verify forward, each row's own acceptance and rollback.
+
+Rows join (after their prompt is read) and leave (finished, cancelled) between rounds. A round's tokens
+go out in one step, through the row's JobOutput, which may end the row part-way through them (a stop
+string, max_tokens). Rows planned with different k run one round per k. A job's prefix-cache hit seeds its
+target caches, and its K/V goes back to the prefix cache when it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..jobs import Event, Sink
+from ..models.loader import LoadedModel
+from ..speculation import SpecPlan
+from .acceptance import choice_for
+from .output import JobOutput
+from .prefix_cache import COMPLETION, PrefixCache
+from .drafters import drafter_for
+from .speculative import SpecRow, SpecStats, Speculator
+
+
+@dataclass
+class Row:
+    output: JobOutput
+    sink: Sink
+    spec: SpecRow
+
+
+class SpecBatch:
+    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, prefill_step_size: int):
+        self.model_id = lm.id
+        self._profile = lm.spec_profile
+        self._speculator = Speculator(lm.model, drafter_for(lm))
+        self.prefix = prefix
+        self._chunk_alone = prefill_step_size
+        self._chunk_beside_decoding = max(16, prefill_step_size // 4)  # as the plain batch reads beside decoding
+        self._rows: dict[str, Row] = {}  # by job id, in arrival order
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def job_ids(self) -> list[str]:
+        return list(self._rows)
+
+    def rows(self) -> list[Row]:
+        return list(self._rows.values())
+
+    def add(self, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, *, cache, cached: int) -> None:
+        stats = SpecStats(plan.mode, plan.k, choice=plan.choice)
+        output.spec_stats = stats
+        spec = self._speculator.new_row(prompt, stats=stats, choice=choice_for(output.job.sampling), caches=cache,
+                                        cached=cached)
+        self._rows[output.job.id] = Row(output, sink, spec)
+
+    def step(self) -> list[tuple[Row, list[Event]]]:
+        out: list[tuple[Row, list[Event]]] = []
+        decoding = [row for row in self._rows.values() if not row.spec.reading]
+        reading = next((row for row in self._rows.values() if not self._read_all_but_last(row)), None)
+        if reading is not None:
+            self._speculator.read(reading.spec, self._chunk_beside_decoding if decoding else self._chunk_alone)
+        starting = [row for row in self._rows.values() if row.spec.reading and self._read_all_but_last(row)]
+        if starting:  # their last prompt tokens in one forward, which gives each its first token
+            for row, first in zip(starting, self._speculator.begin([row.spec for row in starting])):
+                out.append((row, self._emit(row, [first])))
+        by_k: dict[int, list[Row]] = {}
+        for row in decoding:
+            by_k.setdefault(row.spec.k, []).append(row)
+        for rows in by_k.values():
+            for row, tokens in zip(rows, self._speculator.round([row.spec for row in rows])):
+                out.append((row, self._emit(row, tokens)))
+        return out
+
+    @staticmethod
+    def _read_all_but_last(row: Row) -> bool:
+        return row.spec.read >= len(row.spec.prompt) - 1
+
+    def _emit(self, row: Row, tokens: list[int]) -> list[Event]:
+        events: list[Event] = []
+        for token in tokens:
+            events += row.output.token(token)
+            if row.output.finished:
+                self._end(row)
+                break
+        return events
+
+    def cancel(self, job_id: str) -> Row | None:
+        row = self._rows.get(job_id)
+        if row is not None:
+            self._end(row)
+        return row
+
+    def close(self) -> list[Row]:
+        """Drop every row (their jobs are the caller's to end)."""
+        rows = list(self._rows.values())
+        self._rows.clear()
+        return rows
+
+    def _end(self, row: Row) -> None:
+        del self._rows[row.output.job.id]
+        spec = row.spec
+        if not spec.reading:
+            self.prefix.store(spec.tokens, spec.caches, COMPLETION)
+        if self._profile is not None:  # what this job saw keeps auto's estimate current
+            self._profile.observe(spec.stats.scheme, spec.stats.accepted, spec.stats.judged)
