@@ -26,3 +26,9 @@ def _isolated_xdg(tmp_path, monkeypatch):
         if key.startswith("PROVIDER_"):
             monkeypatch.delenv(key)
     logs.configure("warning", "json")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `heavy` (minutes, one core) run first, so with the suite spread over the cores
+    (pytest-xdist) the rest of it runs beside them instead of after them."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

@@ -9,16 +9,38 @@ from mlx_lm import load
 
 from provider import speculation as sp
 from provider.engine.acceptance import SampledChoice
-from provider.engine.speculative import DraftModelDrafter, SpecStats, speculative_tokens
+from provider.engine.drafters import DraftModelDrafter
+from provider.engine.speculative import SpecStats, speculative_tokens
 from provider.jobs import Job, SamplingParams
 from tests.helpers import collect, make_node, run
-from tools.spec_distribution import AcceptEveryDraft, compare, plain_samples, speculative_samples
+from tools.spec_distribution import (PROMPT, AcceptEveryDraft, compare, load_demo_pair, plain_samples,
+                                     speculative_samples)
 
-SAMPLES = 1000  # a side; the demo pair's 2,000-a-side campaign is tools/spec_distribution.py
+SAMPLES = 800  # a side, on the fixture pair
+SEED0 = 10_000  # the demo test's first row seed, as tools/spec_distribution.py --seed takes it
+
+
+@pytest.mark.heavy
+def test_the_demo_pair_samples_exactly_like_plain_sampling_at_t_0_7():
+    """The bundled pair at T = 0.7 (no filters), 2,000 samples a side, k = 1: for each of the first 6 tokens a
+    chi-square test does not tell speculative sampling from the node's plain sampler, and it does tell a
+    sampler biased towards the drafter. Seeds are fixed; `python tools/spec_distribution.py` prints the same
+    test with its total variation distances."""
+    model, tok, make_drafter = load_demo_pair()
+    prompt = tok.encode(PROMPT)
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=1)
+    plain = plain_samples(model, prompt, params, 2000, 6)
+    spec, stats = speculative_samples(model, make_drafter, prompt, params, 2000, 6, k=1, seed0=SEED0)
+    assert 0.1 < stats.accepted / stats.judged < 0.9  # drafts accepted and residuals sampled, many times each
+    rows = compare(plain, spec, 6)
+    assert all(r["p"] >= 1e-3 for r in rows), rows
+    biased, _ = speculative_samples(model, make_drafter, prompt, params, 150, 6, k=2, choice=AcceptEveryDraft,
+                                    seed0=10**6)
+    assert min(r["p"] for r in compare(plain, biased, 6)) < 1e-3  # the test has the power to see a bias
 
 
 def test_sampled_speculation_is_distributed_as_plain_sampling(fixtures_dir):
-    """The first 6 tokens at T = 0.7 with top_p and top_k, over 1,000 samples a side: a chi-square test does not tell
+    """The first 6 tokens at T = 0.7 with top_p and top_k, k = 3, over 800 samples a side: a chi-square test does not tell
     speculative sampling from the node's plain sampler, and it does tell a biased one. The fixture pair is
     random, so its distributions are flat over 512 tokens; top_k = 64 gives the test power at this size.
     The bundled demo pair, at top_k off: `python tools/spec_distribution.py`."""
@@ -27,7 +49,7 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(fixtures_dir):
     prompt = tok.encode("The cache")
     params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=64, seed=3)
     plain = plain_samples(model, prompt, params, SAMPLES, 6)
-    spec, stats = speculative_samples(model, lambda: DraftModelDrafter(draft), prompt, params, SAMPLES, 6, k=1)
+    spec, stats = speculative_samples(model, lambda: DraftModelDrafter(draft), prompt, params, SAMPLES, 6, k=3)
     assert 0.05 < stats.accepted / stats.judged < 0.95  # both branches (accept, resample the residual) exercised
     rows = compare(plain, spec, 6)
     assert all(r["p"] >= 1e-3 for r in rows), rows
@@ -87,6 +109,25 @@ def test_choose_k_is_the_best_expected_rate_or_off():
     assert noisy.round(4) > noisy.round(3)
 
 
+def test_auto_weighs_the_batch_a_job_would_speculate_in():
+    """Two machines measured at 1 and 4 rows: where a step's time grows with its rows (arithmetic-bound, like
+    this CPU), speculation that pays for one row does not for eight, and plain batching wins; where it
+    hardly grows (bandwidth-bound, a GPU), it pays in the batch too."""
+    one = dict(plain_token_s=0.010, round_s=(0.012, 0.016, 0.020, 0.024))
+    compute_bound = sp.SpecCosts(**one, rows=4, plain_rows_s=0.040, round_rows_s=(0.080, 0.112, 0.144, 0.176))
+    bandwidth_bound = sp.SpecCosts(**one, rows=4, plain_rows_s=0.011, round_rows_s=(0.013, 0.017, 0.021, 0.025))
+    assert compute_bound.plain(8) == pytest.approx(0.010 + 7 * 0.010) and bandwidth_bound.round(1, 1) == pytest.approx(0.012)
+    assert sp.choose_k(compute_bound, 0.9).k > 0 and sp.choose_k(bandwidth_bound, 0.9).k > 0
+    assert sp.choose_k(compute_bound, 0.9, rows=8).k == 0
+    assert sp.choose_k(bandwidth_bound, 0.9, rows=8).k > 0
+    profile = sp.SpecProfile(compute_bound, {sp.GREEDY: 0.9})
+    assert profile.decide(sp.GREEDY).k > 0 and profile.decide(sp.GREEDY, rows=8).k == 0
+    seen = []
+    plan = sp.plan(policy="auto", drafter_mode="mtp", drafter_reason="ok", sampling=SamplingParams(4), k=3,
+                   sharing=5, decide=lambda rows: seen.append(rows) or profile.decide(sp.GREEDY, rows))
+    assert seen == [6] and plan.reason == sp.NOT_PROFITABLE  # five jobs on the model: it would be the sixth row
+
+
 def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
     costs = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016))
     profile = sp.SpecProfile(costs, {sp.GREEDY: 0.1, sp.SPECULATIVE_SAMPLING: 0.1})
@@ -97,14 +138,14 @@ def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
     assert profile.acceptance[sp.GREEDY].rate > 0.9 and profile.decide(sp.GREEDY).k > 0
     assert profile.acceptance[sp.SPECULATIVE_SAMPLING].rate == pytest.approx(0.1)  # per scheme
     assert sp.plan(policy="auto", drafter_mode="draft", drafter_reason="ok", sampling=SamplingParams(4),
-                   k=3, decide=lambda: sp.KChoice(0, 1.0, 0.1, {1: 0.8})).reason == sp.NOT_PROFITABLE
+                   k=3, decide=lambda rows: sp.KChoice(0, 1.0, 0.1, {1: 0.8})).reason == sp.NOT_PROFITABLE
     on = sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=SamplingParams(4), k=3,
-                 decide=lambda: sp.KChoice(0, 1.0, 0.1, {1: 0.8}))
+                 decide=lambda rows: sp.KChoice(0, 1.0, 0.1, {1: 0.8}))
     assert on.on and on.k == 3  # `on` forces the configured k
     # Under auto a seeded sampled job decodes plain: auto's choice follows measurements, a seed's tokens must not.
     seeded = SamplingParams(4, temperature=0.8, seed=7)
     assert sp.plan(policy="auto", drafter_mode="draft", drafter_reason="ok", sampling=seeded, k=3,
-                   decide=lambda: sp.KChoice(2, 1.5, 0.9, {2: 1.5})).reason == "ineligible_request:seed"
+                   decide=lambda rows: sp.KChoice(2, 1.5, 0.9, {2: 1.5})).reason == "ineligible_request:seed"
     assert sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=seeded, k=3).on
 
 
@@ -123,6 +164,7 @@ def test_auto_measures_at_load_and_says_not_profitable_with_the_numbers(fixtures
         (model,) = [m for m in node.status().models if m.id == "g"]
         profile = model.speculation
         assert profile["plain_token_ms"] > 0 and len(profile["round_ms"]) == 4
+        assert profile["rows"] == 4 and profile["plain_rows_ms"] > 0 and len(profile["round_rows_ms"]) == 4
         assert profile["greedy"]["k"] == 0 and profile["speculative_sampling"]["k"] == 0
         await node.stop()
 
@@ -148,6 +190,7 @@ def test_auto_s_decision_and_costs_reach_the_coordinator(fixtures_dir, tmp_path)
             await asyncio.sleep(0.5)
             (profile,) = s.heartbeats[-1].speculation
             assert profile.model == "g" and profile.plain_token_ms > 0 and len(profile.round_ms) == 4
+            assert profile.rows == 4 and profile.plain_rows_ms > 0 and len(profile.round_rows_ms) == 4
             assert profile.greedy.k == 0 and profile.sampled.k == 0
 
     run(main())

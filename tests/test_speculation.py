@@ -12,7 +12,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from provider import speculation as sp
-from provider.engine.speculative import DraftModelDrafter, SpecStats, speculative_tokens
+from provider.engine.drafters import DraftModelDrafter
+from provider.engine.speculative import SpecStats, speculative_tokens
 from provider.jobs import Cause, Done, Error, Job, SamplingParams
 from tests.helpers import collect, greedy, make_node, run
 
@@ -51,17 +52,23 @@ class OracleMixDrafter:
     def __init__(self, truth: list[int], vocab: int, seed: int):
         self.truth, self.vocab, self.rng, self.pos = truth, vocab, random.Random(seed), 1
 
-    def start(self, *a):
+    def begin(self, row):
         pass
 
-    def propose(self, k, choice, **_):
+    def read(self, row, tokens):
+        pass
+
+    def start(self, row, first):
+        pass
+
+    def propose(self, rows, k, caches):
         out = []
         for i in range(k):
             t = self.truth[self.pos + i] if self.pos + i < len(self.truth) else 0
             out.append((t + 1) % self.vocab if self.rng.random() < 0.3 else t)
-        return mx.array(out), [None] * k
+        return mx.array([out]), [[None] * k]
 
-    def accepted(self, n, k, drafts, bonus):
+    def accepted(self, row, n, k, drafts, bonus):
         self.pos += n + 1
 
 
@@ -69,9 +76,9 @@ class OracleMixDrafter:
 def test_partial_acceptance_and_rollback_are_lossless(fixtures_dir, family):
     model, tok = load(str(fixtures_dir / family))
     checked = 0
-    for prompt in prompts(tok, 22):
+    for prompt in prompts(tok, 22)[::2]:  # 2 to 120 tokens: either side of the 32-token window, and of 64
         truth = plain_greedy(model, prompt, 48)
-        for k in (1, 3, 5, 12):
+        for k in (1, 3, 12):
             stats = SpecStats("oracle", k)
             drafter = OracleMixDrafter(truth, model.args.vocab_size if hasattr(model.args, "vocab_size") else 512,
                                        seed=k * 1000 + len(prompt))
@@ -79,14 +86,14 @@ def test_partial_acceptance_and_rollback_are_lossless(fixtures_dir, family):
             assert out == truth, f"{family} prompt of {len(prompt)} tokens, k={k}"
             assert 0 < stats.accepted < stats.drafted  # both acceptances and rejections happened
             checked += 1
-    assert checked == 22 * 4
+    assert checked == 11 * 3
 
 
 def test_draft_model_speculation_is_lossless(fixtures_dir, perturbed_draft):
     model, tok = load(str(fixtures_dir / "llama-tiny"))
     for draft_path in (perturbed_draft, fixtures_dir / "llama-tiny"):
         draft, _ = load(str(draft_path))
-        for prompt in prompts(tok, 20):
+        for prompt in prompts(tok, 20)[::2]:
             truth = plain_greedy(model, prompt, 40)
             stats = SpecStats("draft", 3)
             out = list(itertools.islice(speculative_tokens(model, prompt, DraftModelDrafter(draft), k=3,
@@ -107,7 +114,7 @@ def test_through_the_node_mtp_and_draft_equal_plain_and_telemetry_adds_up(fixtur
     node = _node(fixtures_dir, {"gemma": fixtures_dir / "gemma4-tiny-assistant", "llama": perturbed_draft},
                  max_concurrent_jobs=2, speculation="on")  # the fixtures' drafters do not pay: auto would not use them
     _, tok = load(str(fixtures_dir / "llama-tiny"))
-    texts = [tok.decode(p) for p in prompts(tok, 20)]
+    texts = [tok.decode(p) for p in prompts(tok, 20)[::2]]
 
     async def main():
         for model, mode in (("gemma", "mtp"), ("llama", "draft")):
@@ -386,8 +393,10 @@ def test_logits_processors_run_plain_with_a_reason_and_are_honoured(fixtures_dir
     run(main())
 
 
-def test_the_trained_demo_pair_is_lossless_across_its_window():
-    from provider.engine.speculative import MTPDrafter, Target
+def test_the_trained_demo_pair_alone_is_lossless_across_its_window():
+    """One row at a time (its own caches, no merge); tests/test_spec_batch.py has the pair in batches."""
+    from provider.engine.drafters import MTPDrafter
+    from provider.engine.speculative import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
     from provider.models.gemma4_assistant import load_assistant
 
@@ -395,11 +404,11 @@ def test_the_trained_demo_pair_is_lossless_across_its_window():
     drafter = MTPDrafter(load_assistant(DEMO_ASSISTANT), Target(model))
     ids = tok.encode(TEXT * 3)
     total = accepted = drafted = 0
-    for i, n in enumerate([3, 9, 20, 35, 50, 64, 80, 96, 100, 110, 115, 120, 124, 126, 127, 128, 129, 131, 140, 160]):
+    for i, n in enumerate([3, 124, 127, 129, 131, 160]):
         prompt = ids[i * 5:i * 5 + n]  # the longest cross the 128-token window while prefilling, the rest while decoding
         truth = plain_greedy(model, prompt, 24)
         stats = SpecStats("mtp", 3)
         out = list(itertools.islice(speculative_tokens(model, prompt, drafter, k=3, stats=stats), 24))
         assert out == truth, f"prompt of {n} tokens"
         total, accepted, drafted = total + 1, accepted + stats.accepted, drafted + stats.drafted
-    assert total == 20 and 0 < accepted < drafted  # a real drafter: accepts often, not always
+    assert total == 6 and 0 < accepted < drafted  # a real drafter: accepts often, not always

@@ -1,19 +1,19 @@
 """Is sampled speculation lossless? The first tokens' distributions, speculative vs plain, side by side.
 
-    python tools/spec_distribution.py                       # the bundled demo pair, T = 0.7, 2,000 samples a side
+    python tools/spec_distribution.py --k 1                 # the suite's test: demo pair, T = 0.7, 2,000 a side
     python tools/spec_distribution.py --samples 500 --temperature 1.0
 
 For each of the first `--positions` generated tokens it prints a two-sample chi-square test of homogeneity
 (categories with an expected count under 5 pooled), its p-value and the total variation distance. The
-same test is then run on a deliberately biased sampler (it accepts every draft), which it must reject. The plain side is the node's own keyed sampler over a batch
-of identical rows; the speculative side is the node's round loop, one seeded run per sample.
+same test is then run on a deliberately biased sampler (it accepts every draft), which it must reject. The
+plain side is the node's own sampler over a batch of identical rows; the speculative side is the node's
+round loop over a batch of rows, one seed per sample.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import math
 import sys
 import time
@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 from provider.engine.acceptance import SampledChoice  # noqa: E402
 from provider.engine.sampling import sampler_for  # noqa: E402
-from provider.engine.speculative import SpecStats, speculative_tokens  # noqa: E402
+from provider.engine.speculative import SpecStats  # noqa: E402
 from provider.jobs import SamplingParams  # noqa: E402
 
 PROMPT = "The cache"
@@ -43,14 +43,20 @@ class AcceptEveryDraft(SampledChoice):
         return mx.array(k), bonus[None], {}
 
 
-def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, positions: int) -> list[tuple[int, ...]]:
-    """`n` independent plain samples of the first `positions` tokens: one batch of identical rows."""
+def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, positions: int,
+                  batch: int = 500) -> list[tuple[int, ...]]:
+    """`n` independent plain samples of the first `positions` tokens: batches of rows that read the prompt
+    once, each then decoding one token per forward and sampling with the node's plain sampler."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    out, sample, batch = [], sampler_for(params), 250
+    from provider.engine.speculative import merged, prefill
+
+    read = make_prompt_cache(model)
+    prefill(model, read, prompt[:-1], 2048)
+    out, sample = [], sampler_for(params)
     for start in range(0, n, batch):
         rows = min(batch, n - start)
-        cache, x, cols = make_prompt_cache(model), mx.array([prompt] * rows), []
+        cache, x, cols = merged([read] * rows), mx.array([prompt[-1:]] * rows), []
         for _ in range(positions):
             logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
             y = sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -61,14 +67,32 @@ def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, posi
 
 
 def speculative_samples(model, make_drafter, prompt: list[int], params: SamplingParams, n: int, positions: int,
-                        k: int, choice=SampledChoice, seed0: int = 0) -> tuple[list[tuple[int, ...]], SpecStats]:
-    stats = SpecStats("sampled", k)
-    out = []
-    for seed in range(seed0, seed0 + n):
-        tokens = speculative_tokens(model, prompt, make_drafter(), k=k, stats=stats, choice=choice(params, seed))
-        out.append(tuple(itertools.islice(tokens, positions)))
-        tokens.close()
-    return out, stats
+                        k: int, choice=SampledChoice, seed0: int = 0,
+                        batch: int = 500) -> tuple[list[tuple[int, ...]], SpecStats]:
+    """`n` independent speculative samples (seeds seed0, seed0 + 1, ...) of the first `positions` tokens:
+    rows of the node's round loop, `batch` at a time, which read the prompt once and then each draft, get
+    verified and roll back on their own."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from provider.engine.speculative import Speculator, prefill
+
+    spec, total, out = Speculator(model, make_drafter()), SpecStats("sampled", k), []
+    read = make_prompt_cache(model)
+    prefill(model, read, prompt[:-1], 2048)
+    for start in range(seed0, seed0 + n, batch):
+        seeds = range(start, min(start + batch, seed0 + n))
+        # Every row starts from the same read prompt (the first merge copies it); each has its own key.
+        rows = [spec.new_row(prompt, stats=SpecStats("sampled", k), choice=choice(params, seed), caches=read,
+                             cached=len(prompt) - 1) for seed in seeds]
+        samples = [[first] for first in spec.begin(rows)]
+        while live := [i for i, s in enumerate(samples) if len(s) < positions]:
+            for i, tokens in zip(live, spec.round([rows[i] for i in live])):
+                samples[i] += tokens
+        out += [tuple(s[:positions]) for s in samples]
+        for row in rows:
+            for name in ("rounds", "drafted", "accepted", "judged", "min_overlap", "dot_overlap"):
+                setattr(total, name, getattr(total, name) + getattr(row.stats, name))
+    return out, total
 
 
 def _upper_gamma_regularized(a: float, x: float) -> float:
@@ -144,7 +168,8 @@ def compare(plain, spec, positions: int) -> list[dict]:
 def load_demo_pair():
     from mlx_lm import load
 
-    from provider.engine.speculative import MTPDrafter, Target
+    from provider.engine.drafters import MTPDrafter
+    from provider.engine.speculative import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
     from provider.models.gemma4_assistant import load_assistant
 
@@ -160,6 +185,7 @@ def main() -> int:
     ap.add_argument("--positions", type=int, default=6)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=10_000, help="the first speculative row's seed (one per sample)")
     args = ap.parse_args()
     if args.samples < 10 or args.positions < 1 or args.k < 1 or not 0 < args.temperature <= 2:
         ap.error("--samples ≥ 10, --positions ≥ 1, --k ≥ 1, 0 < --temperature ≤ 2")
@@ -168,7 +194,8 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.positions, temperature=args.temperature, seed=1)
     t0 = time.perf_counter()
     plain = plain_samples(model, prompt, params, args.samples, args.positions)
-    spec, stats = speculative_samples(model, make_drafter, prompt, params, args.samples, args.positions, args.k)
+    spec, stats = speculative_samples(model, make_drafter, prompt, params, args.samples, args.positions, args.k,
+                                      seed0=args.seed)
     print(f"demo pair, T = {args.temperature}, k = {args.k}, {args.samples} samples a side "
           f"({time.perf_counter() - t0:.0f} s)")
     print(f"acceptance per judged draft: {stats.accepted / stats.judged:.3f} measured; expected "
