@@ -177,7 +177,7 @@ class SpecProfile:
     def decide(self, scheme: str, rows: int = 1) -> KChoice:
         """For a job that would speculate with `rows` - 1 others on its model."""
         choice = choose_k(self.costs, self.acceptance[scheme].rate, rows=rows)
-        if choice.k:
+        if choice.k or rows > 1:  # probes run alone: beside other jobs one would slow them all
             return choice
         self._unprofitable_jobs += 1
         if self._unprofitable_jobs % PROBE_EVERY == 0:  # a probe: speculate once to re-measure acceptance

@@ -10,6 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from provider import speculation as sp
 from provider.engine.drafters import MTPDrafter
 from provider.engine.speculative import SpecStats, Speculator, Target
 from provider.jobs import Done, Job, Tokens
@@ -105,3 +106,48 @@ def test_eight_greedy_jobs_speculate_together_equal_their_solo_runs_and_one_is_c
         assert spec.mean_batch > 2, spec  # verified together with the others
         rates.add(spec.acceptance_rate)
     assert len(rates) > 2  # each row kept its own acceptance
+
+
+def test_auto_moves_its_speculating_row_to_the_plain_batch_when_a_second_job_makes_plain_pay(demo):
+    """Under auto, a job alone speculates; when a second job arrives and two rows decode faster plain, the
+    first leaves speculation with its caches and continues in the plain batch, token for token. The costs
+    are a stand-in (named as such: fixed numbers for arithmetic-bound hardware, instead of timing this
+    machine, whose noise would make the decision flaky): one row pays to speculate, two do not."""
+    costs = sp.SpecCosts(0.010, (0.012, 0.016, 0.020, 0.024), rows=4, plain_rows_s=0.040,
+                         round_rows_s=(0.120, 0.160, 0.200, 0.240))
+    node = make_node({"demo": DEMO_TARGET}, max_concurrent_jobs=4, manager_kw={"drafters": {"demo": DEMO_ASSISTANT}})
+    node.models.profiler = lambda lm: sp.SpecProfile(costs, {sp.GREEDY: 0.9, sp.SPECULATIVE_SAMPLING: 0.9})
+    first, second = "Once upon a time, a cache", "The model read its prompt and"
+
+    async def main():
+        solo = [(await collect(node, Job(f"solo{i}", "demo", greedy(n), prompt=p, speculation="off")))[0]
+                for i, (p, n) in enumerate(((first, 96), (second, 24)))]
+        started = asyncio.Event()
+
+        async def alone_then_joined():
+            ids = []
+            async with node.run(Job("a", "demo", greedy(96), prompt=first)) as stream:
+                async for ev in stream:
+                    if isinstance(ev, Tokens):
+                        ids += ev.token_ids
+                        if len(ids) >= 6:
+                            started.set()
+                    if isinstance(ev, Done):
+                        return ids, ev
+
+        async def second_job():
+            await started.wait()
+            return await collect(node, Job("b", "demo", greedy(24), prompt=second))
+
+        (a_ids, a_done), (b_ids, _, b_done, _) = await asyncio.gather(alone_then_joined(), second_job())
+        queue = node.status().queue
+        await node.stop()
+        return solo, a_ids, a_done, b_ids, b_done, queue
+
+    solo, a_ids, a_done, b_ids, b_done, queue = run(main())
+    assert a_ids == solo[0] and b_ids == solo[1]
+    a_spec = a_done.telemetry.speculation
+    assert len(a_ids) == 96 and a_spec.mode.value == "mtp" and 1 <= a_spec.rounds
+    assert a_spec.target_forwards < len(a_ids) / 2  # it speculated for a while, then decoded plain
+    assert b_done.telemetry.speculation.reason == sp.NOT_PROFITABLE
+    assert queue.batch_rows > queue.batch_steps  # the plain batch decoded both rows together

@@ -8,7 +8,8 @@ sampling, c jobs with different prompts start together, with `speculation: on` (
 verified together), `off` (the plain batch) and `auto` (each job's choice from the costs measured at load,
 for the rows it would join), in a rotating order for --rounds rounds so machine noise hits all alike.
 Tokens/s is all completion tokens over the wall time from submit to the last job's end; ratios are of the
-medians. Greedy outputs are also checked equal across the three.
+medians. `accept` and `batch` (mean rows per round) are of the `on` runs; `auto rounds` counts the rounds
+auto's jobs speculated, over all rounds. Greedy outputs are also checked equal across the three.
 """
 
 from __future__ import annotations
@@ -57,15 +58,17 @@ async def main_async(args) -> int:
                      speculation="auto", speculation_k=args.k, manager_kw={"drafters": {"demo": Path(args.drafter)}})
     samplings = {"greedy": SamplingParams(args.tokens, temperature=0.0),
                  f"T={args.temperature}": SamplingParams(args.tokens, temperature=args.temperature)}
+    if args.greedy_only:
+        del samplings[f"T={args.temperature}"]
     await _wave(node, 1, "off", samplings["greedy"], "warm")  # loads the pair
     print(f"demo pair, k = {args.k}, {args.tokens} tokens a job, {args.rounds} rounds; aggregate tok/s, medians")
     print(f"{'sampling':>9} {'c':>3} {'off':>7} {'on':>7} {'auto':>7} {'on/off':>7} {'auto/off':>8} {'accept':>7} "
-          f"{'batch':>6}")
+          f"{'batch':>6} {'auto rounds':>11}")
     ok = True
     for name, params in samplings.items():
         for c in args.concurrency:
             rates = {"on": [], "off": [], "auto": []}
-            accept, batch = [], []
+            accept, batch, rounds = [], [], 0
             for r in range(args.rounds):
                 outputs = {}
                 order = ("on", "off", "auto")
@@ -73,6 +76,8 @@ async def main_async(args) -> int:
                     rate, results = await _wave(node, c, mode, params, f"{name}-{c}-{r}")
                     rates[mode].append(rate)
                     outputs[mode] = [ids for ids, _ in results]
+                    if mode == "auto":
+                        rounds += sum(s.get("rounds", 0) for _, s in results)
                     if mode == "on":
                         accept += [s.get("acceptance_rate", 0.0) for _, s in results]
                         batch += [s.get("mean_batch", 0.0) for _, s in results]
@@ -81,7 +86,7 @@ async def main_async(args) -> int:
                     print(f"  greedy outputs differ at c = {c}, round {r}")
             on, off, auto = (statistics.median(rates[m]) for m in ("on", "off", "auto"))
             print(f"{name:>9} {c:>3} {off:>7.1f} {on:>7.1f} {auto:>7.1f} {on / off:>7.3f} {auto / off:>8.3f} "
-                  f"{statistics.mean(accept):>7.3f} {statistics.mean(batch):>6.2f}")
+                  f"{statistics.mean(accept):>7.3f} {statistics.mean(batch):>6.2f} {rounds:>11}")
     await node.stop()
     return 0 if ok else 1
 
@@ -95,6 +100,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--greedy-only", action="store_true")
     args = ap.parse_args()
     if min(args.concurrency) < 1 or args.tokens < 1 or args.rounds < 1 or args.k < 1:
         ap.error("--concurrency, --tokens, --rounds and --k must be ≥ 1")

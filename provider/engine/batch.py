@@ -55,9 +55,11 @@ class ModelBatch:
         return list(self._by_job)
 
     def add(self, output: JobOutput, sink: Sink, prompt: list[int], *, cache, sampler, processors,
-            shared_prefix: int) -> None:
-        """Queue a row for the whole `prompt`; `cache` holds the KV of its first cached_prompt_tokens."""
-        cached = output.cached_prompt_tokens
+            shared_prefix: int, cached: int | None = None) -> None:
+        """Queue a row for the whole `prompt`; `cache` holds the KV of its first `cached` tokens (by default
+        the job's cached_prompt_tokens; a job that decoded elsewhere first continues with its tokens so far
+        as the prompt)."""
+        cached = output.cached_prompt_tokens if cached is None else cached
         rest = prompt[cached:]
         row = Row(-1, output, sink, 0)
         # Two segments when a system prefix remains to compute: the generator stops at its end, and its KV is
@@ -65,7 +67,7 @@ class ModelBatch:
         split = shared_prefix - cached
         segments = [rest[:split], rest[split:]] if 0 < split < len(rest) - 1 else [rest]
         row.uid = self._gen.insert_segments(
-            [segments], max_tokens=[output.max_tokens], caches=[cache], all_tokens=[prompt[:cached]],
+            [segments], max_tokens=[output.max_tokens - output.completion_tokens], caches=[cache], all_tokens=[prompt[:cached]],
             samplers=[None if sampler is None else _guarded_sampler(sampler, row)],
             logits_processors=[[_guarded_processor(p, row) for p in processors or ()]],
             stop_sequences=[StopSequences([[t] for t in sorted(output.end_ids)])])[0]

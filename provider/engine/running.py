@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .. import logs
 from ..jobs import Cause, Error, Event, Job, Sink
 from ..models.loader import LoadedModel
-from ..speculation import SpecPlan
+from ..speculation import BATCH_TOO_LARGE, NOT_PROFITABLE, SpecPlan
 from ..telemetry import FinishReason
 from . import generation
 from .batch import ModelBatch
@@ -65,20 +65,36 @@ class Running:
             self.stats.prefix_hit_tokens += cached
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice)
+        if not plan.on and plan.reason in (NOT_PROFITABLE, BATCH_TOO_LARGE) and lm.id in self._speculating:
+            for row in self._speculating[lm.id].demote():  # with this job, plain batching pays more
+                self._continue_plain(lm, row)
         if plan.on:
             spec = self._speculating.get(lm.id)
             if spec is None:
                 spec = self._speculating[lm.id] = SpecBatch(lm, prefix, prefill_step_size=self._prefill_step_size)
             spec.add(output, sink, prompt, plan, cache=cache, cached=cached)
         else:
-            batch = self._batches.get(lm.id)
-            if batch is None:
-                batch = self._batches[lm.id] = ModelBatch(lm, prefix, prefill_step_size=self._prefill_step_size,
-                                                          max_rows=self._max_rows)
+            batch = self._plain_batch(lm)
             sampler = None if job.sampling.greedy else generation.sampler_for(job.sampling)
             batch.add(output, sink, prompt, cache=cache, sampler=sampler,
                       processors=generation.logits_processors_for(job.sampling), shared_prefix=shared_prefix)
         self._model_of[job.id] = lm.id
+
+    def _continue_plain(self, lm: LoadedModel, row) -> None:
+        batch = self._plain_batch(lm)
+        job = row.output.job
+        prompt, cached = SpecBatch.continuation(row)
+        sampler = None if job.sampling.greedy else generation.sampler_for(job.sampling)
+        batch.add(row.output, row.sink, prompt, cache=row.spec.caches if cached else None, sampler=sampler,
+                  processors=[], shared_prefix=0, cached=cached)
+        log.info("speculation_stopped", job_id=job.id, model=lm.id, reason=NOT_PROFITABLE)
+
+    def _plain_batch(self, lm: LoadedModel) -> ModelBatch:
+        batch = self._batches.get(lm.id)
+        if batch is None:
+            batch = self._batches[lm.id] = ModelBatch(lm, self._prefix[lm.id], prefill_step_size=self._prefill_step_size,
+                                                      max_rows=self._max_rows)
+        return batch
 
     # --- one pass -------------------------------------------------------------------
 

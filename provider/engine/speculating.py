@@ -6,7 +6,9 @@ that decodes: their drafts together, one batched verify forward, each row's own 
 Rows join (after their prompt is read) and leave (finished, cancelled) between rounds. A round's tokens
 go out in one step, through the row's JobOutput, which may end the row part-way through them (a stop
 string, max_tokens). Rows planned with different k run one round per k. A job's prefix-cache hit seeds its
-target caches, and its K/V goes back to the prefix cache when it ends.
+target caches, and its K/V goes back to the prefix cache when it ends. When auto judges that its model's
+jobs decode faster plain (more of them arrived), the rows it chose to speculate leave for the plain batch
+with their caches (`demote`), and continue there exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Row:
     output: JobOutput
     sink: Sink
     spec: SpecRow
+    auto: bool  # auto chose to speculate (not `on`): it may go back to plain decoding
 
 
 class SpecBatch:
@@ -54,7 +57,7 @@ class SpecBatch:
         output.spec_stats = stats
         spec = self._speculator.new_row(prompt, stats=stats, choice=choice_for(output.job.sampling), caches=cache,
                                         cached=cached)
-        self._rows[output.job.id] = Row(output, sink, spec)
+        self._rows[output.job.id] = Row(output, sink, spec, auto=plan.choice is not None)
 
     def step(self) -> list[tuple[Row, list[Event]]]:
         out: list[tuple[Row, list[Event]]] = []
@@ -87,6 +90,22 @@ class SpecBatch:
                 break
         return events
 
+    def demote(self) -> list[Row]:
+        """Take out the rows auto chose to speculate, for the plain batch to continue from their caches
+        (`continuation`)."""
+        rows = [row for row in self._rows.values() if row.auto]
+        for row in rows:
+            del self._rows[row.output.job.id]
+            self._observe(row)
+        return rows
+
+    @staticmethod
+    def continuation(row: Row) -> tuple[list[int], int]:
+        """A demoted row's prompt for the plain batch, and how many of its tokens its caches hold: the part
+        of the prompt read so far, or once decoding, every committed token and the last one emitted."""
+        spec = row.spec
+        return (list(spec.prompt), spec.read) if spec.reading else (spec.tokens + [spec.last], len(spec.tokens))
+
     def cancel(self, job_id: str) -> Row | None:
         row = self._rows.get(job_id)
         if row is not None:
@@ -104,5 +123,9 @@ class SpecBatch:
         spec = row.spec
         if not spec.reading:
             self.prefix.store(spec.tokens, spec.caches, COMPLETION)
+        self._observe(row)
+
+    def _observe(self, row: Row) -> None:
         if self._profile is not None:  # what this job saw keeps auto's estimate current
-            self._profile.observe(spec.stats.scheme, spec.stats.accepted, spec.stats.judged)
+            stats = row.spec.stats
+            self._profile.observe(stats.scheme, stats.accepted, stats.judged)
