@@ -151,3 +151,42 @@ def test_auto_moves_its_speculating_row_to_the_plain_batch_when_a_second_job_mak
     assert a_spec.target_forwards < len(a_ids) / 2  # it speculated for a while, then decoded plain
     assert b_done.telemetry.speculation.reason == sp.NOT_PROFITABLE
     assert queue.batch_rows > queue.batch_steps  # the plain batch decoded both rows together
+
+
+def test_batch_too_large_is_reported_through_both_transports(fixtures_dir, tmp_path):
+    """With speculation_max_batch = 1, a job that arrives while another runs on its model decodes plain, and
+    both the local API and the coordinator's JobDone say why."""
+    import httpx
+
+    from tests.helpers import LocalServer
+    from tools.harness import harness, job
+
+    gemma, assistant = fixtures_dir / "gemma4-tiny", fixtures_dir / "gemma4-tiny-assistant"
+
+    async def over_http(url: str, token: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+            bodies = [{"model": "gemma4-tiny", "prompt": f"cache {i} " * 20, "max_tokens": 40, "temperature": 0}
+                      for i in range(3)]
+            replies = await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+        return [r.json()["telemetry"]["speculation"] for r in replies]
+
+    (tmp_path / "http").mkdir()
+    srv = LocalServer(gemma, tmp_path / "http", "--drafter", str(assistant),
+                      env={"PROVIDER_SPECULATION_MAX_BATCH": "1"})
+    try:
+        reasons = {s["reason"] for s in run(over_http(srv.url, srv.token))}
+    finally:
+        assert srv.stop() == 0
+    assert "batch_too_large" in reasons, reasons
+
+    async def over_grpc() -> set[str]:
+        async with harness({"g": gemma}, tmp_path / "grpc", manager_kw={"drafters": {"g": assistant}},
+                           speculation_max_batch=1) as (coord, node, _):
+            s = await coord.wait_for_node()
+            for i in range(3):
+                coord.dispatch(s, job(f"j{i}", "g", max_tokens=40, prompt=f"cache {i} " * 20))
+            done = [(await coord.outcome(f"j{i}")).job_done for i in range(3)]
+            assert all(d.telemetry.speculation.mode == "off" for d in done)
+            return {d.telemetry.speculation.reason for d in done}
+
+    assert "batch_too_large" in run(over_grpc())  # JobDone.telemetry.speculation.reason
