@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from . import doctor
 
-        return doctor.run(lambda: Settings.load(config_file=args.config))
+        _leave(doctor.run(lambda: Settings.load(config_file=args.config)))
     if args.command == "models":
         return _models(args)
     if args.command == "status":
@@ -128,8 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is None:
             args.model, default_drafter = default_pair()
             args.drafter = args.drafter or default_drafter
-        return bench.main(args)
+        _leave(bench.main(args))
     return 2
+
+
+def _leave(code: int) -> None:
+    """End a finished one-shot command that ran MLX on worker threads (the loader's) without the interpreter's
+    teardown: there, MLX 0.32's CPU backend sometimes aborts ("terminate called without an active exception",
+    exit 134, one run in four of `provider doctor` here) after all the work and output are done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _status(args: argparse.Namespace) -> int:

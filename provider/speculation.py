@@ -93,8 +93,11 @@ class SpecCosts:
     def round(self, k: int, rows: int = 1) -> float:
         """A round's time with k drafts from a least-squares line through the measured rounds: each draft
         adds a drafter step and a verify column, and the line smooths the noise of a few rounds per k."""
-        return self._in_rows(_on_line(self.round_s, k), _on_line(self.round_rows_s, k) if self.round_rows_s
-                             else 0.0, rows)
+        measured = self._in_rows(_on_line(self.round_s, k), _on_line(self.round_rows_s, k) if self.round_rows_s
+                                 else 0.0, rows)
+        # A round holds a target forward at least as wide as a plain step's: a round timed faster than a plain
+        # step is noise (a busy machine), and believing it would make a useless drafter look profitable.
+        return max(measured, self.plain(rows))
 
     def _in_rows(self, one: float, measured: float, rows: int) -> float:
         if self.rows <= 1 or rows <= 1 or measured <= 0:

@@ -107,6 +107,9 @@ def test_choose_k_is_the_best_expected_rate_or_off():
     noisy = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016, 0.024, 0.020))
     assert [noisy.round(k) for k in (1, 2, 3, 4)] == sorted(noisy.round(k) for k in (1, 2, 3, 4))
     assert noisy.round(4) > noisy.round(3)
+    # A round timed faster than a plain step (a busy machine) is not believed: a useless drafter stays off.
+    busy = sp.SpecCosts(plain_token_s=0.010, round_s=(0.008, 0.009, 0.010, 0.011))
+    assert busy.round(1) == 0.010 and sp.choose_k(busy, 0.0).k == 0
 
 
 def test_auto_weighs_the_batch_a_job_would_speculate_in():
