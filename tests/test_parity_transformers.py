@@ -179,7 +179,7 @@ def test_draft_tokens_and_logits_match_transformers(pair):
         assert token.item() == hf_tokens[i], f"draft step {i}"
     # The drafter the engine uses proposes the same tokens.
     row = SpecRow(PROMPT, GreedyChoice(), SpecStats("mtp", k), caches, last=int(first), hidden=hidden[:, -1:],
-                  committed=len(PROMPT))
+                  tokens=list(PROMPT))
     proposed, _ = MTPDrafter(assistant, target).propose([row], k, caches)
     assert proposed[0].tolist() == hf_tokens
 

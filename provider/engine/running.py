@@ -74,20 +74,21 @@ class Running:
                 spec = self._speculating[lm.id] = SpecBatch(lm, prefix, prefill_step_size=self._prefill_step_size)
             spec.add(output, sink, prompt, plan, cache=cache, cached=cached)
         else:
-            batch = self._plain_batch(lm)
-            sampler = None if job.sampling.greedy else generation.sampler_for(job.sampling)
-            batch.add(output, sink, prompt, cache=cache, sampler=sampler,
-                      processors=generation.logits_processors_for(job.sampling), shared_prefix=shared_prefix)
+            self._add_plain(lm, output, sink, prompt, cache, shared_prefix=shared_prefix)
         self._model_of[job.id] = lm.id
 
     def _continue_plain(self, lm: LoadedModel, row) -> None:
-        batch = self._plain_batch(lm)
-        job = row.output.job
         prompt, cached = SpecBatch.continuation(row)
-        sampler = None if job.sampling.greedy else generation.sampler_for(job.sampling)
-        batch.add(row.output, row.sink, prompt, cache=row.spec.caches if cached else None, sampler=sampler,
-                  processors=[], shared_prefix=0, cached=cached)
-        log.info("speculation_stopped", job_id=job.id, model=lm.id, reason=NOT_PROFITABLE)
+        self._add_plain(lm, row.output, row.sink, prompt, row.spec.caches if cached else None, cached=cached)
+        log.info("speculation_stopped", job_id=row.output.job.id, model=lm.id, reason=NOT_PROFITABLE)
+
+    def _add_plain(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], cache, *,
+                   cached: int | None = None, shared_prefix: int = 0) -> None:
+        sampling = output.job.sampling
+        self._plain_batch(lm).add(output, sink, prompt, cache=cache,
+                                  sampler=None if sampling.greedy else generation.sampler_for(sampling),
+                                  processors=generation.logits_processors_for(sampling),
+                                  shared_prefix=shared_prefix, cached=cached)
 
     def _plain_batch(self, lm: LoadedModel) -> ModelBatch:
         batch = self._batches.get(lm.id)

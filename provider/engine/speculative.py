@@ -76,9 +76,13 @@ class SpecRow:
     read: int = 0  # prompt tokens in the caches while the prompt is being read
     last: int | None = None  # None while the prompt is being read
     hidden: mx.array | None = None
-    committed: int = 0  # K/V rows in the caches
     draft: Any = None  # the drafter's own state for this row (a draft model's caches and pending tokens)
     tokens: list[int] = field(default_factory=list)  # what the caches hold K/V for, in order
+
+    @property
+    def committed(self) -> int:
+        """K/V rows in the caches."""
+        return len(self.tokens)
 
     @property
     def k(self) -> int:
@@ -195,7 +199,7 @@ class Speculator:
         choice = choice or GreedyChoice()
         stats.scheme = choice.scheme
         row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model))
-        row.read = row.committed = cached
+        row.read = cached
         row.tokens = list(prompt[:cached])
         self.drafter.begin(row)
         if cached:
@@ -223,7 +227,6 @@ class Speculator:
         for i, (row, own, first) in enumerate(zip(rows, split(caches, len(rows)), firsts)):
             row.caches = own
             row.last, row.read = first.item(), len(row.prompt)
-            row.committed = len(row.prompt)
             row.tokens.append(row.prompt[-1])
             row.hidden = hidden[i:i + 1, -1:, :] if hidden is not None else None
             row.stats.target_forwards += 1
@@ -252,7 +255,6 @@ class Speculator:
             rollback(own, k - n)
             row.caches = own
             row.tokens += [row.last, *drafted[i][:n]]
-            row.committed += n + 1
             row.last = bonus
             row.hidden = hidden_all[i:i + 1, n:n + 1, :] if hidden_all is not None else None
             self.drafter.accepted(row, n, k, drafted[i], bonus)
