@@ -95,8 +95,7 @@ def test_choose_k_is_the_best_expected_rate_or_off():
     assert sp.expected_tokens(0.5, 2) == pytest.approx(1.75)
     high = sp.choose_k(costs, 0.9)
     best = max(high.speedups.values())
-    assert high.speedup > 1.05 and high.speedup >= 0.97 * best
-    assert all(v < 0.97 * best for k, v in high.speedups.items() if k < high.k)  # the smallest near the best
+    assert high.speedup > 1.05 and high.speedup == best
     assert high.speedups[1] == pytest.approx((1 + 0.9) / 0.012 * 0.010)
     low = sp.choose_k(costs, 0.1)
     assert low.k == 0 and low.speedup == 1.0 and max(low.speedups.values()) < 1.05
@@ -110,6 +109,28 @@ def test_choose_k_is_the_best_expected_rate_or_off():
     # A round timed faster than a plain step (a busy machine) is not believed: a useless drafter stays off.
     busy = sp.SpecCosts(plain_token_s=0.010, round_s=(0.008, 0.009, 0.010, 0.011))
     assert busy.round(1) == 0.010 and sp.choose_k(busy, 0.0).k == 0
+
+
+def test_the_load_profile_times_its_kinds_of_step_in_turns(monkeypatch):
+    """One step of each kind per rotation, each rotation starting one further along, the first untimed (new
+    kernel shapes); each kind keeps its median, so one slow moment does not move it. A stand-in clock."""
+    from types import SimpleNamespace
+
+    from provider.engine import profile
+
+    now, calls = [0.0], []
+
+    def kind(i, seconds):
+        def step():
+            calls.append(i)
+            now[0] += seconds if len(calls) != 3 * 4 + 1 else 100.0  # one stall: kind 1's 4th timed step
+        return step
+
+    monkeypatch.setattr(profile, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    medians = profile._take_turns([kind(0, 1.0), kind(1, 2.0), kind(2, 3.0)])
+    rotations = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert len(rotations) == profile.REPS + 1 and rotations[:4] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert medians == [1.0, 2.0, 3.0]
 
 
 def test_auto_weighs_the_batch_a_job_would_speculate_in():
@@ -136,6 +157,9 @@ def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
     profile = sp.SpecProfile(costs, {sp.GREEDY: 0.1, sp.SPECULATIVE_SAMPLING: 0.1})
     decisions = [profile.decide(sp.GREEDY).k for _ in range(32)]
     assert [i for i, k in enumerate(decisions) if k] == [15, 31]  # probes keep the estimate alive
+    fresh = sp.SpecProfile(costs, {sp.GREEDY: 0.1, sp.SPECULATIVE_SAMPLING: 0.1})
+    mixed = [fresh.decide(scheme).k for scheme in [sp.GREEDY] * 10 + [sp.SPECULATIVE_SAMPLING] * 10]
+    assert not any(mixed)  # each scheme counts its own jobs toward a probe
     for _ in range(30):  # the traffic accepts nearly everything now
         profile.observe(sp.GREEDY, accepted=19, judged=20)
     assert profile.acceptance[sp.GREEDY].rate > 0.9 and profile.decide(sp.GREEDY).k > 0

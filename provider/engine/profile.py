@@ -1,30 +1,36 @@
 """What speculation costs on this machine, measured once per loaded pair on the loader thread.
 
-Before the pair serves, it runs the node's own decode loops on a built-in prompt and times them wall-clock,
-every overhead included:
-- plain decoding, per token;
-- a speculative round with each k = 1 .. k_max;
-- the same with ROWS rows decoding together: a plain step, and a round at k = 1 and k = k_max (a line
-  between), which tells how a step's time grows with the batch on this hardware.
+Before the pair serves, it times the node's own decode steps on a built-in prompt, wall-clock, every
+overhead included:
+- a plain decode step of one row;
+- a speculative round of one row with each k = 1 .. k_max;
+- with ROWS rows decoding together: a plain step, and a round at k = 1 and k = k_max (a line between),
+  which tells how a step's time grows with the batch on this hardware.
 
-The greedy runs also give a first acceptance rate, and a sampled run at temperature 1 gives another.
-`speculation.choose_k` turns these into auto's k for the acceptance seen. Serving keeps that acceptance
-current (`SpecProfile.observe`), so the k follows the traffic without measuring again.
+Each of these is a contestant with its own caches, and they take turns: one step of each per rotation,
+REPS rotations, the median of each kept. On a shared machine a forward's time drifts by tens of percent
+within seconds; taking turns puts the same drift on every contestant, so their ratios (all auto needs)
+hold even while the absolute times move. Timed one after another, a drift between two k's read as a
+difference between them, and auto picked its k from that.
+
+The one-row greedy rounds also give a first acceptance rate, and a sampled run at temperature 1 gives
+another. `speculation.choose_k` turns these into auto's k for the acceptance seen. Serving keeps that
+acceptance current (`SpecProfile.observe`), so the k follows the traffic without measuring again.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..jobs import SamplingParams
 from ..models.loader import LoadedModel
 from ..speculation import GREEDY, SPECULATIVE_SAMPLING, SpecCosts, SpecProfile
-from .acceptance import GreedyChoice, SampledChoice, greedy_tokens
+from .acceptance import SampledChoice, greedy_tokens
 from .drafters import drafter_for
 from .speculative import SpecStats, Speculator, merged, prefill, speculative_tokens
 
@@ -32,11 +38,10 @@ TEXT = ("A provider node serves language models to a network. It loads a model w
         "it while it is used, and evicts it when memory is needed. Speculative decoding drafts a few tokens "
         "with a small model and verifies them with the large one in a single forward pass.")
 CONTEXT_TOKENS = 24  # under the smallest sliding window, so every cache kind behaves alike
-RUN_TOKENS = 10
-PLAIN_TOKENS = 10
+RUN_TOKENS = 10  # of the sampled run
 K_MAX = 4
 ROWS = 4  # the batch of the second measurement
-ROWS_STEPS = 3  # timed steps (and rounds) of it, after one untimed
+REPS = 8  # timed rotations; a k_max round adds up to k_max + 1 tokens of context each
 
 
 def _prompt(lm: LoadedModel) -> list[int]:
@@ -46,69 +51,67 @@ def _prompt(lm: LoadedModel) -> list[int]:
     return ids[:CONTEXT_TOKENS]
 
 
-def _plain_token_s(model, prompt: list[int]) -> float:
-    steps = generate_step(mx.array(prompt), model, max_tokens=PLAIN_TOKENS + 1)
-    next(steps)  # the prefill
-    t0 = time.perf_counter()
-    n = sum(1 for _ in steps)
-    return max(1e-6, (time.perf_counter() - t0) / max(1, n))
-
-
-def _speculative_run(lm: LoadedModel, prompt: list[int], k: int, choice) -> tuple[SpecStats, float]:
-    """Stats of a run and its wall time per round, the first round (new kernel shapes) left out."""
-    stats = SpecStats(lm.drafter_mode, k)
-    tokens = speculative_tokens(lm.model, prompt, drafter_for(lm), k=k, stats=stats, choice=choice)
-    next(tokens)  # the prefill and first token
-    while stats.rounds < 1:
-        next(tokens)
-    first_rounds, t0 = stats.rounds, time.perf_counter()
-    for _ in itertools.islice(tokens, RUN_TOKENS):
-        pass
-    tokens.close()
-    return stats, (time.perf_counter() - t0) / max(1, stats.rounds - first_rounds)
-
-
-def _plain_rows_s(model, prompt: list[int], rows: int) -> float:
+def _plain_step(model, prompt: list[int], rows: int):
+    """A plain decoding contestant: each call is one greedy step of `rows` rows."""
     read = make_prompt_cache(model)
     prefill(model, read, prompt[:-1], len(prompt))
     caches, x = merged([read] * rows), mx.array([prompt[-1:]] * rows)
-    times = []
-    for _ in range(ROWS_STEPS + 1):
-        t0 = time.perf_counter()
+
+    def step():
+        nonlocal x
         x = greedy_tokens(model(x, cache=caches)[:, -1, :])[:, None]
         mx.eval(x)
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
+    return step
 
 
-def _round_rows_s(lm: LoadedModel, prompt: list[int], rows: int, k: int) -> float:
+def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: SpecStats):
+    """A speculating contestant: each call is one greedy round of `rows` rows with k drafts; the first
+    row's counts go to `stats`."""
     spec, read = Speculator(lm.model, drafter_for(lm)), make_prompt_cache(lm.model)
     prefill(lm.model, read, prompt[:-1], len(prompt))
-    batch = [spec.new_row(prompt, stats=SpecStats(lm.drafter_mode, k), caches=read, cached=len(prompt) - 1)
-             for _ in range(rows)]
+    batch = [spec.new_row(prompt, stats=stats if i == 0 else SpecStats(lm.drafter_mode, k), caches=read,
+                          cached=len(prompt) - 1) for i in range(rows)]
     spec.begin(batch)
-    times = []
-    for _ in range(ROWS_STEPS + 1):
-        t0 = time.perf_counter()
-        spec.round(batch)
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
+    return lambda: spec.round(batch)
+
+
+def _take_turns(contestants: list) -> list[float]:
+    """Each contestant's median step time over REPS rotations, after one untimed (new kernel shapes). The
+    rotation starts one further each time, so no contestant always follows the same one."""
+    times = [[] for _ in contestants]
+    for rep in range(REPS + 1):
+        for j in range(len(contestants)):
+            i = (j + rep) % len(contestants)
+            t0 = time.perf_counter()
+            contestants[i]()
+            if rep:
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _sampled_acceptance(lm: LoadedModel, prompt: list[int]) -> float:
+    stats = SpecStats(lm.drafter_mode, 2)
+    choice = SampledChoice(SamplingParams(RUN_TOKENS, temperature=1.0), seed=0)
+    tokens = speculative_tokens(lm.model, prompt, drafter_for(lm), k=2, stats=stats, choice=choice)
+    for _ in itertools.islice(tokens, RUN_TOKENS):
+        pass
+    tokens.close()
+    return stats.accepted / stats.judged if stats.judged else 0.0
 
 
 def measure(lm: LoadedModel, k_max: int = K_MAX) -> SpecProfile:
     """The pair's costs and first acceptance rates (greedy, and sampled at temperature 1)."""
     prompt = _prompt(lm)
-    plain = _plain_token_s(lm.model, prompt)
-    rounds, accepted, judged = [], 0, 0
-    for k in range(1, k_max + 1):
-        stats, per_round = _speculative_run(lm, prompt, k, GreedyChoice())
-        rounds.append(per_round)
-        accepted, judged = accepted + stats.accepted, judged + stats.judged
-    sampled, _ = _speculative_run(lm, prompt, 2, SampledChoice(SamplingParams(RUN_TOKENS, temperature=1.0), seed=0))
-    rate = {GREEDY: accepted / judged if judged else 0.0,
-            SPECULATIVE_SAMPLING: sampled.accepted / sampled.judged if sampled.judged else 0.0}
-    plain_rows = _plain_rows_s(lm.model, prompt, ROWS)
-    ends = _round_rows_s(lm, prompt, ROWS, 1), _round_rows_s(lm, prompt, ROWS, k_max)
+    ks = range(1, k_max + 1)
+    one_row = [SpecStats(lm.drafter_mode, k) for k in ks]
+    contestants = [_plain_step(lm.model, prompt, 1), *(_round_step(lm, prompt, 1, k, s) for k, s in zip(ks, one_row)),
+                   _plain_step(lm.model, prompt, ROWS), _round_step(lm, prompt, ROWS, 1, SpecStats(lm.drafter_mode, 1)),
+                   _round_step(lm, prompt, ROWS, k_max, SpecStats(lm.drafter_mode, k_max))]
+    plain, *rounds_rest = _take_turns(contestants)
+    rounds, (plain_rows, *ends) = rounds_rest[:k_max], rounds_rest[k_max:]
     slope = (ends[1] - ends[0]) / max(1, k_max - 1)
-    rounds_rows = tuple(ends[0] + slope * (k - 1) for k in range(1, k_max + 1))
+    rounds_rows = tuple(ends[0] + slope * (k - 1) for k in ks)
+    judged = sum(s.judged for s in one_row)
+    rate = {GREEDY: sum(s.accepted for s in one_row) / judged if judged else 0.0,
+            SPECULATIVE_SAMPLING: _sampled_acceptance(lm, prompt)}
     return SpecProfile(SpecCosts(plain, tuple(rounds), ROWS, plain_rows, rounds_rows), rate)
