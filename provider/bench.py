@@ -1,7 +1,7 @@
 """`provider bench`: speculation off vs each k vs auto, on the same model and prompts, in one process.
 
 For greedy requests and for sampled ones (temperature 0.7 by default), it times every configuration on
-every prompt, interleaved prompt by prompt, so a busy machine slows them all alike:
+every prompt, side by side, CHUNK tokens each in turn, so a busy machine slows them all alike:
 - off: plain decoding with mlx-lm's generate_step, which is what a batch of one computes;
 - each k: the node's own round loop;
 - auto: the node's own choice of k per job, from the costs it measures at load and the acceptance seen so
@@ -24,6 +24,9 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
+
+CHUNK = 8  # tokens a configuration decodes per turn
 
 DEFAULT_PROMPTS = [
     "The provider node serves language models",
@@ -59,30 +62,40 @@ def _environment() -> dict:
             "env": {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "PROVIDER_", "OMP_"))}}
 
 
-def _plain(model, prompt: list[int], n: int, eos: set[int], sampler=None) -> list[int]:
+def _plain(model, prompt: list[int], n: int, eos: set[int], sampler=None) -> Iterator[int]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    out = []
     for t, _ in itertools.islice(generate_step(mx.array(prompt), model, max_tokens=n, sampler=sampler), n):
         if t in eos:
-            break
-        out.append(t)
-    return out
+            return
+        yield t
 
 
-def _speculative(model, drafter_factory, prompt: list[int], n: int, eos: set[int], k: int, choice):
-    from .engine.speculative import SpecStats, speculative_tokens
+def _speculative(model, drafter_factory, prompt: list[int], n: int, eos: set[int], stats, choice) -> Iterator[int]:
+    from .engine.speculative import speculative_tokens
 
-    stats = SpecStats(drafter_factory.mode, k)
-    out = []
-    tokens = speculative_tokens(model, prompt, drafter_factory(), k=k, stats=stats, choice=choice)
-    for t in itertools.islice(tokens, n):
-        if t in eos:
-            break
-        out.append(t)
-    tokens.close()
-    return out, stats
+    tokens = speculative_tokens(model, prompt, drafter_factory(), k=stats.k, stats=stats, choice=choice)
+    try:
+        for t in itertools.islice(tokens, n):
+            if t in eos:
+                return
+            yield t
+    finally:
+        tokens.close()
+
+
+def _advance(stream: Iterator[int], n: int) -> tuple[list[int], float]:
+    """Up to n more tokens of a stream and the wall time they took, work queued ahead included: generate_step
+    computes its next token asynchronously, and that belongs to the stream that queued it."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    start = time.perf_counter()
+    got = list(itertools.islice(stream, n))
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+    return got, time.perf_counter() - start
 
 
 def _pair(model_path: Path, drafter_path: Path):
@@ -131,9 +144,12 @@ def _row(name: str, k: int, elapsed: float, outs: list[list[int]], stats: list) 
 
 def _scheme_runs(lm, factory, encoded: list[list[int]], ks: list[int], max_tokens: int, eos: set[int],
                  temperature: float, profile) -> list[dict]:
-    """Every configuration on every prompt, interleaved: off, each k, auto."""
+    """Every configuration (off, each k, auto) on every prompt. The configurations of a prompt decode side by
+    side, CHUNK tokens each in turn, each prompt starting one further along: on a shared machine speed drifts
+    by tens of percent over seconds, and taking turns this finely puts the drift on all of them alike."""
     from .engine.acceptance import GreedyChoice, SampledChoice
     from .engine.sampling import sampler_for
+    from .engine.speculative import SpecStats
     from .jobs import SamplingParams
     from .speculation import GREEDY, SPECULATIVE_SAMPLING
 
@@ -145,22 +161,31 @@ def _scheme_runs(lm, factory, encoded: list[list[int]], ks: list[int], max_token
     auto_ks = []
     for i, prompt in enumerate(encoded):
         params = SamplingParams(max_tokens, temperature=temperature, seed=i)
-        for name in names:
+        order = names[i % len(names):] + names[:i % len(names)]
+        streams, spec = {}, {}
+        for name in order:
             k = int(name[2:]) if name.startswith("k=") else 0
             if name == "auto":
                 k = profile.decide(scheme).k
                 auto_ks.append(k)
-            start = time.perf_counter()
+            spec[name] = SpecStats(factory.mode, k) if k else None
             if k == 0:
-                out, st = _plain(lm.model, prompt, max_tokens, eos, None if scheme == GREEDY else sampler_for(params)), None
+                streams[name] = _plain(lm.model, prompt, max_tokens, eos, None if scheme == GREEDY else sampler_for(params))
             else:
                 choice = GreedyChoice() if scheme == GREEDY else SampledChoice(params)
-                out, st = _speculative(lm.model, factory, prompt, max_tokens, eos, k, choice)
-            elapsed[name] += time.perf_counter() - start
-            if name == "auto" and st is not None:
-                profile.observe(scheme, st.accepted, st.judged)
-            outs[name].append(out)
-            stats[name].append(st)
+                streams[name] = _speculative(lm.model, factory, prompt, max_tokens, eos, spec[name], choice)
+            outs[name].append([])
+            stats[name].append(spec[name])
+        while streams:
+            for name in [n for n in order if n in streams]:
+                got, seconds = _advance(streams[name], CHUNK)
+                elapsed[name] += seconds
+                outs[name][-1] += got
+                if len(got) < CHUNK:
+                    del streams[name]
+        st = spec["auto"]
+        if st is not None:
+            profile.observe(scheme, st.accepted, st.judged)
     rows = [_row(n, int(n[2:]) if n.startswith("k=") else 0, elapsed[n], outs[n], stats[n]) for n in names]
     rows[-1]["k_chosen"] = auto_ks
     off = rows[0]["tokens_per_s"]
@@ -179,7 +204,7 @@ def run(model_path: Path, drafter_path: Path, ks: list[int], prompts: list[str],
     lm, factory = _pair(model_path, drafter_path)
     eos = set(lm.tokenizer.eos_token_ids)
     encoded = [lm.tokenizer.encode(p) for p in prompts]
-    _plain(lm.model, encoded[0], 4, eos)  # warm up kernels outside the timings
+    list(_plain(lm.model, encoded[0], 4, eos))  # warm up kernels outside the timings
     started = time.perf_counter()
     profile = profiling.measure(lm, max(ks))
     result = {

@@ -113,24 +113,27 @@ def test_choose_k_is_the_best_expected_rate_or_off():
 
 def test_the_load_profile_times_its_kinds_of_step_in_turns(monkeypatch):
     """One step of each kind per rotation, each rotation starting one further along, the first untimed (new
-    kernel shapes); each kind keeps its median, so one slow moment does not move it. A stand-in clock."""
+    kernel shapes). A kind's time is its median ratio to the first kind within a rotation times the first
+    kind's median, so a slow rotation or one stall moves nothing. A stand-in clock."""
     from types import SimpleNamespace
 
     from provider.engine import profile
 
-    now, calls = [0.0], []
+    now, calls, reps = [0.0], [], 6
+    slow = {4: 3.0}  # a rotation in which the whole machine runs 3x slower
 
     def kind(i, seconds):
         def step():
             calls.append(i)
-            now[0] += seconds if len(calls) != 3 * 4 + 1 else 100.0  # one stall: kind 1's 4th timed step
+            rotation = (len(calls) - 1) // 3
+            now[0] += 100.0 if len(calls) == 3 * 2 + 2 else seconds * slow.get(rotation, 1.0)  # one stall
         return step
 
     monkeypatch.setattr(profile, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-    medians = profile._take_turns([kind(0, 1.0), kind(1, 2.0), kind(2, 3.0)])
+    times = profile._take_turns([kind(0, 1.0), kind(1, 2.0), kind(2, 3.0)], reps)
     rotations = [calls[i:i + 3] for i in range(0, len(calls), 3)]
-    assert len(rotations) == profile.REPS + 1 and rotations[:4] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
-    assert medians == [1.0, 2.0, 3.0]
+    assert len(rotations) == reps + 1 and rotations[:4] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert times == [1.0, 2.0, 3.0]
 
 
 def test_auto_weighs_the_batch_a_job_would_speculate_in():

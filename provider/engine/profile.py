@@ -7,11 +7,11 @@ overhead included:
 - with ROWS rows decoding together: a plain step, and a round at k = 1 and k = k_max (a line between),
   which tells how a step's time grows with the batch on this hardware.
 
-Each of these is a contestant with its own caches, and they take turns: one step of each per rotation,
-REPS rotations, the median of each kept. On a shared machine a forward's time drifts by tens of percent
-within seconds; taking turns puts the same drift on every contestant, so their ratios (all auto needs)
-hold even while the absolute times move. Timed one after another, a drift between two k's read as a
-difference between them, and auto picked its k from that.
+Each kind of step keeps its own caches, and the kinds take turns: one step of each per rotation, the
+ratio of each to the plain step of the same rotation kept, and the median of those. On a shared machine a
+forward's time drifts by tens of percent within seconds; steps a second apart see the same machine, so
+the ratios (all auto needs) hold while the absolute times move. Timed one after another, a drift between
+two k's read as a difference between them, and auto picked its k from that.
 
 The one-row greedy rounds also give a first acceptance rate, and a sampled run at temperature 1 gives
 another. `speculation.choose_k` turns these into auto's k for the acceptance seen. Serving keeps that
@@ -41,7 +41,8 @@ CONTEXT_TOKENS = 24  # under the smallest sliding window, so every cache kind be
 RUN_TOKENS = 10  # of the sampled run
 K_MAX = 4
 ROWS = 4  # the batch of the second measurement
-REPS = 8  # timed rotations; a k_max round adds up to k_max + 1 tokens of context each
+REPS = 16  # timed rotations of the one-row kinds: auto's k hangs on differences of a few percent between them
+ROWS_REPS = 6  # of the batch's kinds
 
 
 def _prompt(lm: LoadedModel) -> list[int]:
@@ -75,18 +76,21 @@ def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: Sp
     return lambda: spec.round(batch)
 
 
-def _take_turns(contestants: list) -> list[float]:
-    """Each contestant's median step time over REPS rotations, after one untimed (new kernel shapes). The
-    rotation starts one further each time, so no contestant always follows the same one."""
-    times = [[] for _ in contestants]
-    for rep in range(REPS + 1):
-        for j in range(len(contestants)):
-            i = (j + rep) % len(contestants)
+def _take_turns(kinds: list, reps: int) -> list[float]:
+    """Each kind's step time, taking turns: `reps` rotations, one step of each kind per rotation, after one
+    untimed (new kernel shapes), each rotation starting one further along. A kind's time is the median over
+    rotations of its ratio to the first kind's step in the same rotation, times the first kind's median:
+    steps a second apart see the same machine, so the ratios hold while the machine drifts."""
+    times = [[] for _ in kinds]
+    for rep in range(reps + 1):
+        for j in range(len(kinds)):
+            i = (j + rep) % len(kinds)
             t0 = time.perf_counter()
-            contestants[i]()
+            kinds[i]()
             if rep:
                 times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    first = times[0]
+    return [statistics.median(first) * statistics.median(t / f for t, f in zip(ts, first)) for ts in times]
 
 
 def _sampled_acceptance(lm: LoadedModel, prompt: list[int]) -> float:
@@ -104,11 +108,14 @@ def measure(lm: LoadedModel, k_max: int = K_MAX) -> SpecProfile:
     prompt = _prompt(lm)
     ks = range(1, k_max + 1)
     one_row = [SpecStats(lm.drafter_mode, k) for k in ks]
-    contestants = [_plain_step(lm.model, prompt, 1), *(_round_step(lm, prompt, 1, k, s) for k, s in zip(ks, one_row)),
-                   _plain_step(lm.model, prompt, ROWS), _round_step(lm, prompt, ROWS, 1, SpecStats(lm.drafter_mode, 1)),
-                   _round_step(lm, prompt, ROWS, k_max, SpecStats(lm.drafter_mode, k_max))]
-    plain, *rounds_rest = _take_turns(contestants)
-    rounds, (plain_rows, *ends) = rounds_rest[:k_max], rounds_rest[k_max:]
+    plain_step = _plain_step(lm.model, prompt, 1)
+    plain, *rounds = _take_turns([plain_step, *(_round_step(lm, prompt, 1, k, s) for k, s in zip(ks, one_row))], REPS)
+    # The batch's kinds against the same one-row step, in fewer rotations: auto's batch decisions are far
+    # from break-even on either kind of hardware.
+    many = [plain_step, _plain_step(lm.model, prompt, ROWS),
+            *(_round_step(lm, prompt, ROWS, k, SpecStats(lm.drafter_mode, k)) for k in (1, k_max))]
+    plain_again, plain_rows, *ends = _take_turns(many, ROWS_REPS)
+    plain_rows, *ends = (t * plain / plain_again for t in (plain_rows, *ends))  # on the first measurement's scale
     slope = (ends[1] - ends[0]) / max(1, k_max - 1)
     rounds_rows = tuple(ends[0] + slope * (k - 1) for k in ks)
     judged = sum(s.judged for s in one_row)
