@@ -53,7 +53,7 @@ def _prompt(lm: LoadedModel) -> list[int]:
 
 
 def _plain_step(model, prompt: list[int], rows: int):
-    """A plain decoding contestant: each call is one greedy step of `rows` rows."""
+    """A plain kind of step: each call is one greedy step of `rows` rows."""
     read = make_prompt_cache(model)
     prefill(model, read, prompt[:-1], len(prompt))
     caches, x = merged([read] * rows), mx.array([prompt[-1:]] * rows)
@@ -66,7 +66,7 @@ def _plain_step(model, prompt: list[int], rows: int):
 
 
 def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: SpecStats):
-    """A speculating contestant: each call is one greedy round of `rows` rows with k drafts; the first
+    """A speculating kind of step: each call is one greedy round of `rows` rows with k drafts; the first
     row's counts go to `stats`."""
     spec, read = Speculator(lm.model, drafter_for(lm)), make_prompt_cache(lm.model)
     prefill(lm.model, read, prompt[:-1], len(prompt))
