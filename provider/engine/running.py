@@ -67,7 +67,7 @@ class Running:
                            cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice)
         if not plan.on and plan.reason in (NOT_PROFITABLE, BATCH_TOO_LARGE) and lm.id in self._speculating:
             for row in self._speculating[lm.id].demote():  # with this job, plain batching pays more
-                self._continue_plain(lm, row)
+                self._continue_plain(lm, row, plan.reason)
         if plan.on:
             spec = self._speculating.get(lm.id)
             if spec is None:
@@ -77,10 +77,10 @@ class Running:
             self._add_plain(lm, output, sink, prompt, cache, shared_prefix=shared_prefix)
         self._model_of[job.id] = lm.id
 
-    def _continue_plain(self, lm: LoadedModel, row) -> None:
+    def _continue_plain(self, lm: LoadedModel, row, reason: str) -> None:
         prompt, cached = SpecBatch.continuation(row)
         self._add_plain(lm, row.output, row.sink, prompt, row.spec.caches if cached else None, cached=cached)
-        log.info("speculation_stopped", job_id=row.output.job.id, model=lm.id, reason=NOT_PROFITABLE)
+        log.info("speculation_stopped", job_id=row.output.job.id, model=lm.id, reason=reason)
 
     def _add_plain(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], cache, *,
                    cached: int | None = None, shared_prefix: int = 0) -> None:
