@@ -52,11 +52,16 @@ def _prompt(lm: LoadedModel) -> list[int]:
     return ids[:CONTEXT_TOKENS]
 
 
+def _read(model, prompt: list[int]) -> list:
+    """Fresh caches holding the prompt's K/V but its last token's."""
+    caches = make_prompt_cache(model)
+    prefill(model, caches, prompt[:-1], len(prompt))
+    return caches
+
+
 def _plain_step(model, prompt: list[int], rows: int):
     """A plain kind of step: each call is one greedy step of `rows` rows."""
-    read = make_prompt_cache(model)
-    prefill(model, read, prompt[:-1], len(prompt))
-    caches, x = merged([read] * rows), mx.array([prompt[-1:]] * rows)
+    caches, x = merged([_read(model, prompt)] * rows), mx.array([prompt[-1:]] * rows)
 
     def step():
         nonlocal x
@@ -68,8 +73,7 @@ def _plain_step(model, prompt: list[int], rows: int):
 def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: SpecStats):
     """A speculating kind of step: each call is one greedy round of `rows` rows with k drafts; the first
     row's counts go to `stats`."""
-    spec, read = Speculator(lm.model, drafter_for(lm)), make_prompt_cache(lm.model)
-    prefill(lm.model, read, prompt[:-1], len(prompt))
+    spec, read = Speculator(lm.model, drafter_for(lm)), _read(lm.model, prompt)
     batch = [spec.new_row(prompt, stats=stats if i == 0 else SpecStats(lm.drafter_mode, k), caches=read,
                           cached=len(prompt) - 1) for i in range(rows)]
     spec.begin(batch)

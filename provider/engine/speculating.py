@@ -62,10 +62,10 @@ class SpecBatch:
     def step(self) -> list[tuple[Row, list[Event]]]:
         out: list[tuple[Row, list[Event]]] = []
         decoding = [row for row in self._rows.values() if not row.spec.reading]
-        reading = next((row for row in self._rows.values() if not self._read_all_but_last(row)), None)
+        reading = next((row for row in self._rows.values() if not row.spec.read_all_but_last), None)
         if reading is not None:
             self._speculator.read(reading.spec, self._chunk_beside_decoding if decoding else self._chunk_alone)
-        starting = [row for row in self._rows.values() if row.spec.reading and self._read_all_but_last(row)]
+        starting = [row for row in self._rows.values() if row.spec.reading and row.spec.read_all_but_last]
         if starting:  # their last prompt tokens in one forward, which gives each its first token
             for row, first in zip(starting, self._speculator.begin([row.spec for row in starting])):
                 out.append((row, self._emit(row, [first])))
@@ -76,10 +76,6 @@ class SpecBatch:
             for row, tokens in zip(rows, self._speculator.round([row.spec for row in rows])):
                 out.append((row, self._emit(row, tokens)))
         return out
-
-    @staticmethod
-    def _read_all_but_last(row: Row) -> bool:
-        return row.spec.read >= len(row.spec.prompt) - 1
 
     def _emit(self, row: Row, tokens: list[int]) -> list[Event]:
         events: list[Event] = []

@@ -92,6 +92,11 @@ class SpecRow:
     def reading(self) -> bool:
         return self.last is None
 
+    @property
+    def read_all_but_last(self) -> bool:
+        """Every prompt token but the last is in the caches: the row can take its first token."""
+        return self.read >= len(self.prompt) - 1
+
 
 def rollback(caches: list, n: int) -> None:
     """Drop the last `n` positions from every cache, sliding-window (rotating) caches included."""
@@ -215,7 +220,7 @@ class Speculator:
             self.drafter.read(row, rest)
             row.read += len(rest)
             row.tokens += rest
-        return row.read >= len(row.prompt) - 1
+        return row.read_all_but_last
 
     def begin(self, rows: list[SpecRow]) -> list[int]:
         """The first token of each row whose prompt is read but its last token: that token, width 1 as
