@@ -103,6 +103,8 @@ def test_a_dead_engine_is_unhealthy_everywhere_and_fails_jobs_fast(fixtures_dir)
             r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
             assert r.status_code == 500 and "restarting" in r.json()["error"]["message"]
             assert time.monotonic() - started < 2  # fails fast, never waits on a dead loop
+        # The dead loop fails its jobs first and calls back last, on its own thread, which then ends.
+        await asyncio.to_thread(node.engine._thread.join, 30)
         assert failures and "EngineKill" in failures[0]
         assert heartbeat(node.status(), draining=False).status == pb.NODE_STATUS_UNHEALTHY
         started = time.monotonic()
