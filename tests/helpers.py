@@ -6,8 +6,8 @@ import asyncio
 
 from provider.jobs import Done, Error, Job, SamplingParams, Tokens
 from provider.node import Node
-from tools.daemon import LocalServer  # noqa: F401 (tests import it from here)
-from tools.harness import make_manager, make_node  # noqa: F401 (tests import them from here)
+from tools.harness.daemon import LocalServer  # noqa: F401 (tests import it from here)
+from tools.harness.nodes import make_manager, make_node  # noqa: F401 (tests import them from here)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from coordinator_client.reference_coordinator import ReferenceCoordinator
-from tools.harness import job
+from tools.harness.nodes import job
 from tests.helpers import run
 
 

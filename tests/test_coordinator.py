@@ -14,7 +14,7 @@ from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.session import CoordinatorSession
 from provider.settings import Settings
 from tests import reference
-from tools.harness import FAST_RECONNECT, harness, job, kill_restart_scenario
+from tools.harness.nodes import FAST_RECONNECT, harness, job, kill_restart_scenario
 from tests.helpers import run
 
 

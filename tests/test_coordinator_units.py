@@ -114,6 +114,6 @@ def test_session_epoch_grows_across_restarts(tmp_path):
 
 
 def test_generated_code_matches_the_proto():
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_proto.py"), "--check"], capture_output=True,
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "scripts" / "gen_proto.py"), "--check"], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stdout + r.stderr

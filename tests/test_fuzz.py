@@ -1,4 +1,4 @@
-"""Property-based fuzzing of a live node (bounded for the suite; tools/fuzz_campaign.py runs the long campaign).
+"""Property-based fuzzing of a live node (bounded for the suite; tools/scripts/fuzz_campaign.py runs the long campaign).
 
 Over HTTP: hostile bodies and headers against `provider start --local`. Over gRPC: hostile JobRequests and
 garbage frames from the reference coordinator. Every case ends in a 2xx/4xx or a typed outcome, never a
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator_client.pb import provider_pb2 as pb
-from tools.harness import harness, job
+from tools.harness.nodes import harness, job
 from tests.helpers import LocalServer
-from tools.hostile import BOUNDARY_IDS, garbage_frames, http_cases, job_requests, token_ids
+from tools.harness.hostile import BOUNDARY_IDS, garbage_frames, http_cases, job_requests, token_ids
 
 # Short generations, so valid cases are cheap; derandomized, so the suite is the same run to run.
 SHORT = {"PROVIDER_MAX_TOKENS_LIMIT": "16", "PROVIDER_DEFAULT_MAX_TOKENS": "4"}

@@ -212,7 +212,7 @@ def test_an_explicit_model_with_a_broken_config_is_a_one_line_error(fixtures_dir
 
 def test_grpc_big_prompt_and_top_k_are_typed_and_nobody_stalls(fixtures_dir, tmp_path):
     from coordinator_client.pb import provider_pb2 as pb
-    from tools.harness import harness, job
+    from tools.harness.nodes import harness, job
     from tests.helpers import run
 
     async def main():

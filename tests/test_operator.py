@@ -11,7 +11,7 @@ import structlog
 
 from provider import logs
 from tests.helpers import LocalServer, run
-from tools.harness import harness, job
+from tools.harness.nodes import harness, job
 
 
 def _cli(tmp_path, *args):

@@ -159,7 +159,7 @@ def test_batch_too_large_is_reported_through_both_transports(fixtures_dir, tmp_p
     import httpx
 
     from tests.helpers import LocalServer
-    from tools.harness import harness, job
+    from tools.harness.nodes import harness, job
 
     gemma, assistant = fixtures_dir / "gemma4-tiny", fixtures_dir / "gemma4-tiny-assistant"
 

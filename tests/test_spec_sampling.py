@@ -13,18 +13,18 @@ from provider.engine.drafters import DraftModelDrafter
 from provider.engine.speculative import SpecStats, speculative_tokens
 from provider.jobs import Job, SamplingParams
 from tests.helpers import collect, make_node, run
-from tools.spec_distribution import (PROMPT, AcceptEveryDraft, compare, load_demo_pair, plain_samples,
+from tools.harness.distribution import (PROMPT, AcceptEveryDraft, compare, load_demo_pair, plain_samples,
                                      speculative_samples)
 
 SAMPLES = 800  # a side, on the fixture pair
-SEED0 = 10_000  # the demo test's first row seed, as tools/spec_distribution.py --seed takes it
+SEED0 = 10_000  # the demo test's first row seed, as tools/bench/spec_distribution.py --seed takes it
 
 
 @pytest.mark.heavy
 def test_the_demo_pair_samples_exactly_like_plain_sampling_at_t_0_7():
     """The bundled pair at T = 0.7 (no filters), 2,000 samples a side, k = 1: for each of the first 6 tokens a
     chi-square test does not tell speculative sampling from the node's plain sampler, and it does tell a
-    sampler biased towards the drafter. Seeds are fixed; `python tools/spec_distribution.py` prints the same
+    sampler biased towards the drafter. Seeds are fixed; `python tools/bench/spec_distribution.py` prints the same
     test with its total variation distances."""
     model, tok, make_drafter = load_demo_pair()
     prompt = tok.encode(PROMPT)
@@ -43,7 +43,7 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(fixtures_dir):
     """The first 6 tokens at T = 0.7 with top_p and top_k, k = 3, over 800 samples a side: a chi-square test does not tell
     speculative sampling from the node's plain sampler, and it does tell a biased one. The fixture pair is
     random, so its distributions are flat over 512 tokens; top_k = 64 gives the test power at this size.
-    The bundled demo pair, at top_k off: `python tools/spec_distribution.py`."""
+    The bundled demo pair, at top_k off: `python tools/bench/spec_distribution.py`."""
     model, tok = load(str(fixtures_dir / "llama-tiny"))
     draft, _ = load(str(fixtures_dir / "llama-tiny-draft"))
     prompt = tok.encode("The cache")
@@ -203,7 +203,7 @@ def test_auto_measures_at_load_and_says_not_profitable_with_the_numbers(fixtures
 
 def test_auto_s_decision_and_costs_reach_the_coordinator(fixtures_dir, tmp_path):
     from coordinator_client.pb import provider_pb2 as pb
-    from tools.harness import harness, job
+    from tools.harness.nodes import harness, job
 
     async def main():
         drafters = {"g": fixtures_dir / "gemma4-tiny-assistant"}
@@ -234,7 +234,7 @@ def test_one_round_emits_exactly_the_target_distribution():
 
     import mlx.core as mx
 
-    from tools.spec_distribution import _upper_gamma_regularized
+    from tools.harness.distribution import _upper_gamma_regularized
 
     p = [0.5, 0.3, 0.15, 0.05]
     q = [0.1, 0.2, 0.3, 0.4]

@@ -321,7 +321,7 @@ def test_speculation_telemetry_through_the_local_api(fixtures_dir, tmp_path):
 
 def test_speculation_telemetry_through_the_grpc_path(fixtures_dir, tmp_path):
     from coordinator_client.pb import provider_pb2 as pb
-    from tools.harness import harness, job
+    from tools.harness.nodes import harness, job
 
     async def main():
         models = {"llama": fixtures_dir / "llama-tiny"}

@@ -16,7 +16,7 @@ from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.sealing import SealingKey, seal_job
 from provider.models import manifest
 from tests.helpers import run
-from tools.harness import harness, job
+from tools.harness.nodes import harness, job
 
 VECTORS = Path(__file__).parent / "vectors" / "sealing.json"
 

@@ -1,1 +1,1 @@
-"""Generated from proto/provider/v1/provider.proto by tools/gen_proto.py; do not edit."""
+"""Generated from proto/provider/v1/provider.proto by tools/scripts/gen_proto.py; do not edit."""

@@ -1,7 +1,7 @@
 """The bundled default model of `provider start --local`: available with no network.
 
 The default is the trained demo pair in provider/models/demo/ (a small Gemma 4 target and its MTP
-assistant, trained by tools/train_demo_pair.py), so a first run shows MTP speculation and its telemetry.
+assistant, trained by tools/scripts/train_demo_pair.py), so a first run shows MTP speculation and its telemetry.
 A tree without those weights falls back to the gemma4-tiny fixture, built locally on first use.
 """
 

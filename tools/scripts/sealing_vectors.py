@@ -1,7 +1,7 @@
 """Write tests/vectors/sealing.json: golden values for sealed jobs, from fixed keys, for other implementations.
 
-    python tools/sealing_vectors.py          # (re)write the file
-    python tools/sealing_vectors.py --check  # exit 1 if the checked-in file differs from what this code makes
+    python tools/scripts/sealing_vectors.py          # (re)write the file
+    python tools/scripts/sealing_vectors.py --check  # exit 1 if the checked-in file differs from what this code makes
 
 Every value is hex. The construction is in proto/provider/v1/provider.proto, above `message Sealed`.
 """
@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.sealing import COMPLETION_COUNTER, SealingKey, aad, derive_keys, nonce, seal_job
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "vectors" / "sealing.json"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "vectors" / "sealing.json"
 NODE_SECRET = bytes(range(1, 33))
 SENDER_SECRET = bytes(range(101, 133))
 JOB_ID = "job-golden-1"

@@ -1,6 +1,6 @@
 """Kill and restart the reference coordinator mid-stream N times and print what the node did.
 
-    python tools/fault_report.py [--cycles 10]
+    python tools/scripts/fault_report.py [--cycles 10]
 
 Prints reconnects, jobs with exactly one outcome, duplicates, coordinator_lost,
 gaps in completed streams, the largest reconnect delay, and the node's RSS per cycle.
@@ -14,11 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider import logs  # noqa: E402
 from provider.models import fixtures  # noqa: E402
-from tools.harness import kill_restart_scenario  # noqa: E402
+from tools.harness.nodes import kill_restart_scenario  # noqa: E402
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ Both servers run at once on loopback with the same prefill step; each measuremen
   gap between tokens;
 - huge prompt (node only): the same stream's longest gap while a several-MB prompt arrives and is refused.
 
-    python tools/bench_vs_server.py [--model PATH] [--concurrency 1 4 8 16] [--requests 16] [--tokens 64]
+    python tools/bench/bench_vs_server.py [--model PATH] [--concurrency 1 4 8 16] [--requests 16] [--tokens 64]
                                     [--rounds 3]
 """
 
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.models.default import ensure_default_model  # noqa: E402
-from tools.daemon import LocalServer  # noqa: E402
+from tools.harness.daemon import LocalServer  # noqa: E402
 
 WORDS = ("cache batch token prompt model stream window prefix memory budget node server request reply "
          "layer weight kernel thread queue step").split()

@@ -1,7 +1,7 @@
 """Speculation inside the batch: aggregate tokens/s of c concurrent jobs with speculation on, off and auto.
 
-    python tools/bench_spec_batch.py                       # the bundled pair, c = 1, 2, 4, 8, greedy and T = 0.7
-    python tools/bench_spec_batch.py --concurrency 4,8 --tokens 48 --rounds 3 --k 2
+    python tools/bench/bench_spec_batch.py                       # the bundled pair, c = 1, 2, 4, 8, greedy and T = 0.7
+    python tools/bench/bench_spec_batch.py --concurrency 4,8 --tokens 48 --rounds 3 --k 2
 
 The node runs in-process with the bundled demo pair (or --model/--drafter). For each concurrency c and each
 sampling, c jobs with different prompts start together, with `speculation: on` (all c rows drafted and
@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider import logs  # noqa: E402
 from provider.jobs import Done, Job, SamplingParams, Tokens  # noqa: E402
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
-from tools.harness import make_node  # noqa: E402
+from tools.harness.nodes import make_node  # noqa: E402
 
 TOPICS = ["the sea", "a cache", "the moon", "a robot", "bread", "a river", "the city", "a garden",
           "winter", "a library", "the wind", "a train", "music", "a mountain", "the market", "a clock"]

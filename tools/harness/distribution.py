@@ -1,34 +1,23 @@
-"""Is sampled speculation lossless? The first tokens' distributions, speculative vs plain, side by side.
+"""Is sampled speculation lossless? Samples of the first tokens, speculative and plain, and the test that
+compares them: shared by tests/test_spec_sampling.py and tools/bench/spec_distribution.py.
 
-    python tools/spec_distribution.py --k 1                 # the suite's test: demo pair, T = 0.7, 2,000 a side
-    python tools/spec_distribution.py --samples 500 --temperature 1.0
-
-For each of the first `--positions` generated tokens it prints a two-sample chi-square test of homogeneity
-(categories with an expected count under 5 pooled), its p-value and the total variation distance. The
-same test is then run on a deliberately biased sampler (it accepts every draft), which it must reject. The
-plain side is the node's own sampler over a batch of identical rows; the speculative side is the node's
+Per generated position: a two-sample chi-square test of homogeneity (categories with an expected count
+under 5 pooled), its p-value and the total variation distance; `AcceptEveryDraft` is the deliberately
+biased sampler the test must reject. The plain side is the node's own sampler over a batch of identical rows; the speculative side is the node's
 round loop over a batch of rows, one seed per sample.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import math
-import sys
-import time
-from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from provider.engine.acceptance import SampledChoice  # noqa: E402
-from provider.engine.sampling import sampler_for  # noqa: E402
-from provider.engine.speculative import SpecStats  # noqa: E402
-from provider.jobs import SamplingParams  # noqa: E402
+from provider.engine.acceptance import SampledChoice
+from provider.engine.sampling import sampler_for
+from provider.engine.speculative import SpecStats
+from provider.jobs import SamplingParams
 
 PROMPT = "The cache"
 
@@ -176,44 +165,3 @@ def load_demo_pair():
     model, tok = load(str(DEMO_TARGET))
     assistant = load_assistant(DEMO_ASSISTANT)
     return model, tok, lambda: MTPDrafter(assistant, Target(model))
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=2000)
-    ap.add_argument("--biased-samples", type=int, default=500)
-    ap.add_argument("--positions", type=int, default=6)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=10_000, help="the first speculative row's seed (one per sample)")
-    args = ap.parse_args()
-    if args.samples < 10 or args.positions < 1 or args.k < 1 or not 0 < args.temperature <= 2:
-        ap.error("--samples ≥ 10, --positions ≥ 1, --k ≥ 1, 0 < --temperature ≤ 2")
-    model, tok, make_drafter = load_demo_pair()
-    prompt = tok.encode(PROMPT)
-    params = SamplingParams(max_tokens=args.positions, temperature=args.temperature, seed=1)
-    t0 = time.perf_counter()
-    plain = plain_samples(model, prompt, params, args.samples, args.positions)
-    spec, stats = speculative_samples(model, make_drafter, prompt, params, args.samples, args.positions, args.k,
-                                      seed0=args.seed)
-    print(f"demo pair, T = {args.temperature}, k = {args.k}, {args.samples} samples a side "
-          f"({time.perf_counter() - t0:.0f} s)")
-    print(f"acceptance per judged draft: {stats.accepted / stats.judged:.3f} measured; expected "
-          f"Σ min(p, q) = {stats.min_overlap / stats.judged:.3f} (this scheme), "
-          f"Σ p·q = {stats.dot_overlap / stats.judged:.3f} (sample-and-compare, mlx-lm's)")
-    print(f"{'position':>8} {'chi2':>8} {'dof':>4} {'p':>9} {'TV':>7}")
-    rows = compare(plain, spec, args.positions)
-    for r in rows:
-        print(f"{r['position']:>8} {r['chi2']:>8} {r['dof']:>4} {r['p']:>9.4f} {r['tv']:>7}")
-    biased, _ = speculative_samples(model, make_drafter, prompt, params, args.biased_samples, args.positions,
-                                    args.k, choice=AcceptEveryDraft, seed0=10**6)
-    rejected = min(r["p"] for r in compare(plain, biased, args.positions))
-    print(f"biased sampler ({args.biased_samples} samples): smallest p = {rejected:.2e} "
-          f"({'rejected' if rejected < 1e-3 else 'NOT rejected'} at 0.001)")
-    ok = all(r["p"] >= 1e-3 for r in rows) and rejected < 1e-3
-    print("verdict:", "lossless within the test's power" if ok else "FAILED")
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

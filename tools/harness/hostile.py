@@ -1,4 +1,4 @@
-"""Hostile inputs as hypothesis strategies, shared by the fuzz tests (bounded) and tools/fuzz_campaign.py (long).
+"""Hostile inputs as hypothesis strategies, shared by the fuzz tests (bounded) and tools/scripts/fuzz_campaign.py (long).
 
 Every field of every request is assumed hostile: wrong types, huge and non-finite numbers, lone surrogates,
 deep nesting, out-of-vocabulary token ids, odd content types and encodings, truncated and garbage frames.

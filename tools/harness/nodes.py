@@ -1,5 +1,5 @@
 """In-process nodes over local checkpoints, and a node with a live coordinator session against the reference
-coordinator on loopback: what the tests, tools/fault_report.py and the fuzz campaign drive."""
+coordinator on loopback: what the tests, tools/scripts/fault_report.py and the fuzz campaign drive."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 The node runs as `provider start --local --coordinator grpc://127.0.0.1:PORT` (a real process, llama-tiny,
 vocabulary 512) with the reference coordinator in this process. Hostile HTTP requests and hostile coordinator
-frames come from tools/hostile.py (the fuzz tests' strategies, unbounded here). A good request is sent after
+frames come from tools/harness/hostile.py (the fuzz tests' strategies, unbounded here). A good request is sent after
 every 100 cases. Expected: 0 5xx, 0 INTERNAL, 0 crashes, 0 hangs, every good request served.
 
-    python tools/fuzz_campaign.py [--http 2000] [--frames 1000] [--seed N]
+    python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--seed N]
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import httpx
 import psutil
 from hypothesis import HealthCheck, given, settings, seed as hseed
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from coordinator_client.pb import provider_pb2 as pb  # noqa: E402
 from coordinator_client.reference_coordinator import ReferenceCoordinator  # noqa: E402
 from provider.models import fixtures  # noqa: E402
-from tools.daemon import LocalServer  # noqa: E402
-from tools.hostile import garbage_frames, http_cases, job_requests  # noqa: E402
+from tools.harness.daemon import LocalServer  # noqa: E402
+from tools.harness.hostile import garbage_frames, http_cases, job_requests  # noqa: E402
 
 HANG_S = 30.0
 GOOD = {"prompt": "The cache", "max_tokens": 3, "temperature": 0.7}

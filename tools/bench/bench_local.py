@@ -3,7 +3,7 @@
 Both run greedy on the same model and prompt, alternating A/B for several rounds
 so machine noise hits both alike; the ratio of medians is printed.
 
-    python tools/bench_local.py [--model PATH] [--tokens 256] [--rounds 5]
+    python tools/bench/bench_local.py [--model PATH] [--tokens 256] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.models.default import ensure_default_model  # noqa: E402
-from tools.daemon import LocalServer  # noqa: E402
+from tools.harness.daemon import LocalServer  # noqa: E402
 
 PROMPT = "The provider node serves language models to a network of clients."
 

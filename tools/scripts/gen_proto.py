@@ -1,7 +1,7 @@
 """Regenerate coordinator_client/pb/ from proto/ with grpcio-tools.
 
-    python tools/gen_proto.py            # write the generated modules
-    python tools/gen_proto.py --check    # exit 1 if the checked-in modules drifted from the proto
+    python tools/scripts/gen_proto.py            # write the generated modules
+    python tools/scripts/gen_proto.py --check    # exit 1 if the checked-in modules drifted from the proto
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto" / "provider" / "v1"
 OUT = ROOT / "coordinator_client" / "pb"
 FILES = ("provider_pb2.py", "provider_pb2.pyi", "provider_pb2_grpc.py")
@@ -45,7 +45,7 @@ def main() -> int:
         generate(Path(tmp))
         drifted = [f for f in FILES if not filecmp.cmp(Path(tmp) / f, OUT / f, shallow=False)]
     if drifted:
-        print(f"generated code drifted from proto/: {', '.join(drifted)}; run python tools/gen_proto.py")
+        print(f"generated code drifted from proto/: {', '.join(drifted)}; run python tools/scripts/gen_proto.py")
         return 1
     print("generated code matches proto/")
     return 0

@@ -4,7 +4,7 @@ Runs the node daemon on the bundled default model and, in alternating rounds, ti
 alone and then sent while another client posts a 3 MB prompt (which the node must refuse without stalling
 anyone). Prints the medians, their ratio (goal: <= 2), what the big request got, and the node's RSS.
 
-    python tools/bench_big_prompt.py [--rounds 7] [--megabytes 3]
+    python tools/bench/bench_big_prompt.py [--rounds 7] [--megabytes 3]
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.models.default import ensure_default_model  # noqa: E402
-from tools.daemon import LocalServer  # noqa: E402
+from tools.harness.daemon import LocalServer  # noqa: E402
 
 SHORT = {"prompt": "The provider node serves", "max_tokens": 8, "temperature": 0, "stream": True}
 

@@ -4,7 +4,7 @@ One node process serves both front ends from one engine (`provider start --coord
 the reference coordinator and the HTTP client run here, as does bare mlx_lm.stream_generate.
 Rounds alternate the three so machine noise hits all alike; medians are compared.
 
-    python tools/bench_grpc.py [--model PATH] [--tokens 256] [--rounds 5]
+    python tools/bench/bench_grpc.py [--model PATH] [--tokens 256] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from coordinator_client.pb import provider_pb2 as pb  # noqa: E402
 from coordinator_client.reference_coordinator import ReferenceCoordinator  # noqa: E402
 from provider.models.default import ensure_default_model  # noqa: E402
-from tools.daemon import LocalServer  # noqa: E402
-from tools.bench_local import PROMPT, bare_mlx_lm, through_node  # noqa: E402
+from tools.harness.daemon import LocalServer  # noqa: E402
+from tools.bench.bench_local import PROMPT, bare_mlx_lm, through_node  # noqa: E402
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -1,7 +1,7 @@
 """Train the bundled demo pair: a small Gemma 4 target and its MTP assistant, on text available offline.
 
     pip install -e '.[parity]'            # torch CPU; transformers comes with mlx-lm
-    python tools/train_demo_pair.py --out provider/models/demo
+    python tools/scripts/train_demo_pair.py --out provider/models/demo
 
 1. Corpus: docstrings and .md/.rst/.txt files of the installed Python packages (sorted, capped).
 2. Tokenizer: byte-level BPE, 2048 tokens, the fixtures' special tokens and Gemma chat template.
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
