@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlparse
+
+from provider.net import is_loopback
 
 PLAINTEXT_SCHEMES = {"grpc", "http"}
 TLS_SCHEMES = {"grpcs", "https"}
@@ -30,15 +31,6 @@ class ChannelPlan:
     tls: bool
     host: str
     loopback: bool
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def plan_channel(url: str, *, allow_insecure: bool = False) -> ChannelPlan:

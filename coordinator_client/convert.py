@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from provider.jobs import Cause, Done, Error, Job, JobError, SamplingParams, Tokens, Usage, resolve_max_tokens
+from provider.jobs import Done, Error, Job, JobError, SamplingParams, Tokens, Usage, resolve_max_tokens
+from provider.types import Cause, Policy
 
-from provider.speculation import Policy
 from provider.telemetry import Telemetry
 
 from .pb import provider_pb2 as pb

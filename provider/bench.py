@@ -73,7 +73,7 @@ def _plain(model, prompt: list[int], n: int, eos: set[int], sampler=None) -> Ite
 
 
 def _speculative(model, drafter_factory, prompt: list[int], n: int, eos: set[int], stats, choice) -> Iterator[int]:
-    from .engine.speculative import speculative_tokens
+    from .engine.spec_rounds import speculative_tokens
 
     tokens = speculative_tokens(model, prompt, drafter_factory(), k=stats.k, stats=stats, choice=choice)
     try:
@@ -106,7 +106,7 @@ def _pair(model_path: Path, drafter_path: Path):
     from .models import capability
     from .models.gemma4_assistant import load_assistant
     from .models.loader import LoadedModel
-    from .speculation import SpecMode
+    from .types import SpecMode
 
     model, tok = load(str(model_path))
     lm = LoadedModel("bench", model_path, model, tok, {}, 0.0)
@@ -134,7 +134,7 @@ def _row(name: str, k: int, elapsed: float, outs: list[list[int]], stats: list) 
             "accepted_per_judged": round(accepted / judged, 4) if judged else 0.0,
             # Emitted tokens over target forwards (plain: one forward a token); EOS/max_tokens cuts included.
             "tokens_per_target_forward": round(tokens / forwards, 4) if forwards else 0.0}
-    overlap = [s for s in spec if s.scheme == "speculative_sampling" and s.judged]
+    overlap = [s for s in spec if s.sampling_scheme == "speculative_sampling" and s.judged]
     if overlap:
         judged = sum(s.judged for s in overlap)
         row["expected_acceptance"] = {"speculative_sampling": round(sum(s.min_overlap for s in overlap) / judged, 4),
@@ -149,7 +149,7 @@ def _scheme_runs(lm, factory, encoded: list[list[int]], ks: list[int], max_token
     by tens of percent over seconds, and taking turns this finely puts the drift on all of them alike."""
     from .engine.acceptance import GreedyChoice, SampledChoice
     from .engine.sampling import sampler_for
-    from .engine.speculative import SpecStats
+    from .telemetry import SpecTelemetry
     from .jobs import SamplingParams
     from .speculation import GREEDY, SPECULATIVE_SAMPLING
 
@@ -168,7 +168,7 @@ def _scheme_runs(lm, factory, encoded: list[list[int]], ks: list[int], max_token
             if name == "auto":
                 k = profile.decide(scheme).k
                 auto_ks.append(k)
-            spec[name] = SpecStats(factory.mode, k) if k else None
+            spec[name] = SpecTelemetry(factory.mode, k=k) if k else None
             if k == 0:
                 streams[name] = _plain(lm.model, prompt, max_tokens, eos, None if scheme == GREEDY else sampler_for(params))
             else:

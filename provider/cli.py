@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 from . import __version__, logs, paths
 from .jobs import JobError
-from .settings import Settings, SettingsError, is_loopback
+from .net import is_loopback
+from .settings import Settings, SettingsError
 from .startup import EXIT_CONFIG, InstanceLock, StartupError
 
-EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; the service manager restarts the node
 EXIT_NOT_RUNNING = 3  # `provider status`: no daemon runs on this state directory
 
 
@@ -159,7 +157,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from .models import commands
+    from . import model_commands as commands
     from .node import decide_node_budget
 
     try:
@@ -205,7 +203,7 @@ def _start(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     from coordinator_client.channel import ChannelError
     from coordinator_client.identity import IdentityError
-    from . import startup
+    from . import daemon, startup
 
     lock = InstanceLock(paths.state_dir())
     try:  # before any model loads: each failure is one line and its exit code
@@ -217,113 +215,12 @@ def _start(args: argparse.Namespace) -> int:
         print(f"provider: cannot start: {e.message}", file=sys.stderr)
         return e.exit_code
     try:
-        return asyncio.run(_run(settings, local=settings.local))
+        return asyncio.run(daemon.run(settings, local=settings.local))
     except (JobError, PermissionError, IdentityError, ChannelError) as e:
         print(f"provider: cannot start: {getattr(e, 'message', e)}", file=sys.stderr)
         return 1
     finally:
         lock.release()
-
-
-async def _run(settings: Settings, *, local: bool) -> int:
-    """Run the node with its front ends until SIGINT/SIGTERM, then drain: engine first, listeners last."""
-    from .local.server import load_or_mint_token, start_local_api
-    from .models.default import primary_models
-    from .node import Node, build_models
-    from . import service, status_file
-
-    session = identity = None
-    if settings.coordinator:  # check the URL, then the key, before loading anything
-        from coordinator_client.channel import plan_channel
-        from coordinator_client.identity import Identity
-        from coordinator_client.session import CoordinatorSession
-
-        plan_channel(settings.coordinator, allow_insecure=settings.allow_insecure_coordinator)
-        identity = Identity.load_or_create()
-    token, token_path = load_or_mint_token() if local and settings.auth else (None, None)
-
-    node = Node(settings, build_models(settings, primary_models(settings)))
-    if identity is not None:
-        session = CoordinatorSession(node, settings, identity)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    engine_failed = []
-    node.on_engine_failure(lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set())))
-    node.start()
-    model_id = node.resolve_model(None)
-    loading = asyncio.create_task(service.while_loading(model_id))
-    try:
-        await node.preload(model_id)  # load and warm up before saying we are ready
-    except JobError as e:
-        if settings.model:  # the model asked for by name must load; any other may fail alone
-            await node.stop(grace_s=0)
-            raise
-        logs.get("cli").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
-        print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
-    finally:
-        loading.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"provider {__version__}: serving {model_id}", flush=True)
-    runner = url = None
-    if local:
-        runner, url = await start_local_api(node, settings.bind, settings.port, token)
-        print(f"  local OpenAI-compatible API at {url}/v1", flush=True)
-        print(f"  token file: {token_path}  (send: Authorization: Bearer <its contents>)" if token_path
-              else "  auth: off (--no-auth)", flush=True)
-    session_task = None
-    if session is not None:
-        session_task = asyncio.create_task(session.run(stop))
-        if not local:  # a coordinator-only node that was refused for good has nothing left to do
-            session_task.add_done_callback(lambda _: session.rejected and stop.set())
-        print(f"  coordinator: {settings.coordinator} as {identity.node_id}", flush=True)
-
-    def session_state() -> str | None:
-        if session is None:
-            return None
-        return "rejected" if session.rejected else "connected" if session.welcomed.is_set() else "connecting"
-
-    mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
-
-    def describe() -> str:
-        st = node.status()
-        return (f"{st.health}, {mode}; models {','.join(st.resident) or 'none'}; {st.active_jobs} active, "
-                f"{st.queued_jobs} queued" + (f"; coordinator {session_state()}" if session else ""))
-
-    async def publish_status() -> None:  # for `provider status`
-        started = time.time()
-        while not stop.is_set():
-            status_file.write(paths.state_dir(), status_file.snapshot(
-                node.status(), pid=os.getpid(), started=started, mode=mode, local_url=url,
-                coordinator=settings.coordinator or None, session=session_state()))
-            try:
-                await asyncio.wait_for(stop.wait(), 2.0)
-            except asyncio.TimeoutError:
-                pass
-
-    watchdog = asyncio.create_task(service.notify_loop(node, stop, describe))
-    publisher = asyncio.create_task(publish_status())
-
-    await stop.wait()
-    service.notify("STOPPING=1")
-    await node.stop(grace_s=settings.shutdown_grace_s)
-    if session_task is not None:
-        await session_task
-    if runner is not None:
-        await runner.cleanup()
-    watchdog.cancel()
-    await publisher
-    status_file.remove(paths.state_dir())
-    if session is not None and session.rejected and not local:
-        print(f"provider: the coordinator refused this node for good: {session.rejected}", file=sys.stderr,
-              flush=True)
-        return EXIT_CONFIG
-    if engine_failed:
-        print(f"provider: the engine failed ({engine_failed[0]}); exiting for the service manager to restart "
-              "the node", file=sys.stderr, flush=True)
-        return EXIT_ENGINE_FAILED
-    return 0
 
 
 if __name__ == "__main__":

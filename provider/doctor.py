@@ -8,7 +8,8 @@ import socket
 from urllib.parse import urlparse
 
 from .memory.budget import decide_budget, system_facts
-from .models import commands, store
+from . import model_commands as commands
+from .models import store
 from .settings import SettingsError
 
 MiB = 1 << 20

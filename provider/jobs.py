@@ -6,32 +6,12 @@ their requests into a Job and translate Events back; neither touches MLX.
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
-from .speculation import Policy
-from .telemetry import FinishReason, Telemetry
-
-
-class Cause(str, enum.Enum):
-    """Closed set of reasons a job fails. Front ends map these to HTTP codes or proto enums."""
-
-    INVALID_REQUEST = "invalid_request"
-    UNKNOWN_MODEL = "unknown_model"
-    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-    MODEL_LOAD_FAILED = "model_load_failed"
-    INSUFFICIENT_MEMORY = "insufficient_memory"
-    SPECULATION_UNAVAILABLE = "speculation_unavailable"
-    OVERLOADED = "overloaded"
-    DRAINING = "draining"
-    COORDINATOR_LOST = "coordinator_lost"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    DUPLICATE_JOB = "duplicate_job"
-    INTERNAL = "internal"
-    WEIGHTS_MISMATCH = "weights_mismatch"  # the files do not match a pin (the node's own or the job's)
-    SEALING_FAILED = "sealing_failed"  # a sealed job did not open, or came in plaintext where sealing is required
+from .types import Cause, FinishReason, JobId, Policy
+from .telemetry import Telemetry
 
 
 class JobError(Exception):
@@ -174,8 +154,8 @@ def resolve_max_tokens(value: Any, default: int, limit: int) -> int:
 class Job:
     """One generation request. Exactly one of `prompt` (raw text) or `messages` (chat) is set."""
 
-    id: str
-    model: str
+    id: JobId
+    model: str  # as requested; Node.run replaces it with the served ModelId
     sampling: SamplingParams
     prompt: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
@@ -203,14 +183,14 @@ class Job:
 
 @dataclass(frozen=True)
 class Accepted:
-    job_id: str
+    job_id: JobId
     model: str
     prompt_tokens: int
 
 
 @dataclass(frozen=True)
 class Tokens:
-    job_id: str
+    job_id: JobId
     seq: int  # 0, 1, 2, ... per job, no gaps
     text: str
     token_ids: tuple[int, ...]
@@ -237,7 +217,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class Done:
-    job_id: str
+    job_id: JobId
     finish_reason: FinishReason
     usage: Usage
     telemetry: Telemetry
@@ -245,13 +225,13 @@ class Done:
 
 @dataclass(frozen=True)
 class Error:
-    job_id: str
+    job_id: JobId
     cause: Cause
     message: str
     param: str | None = None  # the request field at fault, when one is
 
     @classmethod
-    def of(cls, job_id: str, e: JobError) -> "Error":
+    def of(cls, job_id: JobId, e: JobError) -> "Error":
         return cls(job_id, e.cause, e.message, e.param)
 
 

@@ -19,7 +19,8 @@ from typing import AsyncIterator, Callable
 from . import logs
 from .engine import profile
 from .engine.scheduler import Engine
-from .jobs import TERMINAL, Cause, Event, Job, JobError, Tokens
+from .jobs import TERMINAL, Event, Job, JobError, Tokens
+from .types import Cause, ModelId
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
 from .models import store
 from .models.catalog import Catalog
@@ -28,7 +29,7 @@ from .prompts import PromptPreparer
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
 from .metrics import Metrics
-from .status import Counters, NodeStatus, Platform, QueueStatus
+from .status import NodeStatus, Platform
 
 log = logs.get("node")
 
@@ -149,7 +150,7 @@ class Node:
 
     # --- what front ends may ask ------------------------------------------------------
 
-    def resolve_model(self, name: str | None) -> str:
+    def resolve_model(self, name: str | None) -> ModelId:
         """A requested model name (id, source, or empty for the default) as a served id; JobError if none."""
         return self.catalog.canonical_id(name)
 
@@ -207,9 +208,9 @@ class Node:
             health=health, failure=engine.failure, default_model=self.catalog.default_id,
             models=tuple(self.models.statuses()), memory=self.models.memory_status(self._platform_memory),
             active_jobs=stats.active, queued_jobs=stats.queued, max_concurrent_jobs=self.settings.max_concurrent_jobs,
-            counters=Counters(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(Counters)}),
+            counters=stats.counters(),
             platform=self._platform, last_tick=engine.last_tick,
-            queue=QueueStatus(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(QueueStatus)}))
+            queue=stats.queue())
 
     def run(self, job: Job) -> JobStream:
         """Submit a job; its prompt is checked against its model and tokenized off the engine thread."""

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import logs
-from .jobs import Cause, Job, JobError
+from .jobs import Job, JobError
+from .types import Cause
 
 log = logs.get("prompts")
 
@@ -31,7 +32,7 @@ class Prepared:
 
 
 @dataclass(frozen=True)
-class TextModel:
+class PromptTokenizer:
     """What preparing a prompt needs of a model, with no weights loaded."""
 
     tokenizer: Any  # mlx-lm TokenizerWrapper
@@ -45,11 +46,11 @@ class TextModel:
         return self.context_length * self.max_token_chars
 
 
-def load_text_model(model_id: str, path: Path, config: dict) -> TextModel:
+def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptTokenizer:
     from mlx_lm.utils import load_tokenizer
 
     from .models.capability import vocab_size
-    from .models.loader import context_length
+    from .models.checkpoint import context_length
 
     try:  # the same call mlx_lm.load makes, so ids and templates match the loaded model's
         tok = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
@@ -59,7 +60,7 @@ def load_text_model(model_id: str, path: Path, config: dict) -> TextModel:
                        f"cannot load the tokenizer of {model_id}: {type(e).__name__}: {e}") from None
     declared = vocab_size(config)
     sizes = [n for n in (declared, len(vocab)) if isinstance(n, int) and n > 0]
-    return TextModel(tok, min(sizes), context_length(config), max((len(t) for t in vocab), default=1) or 1,
+    return PromptTokenizer(tok, min(sizes), context_length(config), max((len(t) for t in vocab), default=1) or 1,
                      threading.Lock())
 
 
@@ -78,7 +79,7 @@ class PromptPreparer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def text_model(self, model_id: str) -> TextModel:
+    def tokenizer(self, model_id: str) -> PromptTokenizer:
         """Loaded once per model; every job for a model still loading waits for the same load."""
         with self._lock:
             future = self._models.get(model_id)
@@ -88,7 +89,7 @@ class PromptPreparer:
         if owner:
             try:
                 path, config = self._checkpoint(model_id)
-                future.set_result(load_text_model(model_id, path, config))
+                future.set_result(load_prompt_tokenizer(model_id, path, config))
             except BaseException as e:
                 with self._lock:  # not cached: the next job tries again (the files may be fixed by then)
                     self._models.pop(model_id, None)
@@ -96,7 +97,7 @@ class PromptPreparer:
         return future.result()
 
     def _prepare(self, job: Job) -> Prepared:
-        m = self.text_model(job.model)
+        m = self.tokenizer(job.model)
         sampling = job.sampling.fitted(m.vocab_size)
         where = "prompt" if job.prompt is not None else "messages"
         if job.prompt_chars > m.max_prompt_chars:

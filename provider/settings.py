@@ -193,18 +193,6 @@ class Settings:
         return cls(**values)
 
 
-def is_loopback(host: str) -> bool:
-    """Only literal loopback addresses and `localhost` count; any other name may resolve elsewhere."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _coerce(f: dataclasses.Field, raw: Any, source: str) -> Any:
     kind = {"str": str, "int": int, "float": float, "bool": bool}[f.type]
     try:

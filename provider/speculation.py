@@ -7,33 +7,33 @@ and k, built once from the settings.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:
-    from .jobs import SamplingParams
-    from .models.capability import Capabilities
+from .types import Policy, SpecMode, SpecReason
 
 
-class Policy(str, enum.Enum):
-    AUTO = "auto"  # speculate when eligible and memory allows
-    ON = "on"  # fail loudly, with the reason, when a job cannot speculate
-    OFF = "off"
+class PairingFacts(Protocol):
+    """What the files say a target can do with a drafter (provider.models.capability.Capabilities)."""
+
+    mtp_capable: bool
+    draft_compatible: bool
+    drafter_reason: str
 
 
-class SpecMode(str, enum.Enum):
-    OFF = "off"
-    DRAFT = "draft"  # a smaller model with the same vocabulary proposes k tokens
-    MTP = "mtp"  # a Gemma 4 assistant reads the target's K/V and hidden state and proposes k tokens
+class SamplingFacts(Protocol):
+    """What a job's sampling means for speculation (provider.jobs.SamplingParams)."""
+
+    seed: int | None
+
+    @property
+    def greedy(self) -> bool: ...
+
+    @property
+    def has_logits_processors(self) -> bool: ...
 
 
-# Why a target has no drafter; the stable reasons telemetry carries.
-NOT_MTP_CAPABLE, NO_DRAFTER, INSUFFICIENT_HEADROOM, POLICY_OFF = (
-    "not_mtp_capable", "no_drafter", "insufficient_headroom", "policy_off")
-BATCH_TOO_LARGE = "batch_too_large"  # the model runs speculation_max_batch jobs already: plain batch decoding
 GREEDY, SPECULATIVE_SAMPLING = "greedy", "speculative_sampling"  # how drafts are judged (engine.acceptance)
-NOT_PROFITABLE = "not_profitable"  # auto: on this machine, at the acceptance seen, no k beats plain decoding
 PROFIT_MARGIN = 1.05  # auto speculates only when the expected gain clears measurement noise
 PROBE_EVERY = 16  # while not profitable, every 16th eligible job speculates anyway, to keep the estimate fresh
 
@@ -52,21 +52,22 @@ class SpeculationConfig:
 @dataclass(frozen=True)
 class DrafterPlan:
     mode: SpecMode | None  # None: the target serves alone
-    reason: str  # "ok", or one of the stable reasons above
+    reason: SpecReason
 
 
-def plan_drafter(caps: "Capabilities", policy: Policy, need_bytes: int, free_bytes: int) -> DrafterPlan:
+def plan_drafter(caps: PairingFacts, policy: Policy, need_bytes: int, free_bytes: int) -> DrafterPlan:
     """In the design's order: the target can use a drafter (decided from config files), the drafter fits
     the headroom left after the target, and the policy is not off."""
     mode = SpecMode.MTP if caps.mtp_capable else SpecMode.DRAFT if caps.draft_compatible else None
     if mode is None:
         # A drafter that was named but does not pair is `no_drafter` (the pairing problem is logged).
-        return DrafterPlan(None, caps.drafter_reason if caps.drafter_reason == NOT_MTP_CAPABLE else NO_DRAFTER)
+        return DrafterPlan(None, SpecReason.NOT_MTP_CAPABLE if caps.drafter_reason == SpecReason.NOT_MTP_CAPABLE
+                           else SpecReason.NO_DRAFTER)
     if need_bytes > free_bytes:
-        return DrafterPlan(None, INSUFFICIENT_HEADROOM)
+        return DrafterPlan(None, SpecReason.INSUFFICIENT_HEADROOM)
     if policy is Policy.OFF:
-        return DrafterPlan(None, POLICY_OFF)
-    return DrafterPlan(mode, "ok")
+        return DrafterPlan(None, SpecReason.POLICY_OFF)
+    return DrafterPlan(mode, SpecReason.OK)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ class SpecProfile:
 @dataclass(frozen=True)
 class SpecPlan:
     mode: SpecMode
-    reason: str  # "ok" when speculating, else a stable reason (ineligible_request:<why>)
+    reason: SpecReason | str  # OK when speculating, else why not (a drafter's reason, or the job's)
     k: int = 0
     choice: KChoice | None = None  # auto's decision, with its numbers
 
@@ -221,17 +222,17 @@ def effective_policy(node_policy: Policy | str, job_policy: Policy | str) -> Pol
     return Policy(node_policy if job_policy == Policy.AUTO else job_policy)
 
 
-def ineligibility(sampling: "SamplingParams") -> str | None:
+def ineligibility(sampling: SamplingFacts) -> SpecReason | None:
     """What in a request the lossless speculative path cannot honour. Greedy and sampled jobs (top_p, top_k,
     min_p included) both can; logit_bias and penalties change the distribution per emitted token, so a job
     with them decodes plain."""
     if sampling.has_logits_processors:
-        return "logits_processors"
+        return SpecReason.INELIGIBLE_LOGITS_PROCESSORS
     return None
 
 
 def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_reason: str,
-         sampling: "SamplingParams", k: int, sharing: int = 0, max_batch: int = 8,
+         sampling: SamplingFacts, k: int, sharing: int = 0, max_batch: int = 8,
          decide: "Callable[[int], KChoice] | None" = None) -> SpecPlan:
     """One job's plan. `drafter_mode` is the loaded drafter's, or None with `drafter_reason` saying why.
     `sharing` jobs already run on the model; under `auto`, a job speculates only while the model's jobs
@@ -239,21 +240,21 @@ def plan(*, policy: Policy | str, drafter_mode: SpecMode | str | None, drafter_r
     with the k `decide` picks from measured costs and acceptance (none: the configured k). `on` always
     uses the configured k."""
     if policy == Policy.OFF:
-        return SpecPlan(SpecMode.OFF, POLICY_OFF)
+        return SpecPlan(SpecMode.OFF, SpecReason.POLICY_OFF)
     if drafter_mode is None:
         return SpecPlan(SpecMode.OFF, drafter_reason)
     why = ineligibility(sampling)
     if why is not None:
-        return SpecPlan(SpecMode.OFF, f"ineligible_request:{why}")
+        return SpecPlan(SpecMode.OFF, why)
     if policy == Policy.AUTO and sharing + 1 > max_batch:
-        return SpecPlan(SpecMode.OFF, BATCH_TOO_LARGE)
+        return SpecPlan(SpecMode.OFF, SpecReason.BATCH_TOO_LARGE)
     if policy == Policy.AUTO and not sampling.greedy and sampling.seed is not None:
         # Plain and speculative sampling draw differently from the same seed, and auto's choice follows what
         # it measures: a seed must give the same tokens every time, so under auto it decodes plain.
-        return SpecPlan(SpecMode.OFF, "ineligible_request:seed")
+        return SpecPlan(SpecMode.OFF, SpecReason.INELIGIBLE_SEED)
     if policy == Policy.AUTO and decide is not None:
         choice = decide(sharing + 1)
         if not choice.k:
-            return SpecPlan(SpecMode.OFF, NOT_PROFITABLE, choice=choice)
-        return SpecPlan(SpecMode(drafter_mode), "ok", choice.k, choice)
-    return SpecPlan(SpecMode(drafter_mode), "ok", k)
+            return SpecPlan(SpecMode.OFF, SpecReason.NOT_PROFITABLE, choice=choice)
+        return SpecPlan(SpecMode(drafter_mode), SpecReason.OK, choice.k, choice)
+    return SpecPlan(SpecMode(drafter_mode), SpecReason.OK, k)

@@ -3,6 +3,7 @@ logs are mapped from (each front end serialises it its own way; none reaches int
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -55,8 +56,10 @@ class MemoryStatus:
     prefix_cache_bytes: int = 0  # KV kept for prefix reuse (dropped first when room is needed)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Counters:
+    """Totals since start. The engine adds to its own (EngineStats); NodeStatus holds a copy."""
+
     jobs_completed: int = 0
     jobs_failed: int = 0
     jobs_cancelled: int = 0
@@ -67,14 +70,35 @@ class Counters:
     spec_target_forwards: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class QueueStatus:
+    """The queue and batching, as the engine counts them (EngineStats); NodeStatus holds a copy."""
+
     waiting_for_memory: int = 0  # queued jobs whose KV does not fit until running jobs finish
     oldest_wait_s: float = 0.0  # how long the longest-waiting queued job has waited
     batch_steps: int = 0  # batched decode steps run
     batch_rows: int = 0  # rows decoded over those steps (batch_rows / batch_steps: the mean batch size)
     prefix_hits: int = 0  # jobs that reused a cached prompt prefix
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats(Counters, QueueStatus):
+    """The engine's live counts, written by its thread only: every counter and queue figure, and the jobs
+    running and queued now. `counters()` and `queue()` are the copies a NodeStatus carries."""
+
+    active: int = 0
+    queued: int = 0
+
+    def counters(self) -> Counters:
+        return _copy_as(Counters, self)
+
+    def queue(self) -> QueueStatus:
+        return _copy_as(QueueStatus, self)
+
+
+def _copy_as(kind, source):
+    return kind(**{f.name: getattr(source, f.name) for f in dataclasses.fields(kind)})
 
 
 @dataclass(frozen=True)
@@ -99,7 +123,7 @@ class NodeStatus:
     counters: Counters
     platform: Platform
     last_tick: float  # monotonic time of the engine loop's last pass (the service watchdog reads it)
-    queue: QueueStatus = QueueStatus()  # the queue and batching, from the engine
+    queue: QueueStatus = dataclasses.field(default_factory=QueueStatus)  # the queue and batching, from the engine
 
     @property
     def draining(self) -> bool:

@@ -2,46 +2,67 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .speculation import SpecMode
+from .types import FinishReason, SpecMode, SpecReason
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # an EOS token or a stop string
-    LENGTH = "length"  # max_tokens, or the context
-    CANCELLED = "cancelled"  # the client left, the coordinator cancelled, the deadline passed, or a drain ran out
-
-
-@dataclass(frozen=True)
+@dataclass
 class SpecTelemetry:
-    mode: SpecMode
-    reason: str  # "ok" when speculating, else why not (a stable reason)
+    """A job's speculation: the mode and why, and while it speculates, the counters its rounds add to (on the
+    engine thread; a job's Done carries a copy taken when it ends). `as_dict` is what both transports send."""
+
+    mode: SpecMode | str
+    reason: SpecReason | str = SpecReason.OK  # OK when speculating, else why not (a stable reason)
     k: int = 0
     sampling_scheme: str = ""  # greedy | speculative_sampling, while speculating
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    acceptance_rate: float = 0.0
+    judged: int = 0  # drafts the target ruled on (a round stops at its first rejection): accepted / judged
     target_forwards: int = 0  # the prefill forward counts
-    tokens_per_target_forward: float = 0.0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    mean_batch: float = 0.0  # rows verified together per round, on average
-    # Auto's decision from measured costs: per-draft acceptance and expected speedup per k.
-    decision: dict[str, Any] | None = None
+    emitted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    batch_rows: int = 0  # summed over rounds: rows / rounds is the mean batch this job's rounds ran in
+    # Sampled rounds, over the drafts judged: the sum of Σ min(p, q) (this scheme's acceptance probability)
+    # and of Σ p·q (what sample-and-compare, mlx-lm's scheme, would accept there).
+    min_overlap: float = 0.0
+    dot_overlap: float = 0.0
+    choice: Any = None  # auto's speculation.KChoice: its decision from measured costs, when it made one
+
+    @property
+    def acceptance_rate(self) -> float:
+        return round(self.accepted / self.drafted, 4) if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return round(self.emitted / self.target_forwards, 4) if self.target_forwards else 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        """Rows verified together per round, on average."""
+        return round(self.batch_rows / self.rounds, 3) if self.rounds else 0.0
+
+    @property
+    def decision(self) -> dict[str, Any] | None:
+        """Auto's decision as telemetry carries it: per-draft acceptance and expected speedup per k."""
+        return decision_dict(self.choice)
 
     def as_dict(self) -> dict[str, Any]:
         """Off: the mode and why (with auto's numbers when it judged speculation not profitable); on: every
         counter."""
-        if self.mode == SpecMode.OFF:
-            off = {"mode": self.mode.value, "reason": self.reason}
-            return off | ({"decision": self.decision} if self.decision else {})
-        out = dataclasses.asdict(self) | {"mode": self.mode.value}
-        return out if self.decision else {k: v for k, v in out.items() if k != "decision"}
+        mode, decision = SpecMode(self.mode).value, self.decision
+        if mode == SpecMode.OFF:
+            return {"mode": mode, "reason": str(self.reason)} | ({"decision": decision} if decision else {})
+        out = {"mode": mode, "reason": str(self.reason), "k": self.k, "sampling_scheme": self.sampling_scheme,
+               "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+               "acceptance_rate": self.acceptance_rate, "target_forwards": self.target_forwards,
+               "tokens_per_target_forward": self.tokens_per_target_forward,
+               "draft_ms": round(self.draft_s * 1000, 3), "verify_ms": round(self.verify_s * 1000, 3),
+               "mean_batch": self.mean_batch}
+        return out | ({"decision": decision} if decision else {})
 
 
 def decision_dict(choice) -> dict[str, Any] | None:
@@ -71,4 +92,4 @@ class Telemetry:
                 "speculation": self.speculation.as_dict()}
 
 
-NOT_STARTED = Telemetry(FinishReason.CANCELLED, SpecTelemetry(SpecMode.OFF, "not_started"))
+NOT_STARTED = Telemetry(FinishReason.CANCELLED, SpecTelemetry(SpecMode.OFF, SpecReason.NOT_STARTED))

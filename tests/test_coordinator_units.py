@@ -12,9 +12,9 @@ from coordinator_client.backoff import Backoff
 from coordinator_client.channel import ChannelError, plan_channel
 from coordinator_client.identity import Identity, IdentityError, next_session_epoch, verify_hello
 from coordinator_client.pb import provider_pb2 as pb
-from provider.jobs import Cause, Done, JobError, Usage
-from provider.speculation import SpecMode
-from provider.telemetry import FinishReason, SpecTelemetry, Telemetry
+from provider.jobs import Done, JobError, Usage
+from provider.types import Cause, FinishReason, SpecMode
+from provider.telemetry import SpecTelemetry, Telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
 

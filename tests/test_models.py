@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from provider.jobs import Cause, Done, Error, Job, JobError, Tokens
+from provider.jobs import Done, Error, Job, JobError, Tokens
+from provider.types import Cause
 from provider.models import manifest
 from provider.models.checkpoint import read_config
 from provider.models.footprint import estimate_footprint

@@ -20,7 +20,9 @@ from mlx_lm import load  # noqa: E402
 
 from provider.engine.acceptance import GreedyChoice, greedy_tokens  # noqa: E402
 from provider.engine.drafters import MTPDrafter  # noqa: E402
-from provider.engine.speculative import SpecRow, SpecStats, Target, speculative_tokens  # noqa: E402
+from provider.engine.spec_rounds import SpecRow, speculative_tokens  # noqa: E402
+from provider.telemetry import SpecTelemetry
+from provider.models.gemma4_target import Target
 from provider.models import capability  # noqa: E402
 from provider.models.gemma4_assistant import load_assistant  # noqa: E402
 
@@ -178,7 +180,7 @@ def test_draft_tokens_and_logits_match_transformers(pair):
         token = mx.argmax(step_logits[:, -1], -1)
         assert token.item() == hf_tokens[i], f"draft step {i}"
     # The drafter the engine uses proposes the same tokens.
-    row = SpecRow(PROMPT, GreedyChoice(), SpecStats("mtp", k), caches, last=int(first), hidden=hidden[:, -1:],
+    row = SpecRow(PROMPT, GreedyChoice(), SpecTelemetry("mtp", k=k), caches, last=int(first), hidden=hidden[:, -1:],
                   tokens=list(PROMPT))
     proposed, _ = MTPDrafter(assistant, target).propose([row], k, caches)
     assert proposed[0].tolist() == hf_tokens
@@ -195,5 +197,5 @@ def test_assisted_generation_equals_plain_greedy_in_both_stacks(pair):
     assert assisted == plain
     model, _ = load(str(root / "target"))
     drafter = MTPDrafter(load_assistant(root / "assistant"), Target(model))
-    ours = list(itertools.islice(speculative_tokens(model, prompt, drafter, k=4, stats=SpecStats("mtp", 4)), 24))
+    ours = list(itertools.islice(speculative_tokens(model, prompt, drafter, k=4, stats=SpecTelemetry("mtp", k=4)), 24))
     assert ours == plain  # MLX speculative output equals transformers' plain greedy

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from provider.models.capability import Capabilities
-from provider.speculation import DrafterPlan, Policy, SpecMode, plan_drafter
+from provider.speculation import DrafterPlan, plan_drafter
+from provider.types import Policy, SpecMode
 
 GEMMA = Capabilities(family="gemma4", quantization=None, context_length=8192, sliding_window=512,
                      kv_shared_layers=2, vision=False, is_drafter=False, native_mtp_heads=False,

@@ -12,7 +12,10 @@ from mlx_lm.generate import generate_step
 
 from provider import speculation as sp
 from provider.engine.drafters import MTPDrafter
-from provider.engine.speculative import SpecStats, Speculator, Target
+from provider.engine.spec_rounds import Speculator
+from provider.telemetry import SpecTelemetry
+from provider.models.gemma4_target import Target
+from provider.types import SpecReason
 from provider.jobs import Done, Job, Tokens
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.models.gemma4_assistant import load_assistant
@@ -42,7 +45,7 @@ def test_rows_of_one_round_accept_differently_join_and_leave_and_stay_exact(demo
     prompts, n = demo_prompts(tok), 32
     truth = [plain_greedy(model, p, n) for p in prompts]
     spec = Speculator(model, MTPDrafter(assistant, Target(model)))
-    rows = [spec.new_row(p, stats=SpecStats("mtp", 3)) for p in prompts]
+    rows = [spec.new_row(p, stats=SpecTelemetry("mtp", k=3)) for p in prompts]
     for row in rows:
         while not spec.read(row, 48):
             pass
@@ -149,7 +152,7 @@ def test_auto_moves_its_speculating_row_to_the_plain_batch_when_a_second_job_mak
     a_spec = a_done.telemetry.speculation
     assert len(a_ids) == 96 and a_spec.mode.value == "mtp" and 1 <= a_spec.rounds
     assert a_spec.target_forwards < len(a_ids) / 2  # it speculated for a while, then decoded plain
-    assert b_done.telemetry.speculation.reason == sp.NOT_PROFITABLE
+    assert b_done.telemetry.speculation.reason == SpecReason.NOT_PROFITABLE
     assert queue.batch_rows > queue.batch_steps  # the plain batch decoded both rows together
 
 

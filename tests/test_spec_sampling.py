@@ -10,7 +10,9 @@ from mlx_lm import load
 from provider import speculation as sp
 from provider.engine.acceptance import SampledChoice
 from provider.engine.drafters import DraftModelDrafter
-from provider.engine.speculative import SpecStats, speculative_tokens
+from provider.engine.spec_rounds import speculative_tokens
+from provider.telemetry import SpecTelemetry
+from provider.types import SpecReason
 from provider.jobs import Job, SamplingParams
 from tests.helpers import collect, make_node, run
 from tools.harness.distribution import (PROMPT, AcceptEveryDraft, compare, load_demo_pair, plain_samples,
@@ -84,7 +86,7 @@ def test_speculative_sampling_emits_the_seeded_job_s_tokens_at_every_k(fixtures_
     params = SamplingParams(max_tokens=20, temperature=1.0)
     for k in (1, 4):
         a, b = ([*itertools.islice(speculative_tokens(model, prompt, DraftModelDrafter(draft), k=k,
-                                                        stats=SpecStats("draft", k),
+                                                        stats=SpecTelemetry("draft", k=k),
                                                         choice=SampledChoice(params, seed)), 20)] for seed in (5, 5))
         assert a == b and len(a) == 20
 
@@ -152,7 +154,7 @@ def test_auto_weighs_the_batch_a_job_would_speculate_in():
     seen = []
     plan = sp.plan(policy="auto", drafter_mode="mtp", drafter_reason="ok", sampling=SamplingParams(4), k=3,
                    sharing=5, decide=lambda rows: seen.append(rows) or profile.decide(sp.GREEDY, rows))
-    assert seen == [6] and plan.reason == sp.NOT_PROFITABLE  # five jobs on the model: it would be the sixth row
+    assert seen == [6] and plan.reason == SpecReason.NOT_PROFITABLE  # five jobs on the model: it would be the sixth row
 
 
 def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
@@ -168,7 +170,7 @@ def test_auto_off_probes_every_sixteenth_job_and_follows_acceptance():
     assert profile.acceptance[sp.GREEDY].rate > 0.9 and profile.decide(sp.GREEDY).k > 0
     assert profile.acceptance[sp.SPECULATIVE_SAMPLING].rate == pytest.approx(0.1)  # per scheme
     assert sp.plan(policy="auto", drafter_mode="draft", drafter_reason="ok", sampling=SamplingParams(4),
-                   k=3, decide=lambda rows: sp.KChoice(0, 1.0, 0.1, {1: 0.8})).reason == sp.NOT_PROFITABLE
+                   k=3, decide=lambda rows: sp.KChoice(0, 1.0, 0.1, {1: 0.8})).reason == SpecReason.NOT_PROFITABLE
     on = sp.plan(policy="on", drafter_mode="draft", drafter_reason="ok", sampling=SamplingParams(4), k=3,
                  decide=lambda rows: sp.KChoice(0, 1.0, 0.1, {1: 0.8}))
     assert on.on and on.k == 3  # `on` forces the configured k

@@ -13,8 +13,10 @@ from mlx_lm.generate import generate_step
 
 from provider import speculation as sp
 from provider.engine.drafters import DraftModelDrafter
-from provider.engine.speculative import SpecStats, speculative_tokens
-from provider.jobs import Cause, Done, Error, Job, SamplingParams
+from provider.engine.spec_rounds import speculative_tokens
+from provider.telemetry import SpecTelemetry
+from provider.jobs import Done, Error, Job, SamplingParams
+from provider.types import Cause
 from tests.helpers import collect, greedy, make_node, run
 
 TEXT = "The quick brown fox jumps over the lazy dog. Café 日本語 🙂 def trim(self, n): return n. " * 6
@@ -79,7 +81,7 @@ def test_partial_acceptance_and_rollback_are_lossless(fixtures_dir, family):
     for prompt in prompts(tok, 22)[::2]:  # 2 to 120 tokens: either side of the 32-token window, and of 64
         truth = plain_greedy(model, prompt, 48)
         for k in (1, 3, 12):
-            stats = SpecStats("oracle", k)
+            stats = SpecTelemetry("oracle", k=k)
             drafter = OracleMixDrafter(truth, model.args.vocab_size if hasattr(model.args, "vocab_size") else 512,
                                        seed=k * 1000 + len(prompt))
             out = list(itertools.islice(speculative_tokens(model, prompt, drafter, k=k, stats=stats), 48))
@@ -95,7 +97,7 @@ def test_draft_model_speculation_is_lossless(fixtures_dir, perturbed_draft):
         draft, _ = load(str(draft_path))
         for prompt in prompts(tok, 20)[::2]:
             truth = plain_greedy(model, prompt, 40)
-            stats = SpecStats("draft", 3)
+            stats = SpecTelemetry("draft", k=3)
             out = list(itertools.islice(speculative_tokens(model, prompt, DraftModelDrafter(draft), k=3,
                                                            stats=stats), 40))
             assert out == truth, (draft_path.name, len(prompt))
@@ -396,7 +398,7 @@ def test_logits_processors_run_plain_with_a_reason_and_are_honoured(fixtures_dir
 def test_the_trained_demo_pair_alone_is_lossless_across_its_window():
     """One row at a time (its own caches, no merge); tests/test_spec_batch.py has the pair in batches."""
     from provider.engine.drafters import MTPDrafter
-    from provider.engine.speculative import Target
+    from provider.models.gemma4_target import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
     from provider.models.gemma4_assistant import load_assistant
 
@@ -407,7 +409,7 @@ def test_the_trained_demo_pair_alone_is_lossless_across_its_window():
     for i, n in enumerate([3, 124, 127, 129, 131, 160]):
         prompt = ids[i * 5:i * 5 + n]  # the longest cross the 128-token window while prefilling, the rest while decoding
         truth = plain_greedy(model, prompt, 24)
-        stats = SpecStats("mtp", 3)
+        stats = SpecTelemetry("mtp", k=3)
         out = list(itertools.islice(speculative_tokens(model, prompt, drafter, k=3, stats=stats), 24))
         assert out == truth, f"prompt of {n} tokens"
         total, accepted, drafted = total + 1, accepted + stats.accepted, drafted + stats.drafted

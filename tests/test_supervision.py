@@ -11,9 +11,10 @@ import pytest
 
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.registration import heartbeat
-from provider.cli import EXIT_ENGINE_FAILED
-from provider.engine import generation
-from provider.jobs import Cause, Done, Error, Job, SamplingParams
+from provider.daemon import EXIT_ENGINE_FAILED
+from provider.engine import sampling
+from provider.jobs import Done, Error, Job, SamplingParams
+from provider.types import Cause
 from provider.local.server import start_local_api
 from tests.faulty_node import EngineKill, RaisingModel
 from tests.helpers import LocalServer, greedy, make_node, run
@@ -58,7 +59,7 @@ def test_a_failing_forward_fails_that_job_only(fixtures_dir):
 @pytest.mark.parametrize("where", ["sampler", "logits_processors"])
 def test_a_failing_sampler_or_processor_fails_that_job_only(fixtures_dir, monkeypatch, where):
     node = make_node({"q": fixtures_dir / "qwen3-tiny"})
-    real = getattr(generation, f"{where}_for" if where == "sampler" else "logits_processors_for")
+    real = getattr(sampling, f"{where}_for" if where == "sampler" else "logits_processors_for")
 
     def broken(params):
         if params.seed != 666:
@@ -70,7 +71,7 @@ def test_a_failing_sampler_or_processor_fails_that_job_only(fixtures_dir, monkey
             raise RuntimeError("injected sampler failure")
         return sample
 
-    monkeypatch.setattr(generation, "sampler_for" if where == "sampler" else "logits_processors_for", broken)
+    monkeypatch.setattr(sampling, "sampler_for" if where == "sampler" else "logits_processors_for", broken)
 
     async def main():
         bad = SamplingParams(max_tokens=4, temperature=1.0, seed=666)

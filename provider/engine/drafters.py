@@ -1,4 +1,4 @@
-"""Drafters: what proposes a round's k tokens for each row (provider.engine.speculative runs the round).
+"""Drafters: what proposes a round's k tokens for each row (provider.engine.spec_rounds runs the round).
 
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
@@ -13,8 +13,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..models.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
-from ..speculation import SpecMode
-from .speculative import SpecRow, Target, merged, rollback, split
+from ..types import SpecMode
+from .spec_rounds import SpecRow, merged, rollback, split
+from ..models.gemma4_target import Target
 
 
 def _draw(rows: list[SpecRow], logits: mx.array, qs: list[list]) -> mx.array:

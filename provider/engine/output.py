@@ -7,13 +7,14 @@ stop strings are matched on the text. The engine loop owns the timestamps (perf_
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import mlx.core as mx
 
-from .. import speculation
 from ..jobs import Done, Event, Job, Tokens, Usage
-from ..telemetry import FinishReason, SpecTelemetry, Telemetry, decision_dict
+from ..telemetry import SpecTelemetry, Telemetry
+from ..types import FinishReason, SpecMode
 from .stops import StopMatcher
 
 
@@ -28,7 +29,7 @@ class JobOutput:
         self.emitted_ids: list[int] = []
         self.spec_off_reason = spec_off_reason
         self.spec_choice = spec_choice  # auto's numbers when it judged speculation not profitable
-        self.spec_stats = None  # a speculating job's SpecStats
+        self.spec_stats = None  # a speculating job's SpecTelemetry
         self._seq = 0
         self._detok = tokenizer.detokenizer
         self._stops = StopMatcher(job.sampling.stop)
@@ -86,9 +87,9 @@ class JobOutput:
         end = time.perf_counter()
         first = self.t_first
         decode_s = (self.t_last - first) if first is not None and self.t_last is not None else 0.0
-        spec = (self.spec_stats.telemetry() if self.spec_stats
-                else SpecTelemetry(speculation.SpecMode.OFF, self.spec_off_reason,
-                                   decision=decision_dict(self.spec_choice)))
+        # A copy: the job's counters stop here, whatever later touches the row.
+        spec = (dataclasses.replace(self.spec_stats) if self.spec_stats
+                else SpecTelemetry(SpecMode.OFF, self.spec_off_reason, choice=self.spec_choice))
         computed = self.prompt_tokens - self.cached_prompt_tokens
         return Telemetry(
             finish_reason=finish_reason,

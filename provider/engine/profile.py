@@ -32,7 +32,8 @@ from ..models.loader import LoadedModel
 from ..speculation import GREEDY, SPECULATIVE_SAMPLING, SpecCosts, SpecProfile
 from .acceptance import SampledChoice, greedy_tokens
 from .drafters import drafter_for
-from .speculative import SpecStats, Speculator, merged, prefill, speculative_tokens
+from .spec_rounds import Speculator, merged, prefill, speculative_tokens
+from ..telemetry import SpecTelemetry
 
 TEXT = ("A provider node serves language models to a network. It loads a model when a job asks for it, keeps "
         "it while it is used, and evicts it when memory is needed. Speculative decoding drafts a few tokens "
@@ -70,11 +71,11 @@ def _plain_step(model, prompt: list[int], rows: int):
     return step
 
 
-def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: SpecStats):
+def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: SpecTelemetry):
     """A speculating kind of step: each call is one greedy round of `rows` rows with k drafts; the first
     row's counts go to `stats`."""
     spec, read = Speculator(lm.model, drafter_for(lm)), _read(lm.model, prompt)
-    batch = [spec.new_row(prompt, stats=stats if i == 0 else SpecStats(lm.drafter_mode, k), caches=read,
+    batch = [spec.new_row(prompt, stats=stats if i == 0 else SpecTelemetry(lm.drafter_mode, k=k), caches=read,
                           cached=len(prompt) - 1) for i in range(rows)]
     spec.begin(batch)
     return lambda: spec.round(batch)
@@ -98,7 +99,7 @@ def _take_turns(kinds: list, reps: int) -> list[float]:
 
 
 def _sampled_acceptance(lm: LoadedModel, prompt: list[int]) -> float:
-    stats = SpecStats(lm.drafter_mode, 2)
+    stats = SpecTelemetry(lm.drafter_mode, k=2)
     choice = SampledChoice(SamplingParams(RUN_TOKENS, temperature=1.0), seed=0)
     tokens = speculative_tokens(lm.model, prompt, drafter_for(lm), k=2, stats=stats, choice=choice)
     for _ in itertools.islice(tokens, RUN_TOKENS):
@@ -111,13 +112,13 @@ def measure(lm: LoadedModel, k_max: int = K_MAX) -> SpecProfile:
     """The pair's costs and first acceptance rates (greedy, and sampled at temperature 1)."""
     prompt = _prompt(lm)
     ks = range(1, k_max + 1)
-    one_row = [SpecStats(lm.drafter_mode, k) for k in ks]
+    one_row = [SpecTelemetry(lm.drafter_mode, k=k) for k in ks]
     plain_step = _plain_step(lm.model, prompt, 1)
     plain, *rounds = _take_turns([plain_step, *(_round_step(lm, prompt, 1, k, s) for k, s in zip(ks, one_row))], REPS)
     # The batch's kinds against the same one-row step, in fewer rotations: auto's batch decisions are far
     # from break-even on either kind of hardware.
     many = [plain_step, _plain_step(lm.model, prompt, ROWS),
-            *(_round_step(lm, prompt, ROWS, k, SpecStats(lm.drafter_mode, k)) for k in (1, k_max))]
+            *(_round_step(lm, prompt, ROWS, k, SpecTelemetry(lm.drafter_mode, k=k)) for k in (1, k_max))]
     plain_again, plain_rows, *ends = _take_turns(many, ROWS_REPS)
     plain_rows, *ends = (t * plain / plain_again for t in (plain_rows, *ends))  # on the first measurement's scale
     slope = (ends[1] - ends[0]) / max(1, k_max - 1)

@@ -1,5 +1,5 @@
 """The jobs running now, and one pass over them: per model, one batched step of its plain rows
-(provider.engine.batch), then one speculative round of its speculating rows (provider.engine.speculating);
+(provider.engine.plain_batch), then one speculative round of its speculating rows (provider.engine.spec_batch);
 with each resident model's prefix cache.
 
 Engine thread only. The scheduler decides what starts; this runs it and returns the events. Whatever a job
@@ -9,36 +9,32 @@ raises fails that job; a failure inside a forward shared by a batch fails that b
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING
-
 from .. import logs
-from ..jobs import Cause, Error, Event, Job, Sink
+from ..jobs import Error, Event, Job, Sink
+from ..types import Cause, FinishReason, SpecReason
 from ..models.loader import LoadedModel
-from ..speculation import BATCH_TOO_LARGE, NOT_PROFITABLE, SpecPlan
-from ..telemetry import FinishReason
-from . import generation
-from .batch import ModelBatch
+from ..speculation import SpecPlan
+from ..status import QueueStatus
+from .plain_batch import PlainBatch
 from .output import JobOutput
+from . import sampling
 from .prefix_cache import PrefixCache
-from .speculating import SpecBatch
-
-if TYPE_CHECKING:
-    from .scheduler import EngineStats
+from .spec_batch import SpecBatch
 
 Delivery = tuple[list[Event], Sink]
 log = logs.get("engine")
 
 
 class Running:
-    def __init__(self, stats: EngineStats, *, prefill_step_size: int, max_rows: int, prefix_cache_bytes: int):
+    def __init__(self, stats: QueueStatus, *, prefill_step_size: int, max_rows: int, prefix_cache_bytes: int):
         self._prefill_step_size = prefill_step_size
         self._max_rows = max_rows
         self._prefix_cache_bytes = prefix_cache_bytes
-        self._batches: dict[str, ModelBatch] = {}  # by model id: the jobs that decode together
+        self._batches: dict[str, PlainBatch] = {}  # by model id: the jobs that decode together
         self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
         self._model_of: dict[str, str] = {}  # job id -> model id
         self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
-        self.stats = stats  # the engine's: batch and prefix-reuse counters are added to it here
+        self.stats = stats  # the engine's (EngineStats): batch and prefix-reuse counters are added to it here
 
     def __len__(self) -> int:
         return len(self._model_of)
@@ -65,7 +61,7 @@ class Running:
             self.stats.prefix_hit_tokens += cached
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice)
-        if not plan.on and plan.reason in (NOT_PROFITABLE, BATCH_TOO_LARGE) and lm.id in self._speculating:
+        if not plan.on and plan.reason in (SpecReason.NOT_PROFITABLE, SpecReason.BATCH_TOO_LARGE) and lm.id in self._speculating:
             for row in self._speculating[lm.id].demote():  # with this job, plain batching pays more
                 self._continue_plain(lm, row, plan.reason)
         if plan.on:
@@ -84,16 +80,16 @@ class Running:
 
     def _add_plain(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], cache, *,
                    cached: int | None = None, shared_prefix: int = 0) -> None:
-        sampling = output.job.sampling
+        params = output.job.sampling
         self._plain_batch(lm).add(output, sink, prompt, cache=cache,
-                                  sampler=None if sampling.greedy else generation.sampler_for(sampling),
-                                  processors=generation.logits_processors_for(sampling),
+                                  sampler=None if params.greedy else sampling.sampler_for(params),
+                                  processors=sampling.logits_processors_for(params),
                                   shared_prefix=shared_prefix, cached=cached)
 
-    def _plain_batch(self, lm: LoadedModel) -> ModelBatch:
+    def _plain_batch(self, lm: LoadedModel) -> PlainBatch:
         batch = self._batches.get(lm.id)
         if batch is None:
-            batch = self._batches[lm.id] = ModelBatch(lm, self._prefix[lm.id], prefill_step_size=self._prefill_step_size,
+            batch = self._batches[lm.id] = PlainBatch(lm, self._prefix[lm.id], prefill_step_size=self._prefill_step_size,
                                                       max_rows=self._max_rows)
         return batch
 
@@ -119,7 +115,7 @@ class Running:
             del self._speculating[model_id]
         return [(events, row.sink) for row, events in results]
 
-    def _step_batch(self, model_id: str, batch: ModelBatch) -> list[Delivery]:
+    def _step_batch(self, model_id: str, batch: PlainBatch) -> list[Delivery]:
         try:
             results = batch.step()
         except Exception as e:  # a shared forward failed: every row in it fails, the rest of the node goes on

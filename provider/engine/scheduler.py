@@ -1,5 +1,5 @@
 """The engine loop: one thread owns MLX. Each pass is, per model, one batched step over that model's jobs
-(one decode forward for every decoding row and at most one prefill chunk: provider.engine.batch), plus one
+(one decode forward for every decoding row and at most one prefill chunk: provider.engine.plain_batch), plus one
 round of each job that speculates on its own.
 
 Front ends hand jobs in through a thread-safe inbox and receive events through a sink callback (called on
@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import logs
-from ..jobs import Accepted, Cause, Done, Error, Event, Job, JobError, Sink, Usage
+from ..jobs import Accepted, Done, Error, Event, Job, JobError, Sink, Usage
+from ..types import Cause, FinishReason
 from ..memory.admission import NEVER, WAIT
 from ..models.residency import Residency
 from ..prompts import Prepared
-from ..telemetry import NOT_STARTED, FinishReason
-from . import generation
+from ..status import EngineStats
+from ..telemetry import NOT_STARTED
+from .job_plan import job_plan
 from .running import Running, restore_random_state
 from .waiting import Pending, Verdict, WaitingJobs
 
@@ -50,26 +52,6 @@ class _Stop:
 _WAKE = object()  # a prompt or a model became ready: look at the queue again
 
 # The inbox carries Pending (a submitted job), _Cancel, _Stop and _WAKE.
-
-
-@dataclass
-class EngineStats:
-    active: int = 0
-    queued: int = 0
-    jobs_completed: int = 0
-    jobs_failed: int = 0
-    jobs_cancelled: int = 0
-    tokens_generated: int = 0
-    prompt_tokens: int = 0
-    spec_drafted: int = 0
-    spec_accepted: int = 0
-    spec_target_forwards: int = 0
-    waiting_for_memory: int = 0
-    oldest_wait_s: float = 0.0
-    batch_steps: int = 0
-    batch_rows: int = 0
-    prefix_hits: int = 0
-    prefix_hit_tokens: int = 0
 
 
 class Engine:
@@ -253,7 +235,7 @@ class Engine:
         lm = self.models.acquire(model_id)
         job, prompt = prepared.job, list(prepared.prompt)
         try:
-            plan = generation.job_plan(job, lm, self.models.speculation, sharing=self._running.on_model(model_id))
+            plan = job_plan(job, lm, self.models.speculation, sharing=self._running.on_model(model_id))
             self._running.start(job, p.sink, lm, prompt, max_tokens=max_tokens, arrived=p.arrived, plan=plan,
                                 shared_prefix=prepared.shared_prefix)
         except Exception as e:

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..jobs import MAX_STOP_STRINGS, Cause, Done, Job, JobError, SamplingParams, resolve_max_tokens
+from ..jobs import MAX_STOP_STRINGS, Done, Job, JobError, SamplingParams, resolve_max_tokens
+from ..types import Cause
 from ..status import NodeStatus
 
 

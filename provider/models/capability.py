@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..memory.estimate import text_config
-from .checkpoint import HeaderError, open_checkpoint, read_config
-from .loader import context_length
+from .checkpoint import HeaderError, context_length, open_checkpoint, read_config
 
 ASSISTANT_TYPES = {"gemma4_assistant"}
 GEMMA4_TYPES = {"gemma4", "gemma4_text"}

@@ -11,7 +11,8 @@ import threading
 from pathlib import Path
 
 from .. import logs
-from ..jobs import Cause, JobError
+from ..jobs import JobError
+from ..types import Cause, ModelId
 from ..memory import estimate
 from ..status import ModelFacts
 from . import loader, manifest
@@ -35,17 +36,17 @@ class Catalog:
     def stored(self, model_id: str) -> StoredModel:
         return self._models[model_id]
 
-    def canonical_id(self, name: str | None) -> str:
+    def canonical_id(self, name: str | None) -> ModelId:
         """Map a requested model name (id, source, or empty for the default) to a known id."""
         if not name:
             if self.default_id is None:
                 raise JobError(Cause.UNKNOWN_MODEL, "no model is configured on this node")
-            return self.default_id
+            return ModelId(self.default_id)
         if name in self._models:
-            return name
+            return ModelId(name)
         for mid, m in self._models.items():
             if name == m.source:
-                return mid
+                return ModelId(mid)
         raise JobError(Cause.UNKNOWN_MODEL, f"model {name!r} is not served here; available: {', '.join(self._models)}")
 
     def checkpoint(self, model_id: str) -> tuple[Path, dict]:

@@ -13,7 +13,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..jobs import Cause, JobError
+from ..jobs import JobError
+from ..types import Cause
 
 MAX_HEADER_BYTES = 100 << 20
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
@@ -96,3 +97,16 @@ def _stat(f: Path):
 @functools.lru_cache(maxsize=256)
 def _open(path: Path, state: tuple) -> Checkpoint:
     return Checkpoint(path, read_config(path))
+
+
+DEFAULT_CONTEXT = 4096  # when the config names no context length
+
+
+def context_length(config: dict) -> int:
+    text = config.get("text_config")
+    for cfg in (config, text if isinstance(text, dict) else {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
+            value = cfg.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return DEFAULT_CONTEXT

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..memory import estimate
-from ..speculation import SpecMode
-from .checkpoint import open_checkpoint
-from .loader import context_length
+from ..types import SpecMode
+from .checkpoint import context_length, open_checkpoint
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..jobs import Cause, JobError
-
-DEFAULT_CONTEXT = 4096
-
+from ..jobs import JobError
+from ..types import Cause, SpecMode, SpecReason
+from .checkpoint import context_length
 
 @dataclass
 class LoadedModel:
@@ -28,16 +27,6 @@ class LoadedModel:
     @property
     def context_length(self) -> int:
         return context_length(self.config)
-
-
-def context_length(config: dict) -> int:
-    text = config.get("text_config")
-    for cfg in (config, text if isinstance(text, dict) else {}):
-        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
-            value = cfg.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return DEFAULT_CONTEXT
 
 
 def model_id_for(source: str) -> str:
@@ -95,7 +84,6 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting) ->
     import mlx.core as mx
 
     from .. import logs
-    from ..speculation import NO_DRAFTER, SpecMode
 
     gc.collect()  # so that unrelated frees during the load do not shrink the measured delta
     before = mx.get_active_memory()
@@ -116,7 +104,7 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting) ->
             lm.drafter = draft.model
         lm.drafter_mode = drafting.mode
     except Exception as e:
-        lm.drafter_reason = NO_DRAFTER
+        lm.drafter_reason = SpecReason.NO_DRAFTER
         logs.get("models").warning("drafter_load_failed", model=model_id, error=f"{type(e).__name__}: {e}")
     return lm, active_delta
 

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Callable
 
 from .. import logs
-from ..jobs import Cause, JobError
+from ..jobs import JobError
+from ..types import Cause, Policy, SpecMode, SpecReason
 from ..memory.admission import ADMIT, JobAdmission, Resident, idle_to_unload, plan_job, plan_load
 from ..memory.budget import Budget
-from ..speculation import INSUFFICIENT_HEADROOM, Policy, SpecMode, SpeculationConfig, plan_drafter
+from ..speculation import SpeculationConfig, plan_drafter
 from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
@@ -241,7 +242,7 @@ class Residency:
                 entry.drafter_bytes = drafter_need  # reserved before any drafter weights are read
         if plan.evict:
             _free_mlx_cache()
-        if drafting.reason == INSUFFICIENT_HEADROOM:
+        if drafting.reason == SpecReason.INSUFFICIENT_HEADROOM:
             log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting)
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from provider.engine.acceptance import SampledChoice
 from provider.engine.sampling import sampler_for
-from provider.engine.speculative import SpecStats
+from provider.telemetry import SpecTelemetry
 from provider.jobs import SamplingParams
 
 PROMPT = "The cache"
@@ -38,7 +38,7 @@ def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, posi
     once, each then decoding one token per forward and sampling with the node's plain sampler."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from provider.engine.speculative import merged, prefill
+    from provider.engine.spec_rounds import merged, prefill
 
     read = make_prompt_cache(model)
     prefill(model, read, prompt[:-1], 2048)
@@ -57,21 +57,21 @@ def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, posi
 
 def speculative_samples(model, make_drafter, prompt: list[int], params: SamplingParams, n: int, positions: int,
                         k: int, choice=SampledChoice, seed0: int = 0,
-                        batch: int = 500) -> tuple[list[tuple[int, ...]], SpecStats]:
+                        batch: int = 500) -> tuple[list[tuple[int, ...]], SpecTelemetry]:
     """`n` independent speculative samples (seeds seed0, seed0 + 1, ...) of the first `positions` tokens:
     rows of the node's round loop, `batch` at a time, which read the prompt once and then each draft, get
     verified and roll back on their own."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from provider.engine.speculative import Speculator, prefill
+    from provider.engine.spec_rounds import Speculator, prefill
 
-    spec, total, out = Speculator(model, make_drafter()), SpecStats("sampled", k), []
+    spec, total, out = Speculator(model, make_drafter()), SpecTelemetry("sampled", k=k), []
     read = make_prompt_cache(model)
     prefill(model, read, prompt[:-1], 2048)
     for start in range(seed0, seed0 + n, batch):
         seeds = range(start, min(start + batch, seed0 + n))
         # Every row starts from the same read prompt (the first merge copies it); each has its own key.
-        rows = [spec.new_row(prompt, stats=SpecStats("sampled", k), choice=choice(params, seed), caches=read,
+        rows = [spec.new_row(prompt, stats=SpecTelemetry("sampled", k=k), choice=choice(params, seed), caches=read,
                              cached=len(prompt) - 1) for seed in seeds]
         samples = [[first] for first in spec.begin(rows)]
         while live := [i for i, s in enumerate(samples) if len(s) < positions]:
@@ -158,7 +158,7 @@ def load_demo_pair():
     from mlx_lm import load
 
     from provider.engine.drafters import MTPDrafter
-    from provider.engine.speculative import Target
+    from provider.models.gemma4_target import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
     from provider.models.gemma4_assistant import load_assistant
 

@@ -1,4 +1,4 @@
-"""`provider models list | pull | rm | verify`."""
+"""`provider models list | pull | rm | verify`: the command line's model verbs, over provider.models."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..jobs import JobError
-from ..settings import Settings
-from . import capability, loader, manifest, store
-from .checkpoint import read_config
-from .footprint import estimate_footprint
+from .jobs import JobError
+from .models import capability, loader, manifest, store
+from .models.checkpoint import read_config
+from .models.footprint import estimate_footprint
+from .settings import Settings
 
 MiB = 1 << 20
 
 
 def _served(settings: Settings) -> list[store.StoredModel]:
     """Exactly what `provider start` would serve: the bundled pair or --model first, then the store."""
-    from .default import primary_models
+    from .models.default import primary_models
 
     return store.discover(settings, primary_models(settings))
 

@@ -27,41 +27,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, RotatingKVCache,
                                  make_prompt_cache)
 
-from ..speculation import SpecMode
-from ..telemetry import SpecTelemetry, decision_dict
-from .acceptance import GREEDY, GreedyChoice
-
-
-@dataclass
-class SpecStats:
-    mode: str
-    k: int
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_forwards: int = 0  # the prefill forward counts
-    emitted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    scheme: str = GREEDY
-    choice: Any = None  # auto's speculation.KChoice, when auto chose k
-    judged: int = 0  # drafts the target ruled on (a round stops at its first rejection): accepted / judged
-    # Sampled rounds, over the drafts judged: the sum of Σ min(p, q) (this scheme's acceptance probability)
-    # and of Σ p·q (what sample-and-compare, mlx-lm's scheme, would accept there).
-    min_overlap: float = 0.0
-    dot_overlap: float = 0.0
-    batch_rows: int = 0  # summed over rounds: rows / rounds is the mean batch this job's rounds ran in
-
-    def telemetry(self) -> SpecTelemetry:
-        return SpecTelemetry(
-            mode=SpecMode(self.mode), reason="ok", k=self.k, sampling_scheme=self.scheme, rounds=self.rounds,
-            drafted=self.drafted,
-            accepted=self.accepted, acceptance_rate=round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
-            target_forwards=self.target_forwards,
-            tokens_per_target_forward=round(self.emitted / self.target_forwards, 4) if self.target_forwards else 0.0,
-            draft_ms=round(self.draft_s * 1000, 3), verify_ms=round(self.verify_s * 1000, 3),
-            mean_batch=round(self.batch_rows / self.rounds, 3) if self.rounds else 0.0,
-            decision=decision_dict(self.choice))
+from ..models.gemma4_target import Target
+from ..telemetry import SpecTelemetry
+from .acceptance import GreedyChoice
 
 
 @dataclass
@@ -71,7 +39,7 @@ class SpecRow:
 
     prompt: list[int]
     choice: Any  # acceptance.GreedyChoice or SampledChoice: how this row drafts and judges
-    stats: SpecStats
+    stats: SpecTelemetry
     caches: list
     read: int = 0  # prompt tokens in the caches while the prompt is being read
     last: int | None = None  # None while the prompt is being read
@@ -129,61 +97,6 @@ def split(caches: list, rows: int) -> list[list]:
     return [[c.extract(i) for c in caches] for i in range(rows)]
 
 
-class Target:
-    """The target model seen by the round loop: logits, and for Gemma 4 its final-norm hidden and K/V."""
-
-    def __init__(self, model):
-        self.model = model
-        lm = getattr(model, "language_model", model)
-        self.gemma4 = lm.__class__.__module__.endswith("gemma4_text")
-        self.lm = lm
-        if self.gemma4:
-            from mlx_lm.models.gemma4_text import logit_softcap
-
-            self._softcap = logit_softcap
-            args = lm.args
-            first_shared = args.num_hidden_layers - args.num_kv_shared_layers
-            types = args.layer_types[:first_shared]
-            # The drafter reads the last non-shared layer of each attention type.
-            self.kv_layer = {t: max(i for i, x in enumerate(types) if x == t) for t in set(types)}
-            self.window = args.sliding_window
-            self.hidden_size = args.hidden_size
-
-    def forward(self, tokens: mx.array, caches: list) -> tuple[mx.array, mx.array | None]:
-        """tokens [B, L] -> (logits [B, L, V], final-norm hidden [B, L, H] or None)."""
-        if not self.gemma4:
-            return self.model(tokens, cache=caches), None
-        text = self.lm.model
-        hidden = text(tokens, cache=caches)
-        logits = text.embed_tokens.as_linear(hidden) if self.lm.tie_word_embeddings else self.lm.lm_head(hidden)
-        if self.lm.final_logit_softcapping is not None:
-            logits = self._softcap(self.lm.final_logit_softcapping, logits)
-        return logits, hidden
-
-    def scaled_embedding(self, tokens: mx.array) -> mx.array:
-        text = self.lm.model
-        return text.embed_tokens(tokens) * text.embed_scale
-
-    def shared_kv(self, caches: list) -> tuple[dict[str, tuple[mx.array, mx.array]], dict[str, mx.array] | None]:
-        """Committed K/V of the last sliding and last full layer (sliding: the last `window` rows), and for
-        merged rows, per layer type, the mask of each row's real positions."""
-        out, masks = {}, {}
-        for kind, i in self.kv_layer.items():
-            c = caches[i]
-            if isinstance(c, (BatchKVCache, BatchRotatingKVCache)):  # fresh from `merged`: in temporal order
-                n = min(c._idx, self.window) if isinstance(c, BatchRotatingKVCache) else c._idx
-                start = c._idx - n
-                out[kind] = (c.keys[..., start:c._idx, :], c.values[..., start:c._idx, :])
-                masks[kind] = (mx.arange(start, c._idx)[None] >= c.left_padding[:, None])[:, None, None, :]
-            elif isinstance(c, RotatingKVCache):
-                k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
-                n = min(c.offset, k.shape[2], self.window)
-                out[kind] = (k[..., k.shape[2] - n:, :], v[..., v.shape[2] - n:, :])
-            else:
-                out[kind] = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
-        return out, masks or None
-
-
 def prefill(model, cache: list, tokens: list[int], step: int) -> None:
     for i in range(0, len(tokens), step):
         model(mx.array(tokens[i:i + step])[None], cache=cache)
@@ -198,11 +111,11 @@ class Speculator:
         self.model = model
         self.drafter = drafter
 
-    def new_row(self, prompt: list[int], *, stats: SpecStats, choice=None, caches: list | None = None,
+    def new_row(self, prompt: list[int], *, stats: SpecTelemetry, choice=None, caches: list | None = None,
                 cached: int = 0) -> SpecRow:
         """A row for `prompt`; `caches` may already hold the K/V of its first `cached` tokens."""
         choice = choice or GreedyChoice()
-        stats.scheme = choice.scheme
+        stats.sampling_scheme = choice.scheme
         row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model))
         row.read = cached
         row.tokens = list(prompt[:cached])
@@ -268,7 +181,7 @@ class Speculator:
         return out
 
     @staticmethod
-    def _count(stats: SpecStats, n: int, k: int, rows: int, extras: dict, draft_s: float, verify_s: float) -> None:
+    def _count(stats: SpecTelemetry, n: int, k: int, rows: int, extras: dict, draft_s: float, verify_s: float) -> None:
         judged = min(n + 1, k)  # the drafts judged this round: up to and including the first rejection
         stats.judged += judged
         if extras:
@@ -284,7 +197,7 @@ class Speculator:
         stats.verify_s += verify_s
 
 
-def speculative_tokens(model, prompt: list[int], drafter, *, k: int, stats: SpecStats,
+def speculative_tokens(model, prompt: list[int], drafter, *, k: int, stats: SpecTelemetry,
                        prefill_step: int = 2048, choice=None) -> Iterator[int]:
     """Tokens for `prompt` alone, k drafts verified per target forward: identical to plain greedy decoding,
     or distributed exactly as plain sampling, as `choice` says (greedy when None)."""

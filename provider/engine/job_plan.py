@@ -1,17 +1,15 @@
 """How one job will decode: `job_plan` decides (pure over the job, the loaded pair and the node's policy)
-to speculate, in the model's speculating rows (provider.engine.speculating), or to join the model's plain
-batch (provider.engine.batch) with the reason speculation is off.
+to speculate, in the model's speculative batch (provider.engine.spec_batch), or to join the model's plain
+batch (provider.engine.plain_batch) with the reason speculation is off.
 """
 
 from __future__ import annotations
 
-from ..jobs import Cause, Job, JobError
+from ..jobs import Job, JobError
+from ..types import Cause, Policy
 from ..models.loader import LoadedModel
 from .. import speculation
 from .acceptance import GREEDY, SPECULATIVE_SAMPLING
-from .sampling import logits_processors_for, sampler_for
-
-__all__ = ["job_plan", "logits_processors_for", "sampler_for"]
 
 
 def job_plan(job: Job, lm: LoadedModel, config: speculation.SpeculationConfig, sharing: int) -> speculation.SpecPlan:
@@ -21,7 +19,7 @@ def job_plan(job: Job, lm: LoadedModel, config: speculation.SpeculationConfig, s
     plan = speculation.plan(policy=policy, drafter_mode=lm.drafter_mode, drafter_reason=lm.drafter_reason,
                             sampling=job.sampling, k=config.k, sharing=sharing, max_batch=config.max_batch,
                             decide=(lambda rows: profile.decide(scheme, rows)) if profile is not None else None)
-    if policy == speculation.Policy.ON and not plan.on:
+    if policy == Policy.ON and not plan.on:
         raise JobError(Cause.SPECULATION_UNAVAILABLE,
                        f"speculation was required (speculation=on) but is off for this job: {plan.reason}")
     return plan

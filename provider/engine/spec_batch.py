@@ -1,6 +1,6 @@
 """One model's speculating jobs, advanced together: each `step()` reads at most one prompt chunk of a row
 still reading its prompt, gives every row whose prompt is read its first token (one forward over their
-last prompt tokens), then runs one speculative round (provider.engine.speculative) over every row
+last prompt tokens), then runs one speculative round (provider.engine.spec_rounds) over every row
 that decodes: their drafts together, one batched verify forward, each row's own acceptance and rollback.
 
 Rows join (after their prompt is read) and leave (finished, cancelled) between rounds. A round's tokens
@@ -22,7 +22,8 @@ from .acceptance import choice_for
 from .output import JobOutput
 from .prefix_cache import COMPLETION, PrefixCache
 from .drafters import drafter_for
-from .speculative import SpecRow, SpecStats, Speculator
+from .spec_rounds import SpecRow, Speculator
+from ..telemetry import SpecTelemetry
 
 
 @dataclass
@@ -53,7 +54,7 @@ class SpecBatch:
         return list(self._rows.values())
 
     def add(self, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, *, cache, cached: int) -> None:
-        stats = SpecStats(plan.mode, plan.k, choice=plan.choice)
+        stats = SpecTelemetry(plan.mode, k=plan.k, choice=plan.choice)
         output.spec_stats = stats
         spec = self._speculator.new_row(prompt, stats=stats, choice=choice_for(output.job.sampling), caches=cache,
                                         cached=cached)
@@ -124,4 +125,4 @@ class SpecBatch:
     def _observe(self, row: Row) -> None:
         if self._profile is not None:  # what this job saw keeps auto's estimate current
             stats = row.spec.stats
-            self._profile.observe(stats.scheme, stats.accepted, stats.judged)
+            self._profile.observe(stats.sampling_scheme, stats.accepted, stats.judged)

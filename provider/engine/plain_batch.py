@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from ..jobs import Event, Sink
 from ..models.loader import LoadedModel
-from ..telemetry import FinishReason
+from ..types import FinishReason
 from .output import JobOutput
 from .prefix_cache import COMPLETION, SYSTEM, PrefixCache
 
@@ -33,7 +33,7 @@ class Row:
     fault: BaseException | None = None
 
 
-class ModelBatch:
+class PlainBatch:
     def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, prefill_step_size: int, max_rows: int,
                  prefill_rows: int = 8):
         self.model_id = lm.id

@@ -1,0 +1,63 @@
+"""The target model as the speculative round loop sees it: logits for any mlx-lm model, and for Gemma 4 also
+what its MTP assistant (provider.models.gemma4_assistant) reads: the final-norm hidden state and the committed
+K/V of the last non-shared sliding and full layers."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, RotatingKVCache
+
+
+class Target:
+    """The target model seen by the round loop: logits, and for Gemma 4 its final-norm hidden and K/V."""
+
+    def __init__(self, model):
+        self.model = model
+        lm = getattr(model, "language_model", model)
+        self.gemma4 = lm.__class__.__module__.endswith("gemma4_text")
+        self.lm = lm
+        if self.gemma4:
+            from mlx_lm.models.gemma4_text import logit_softcap
+
+            self._softcap = logit_softcap
+            args = lm.args
+            first_shared = args.num_hidden_layers - args.num_kv_shared_layers
+            types = args.layer_types[:first_shared]
+            # The drafter reads the last non-shared layer of each attention type.
+            self.kv_layer = {t: max(i for i, x in enumerate(types) if x == t) for t in set(types)}
+            self.window = args.sliding_window
+            self.hidden_size = args.hidden_size
+
+    def forward(self, tokens: mx.array, caches: list) -> tuple[mx.array, mx.array | None]:
+        """tokens [B, L] -> (logits [B, L, V], final-norm hidden [B, L, H] or None)."""
+        if not self.gemma4:
+            return self.model(tokens, cache=caches), None
+        text = self.lm.model
+        hidden = text(tokens, cache=caches)
+        logits = text.embed_tokens.as_linear(hidden) if self.lm.tie_word_embeddings else self.lm.lm_head(hidden)
+        if self.lm.final_logit_softcapping is not None:
+            logits = self._softcap(self.lm.final_logit_softcapping, logits)
+        return logits, hidden
+
+    def scaled_embedding(self, tokens: mx.array) -> mx.array:
+        text = self.lm.model
+        return text.embed_tokens(tokens) * text.embed_scale
+
+    def shared_kv(self, caches: list) -> tuple[dict[str, tuple[mx.array, mx.array]], dict[str, mx.array] | None]:
+        """Committed K/V of the last sliding and last full layer (sliding: the last `window` rows), and for
+        merged rows, per layer type, the mask of each row's real positions."""
+        out, masks = {}, {}
+        for kind, i in self.kv_layer.items():
+            c = caches[i]
+            if isinstance(c, (BatchKVCache, BatchRotatingKVCache)):  # fresh from `merged`: in temporal order
+                n = min(c._idx, self.window) if isinstance(c, BatchRotatingKVCache) else c._idx
+                start = c._idx - n
+                out[kind] = (c.keys[..., start:c._idx, :], c.values[..., start:c._idx, :])
+                masks[kind] = (mx.arange(start, c._idx)[None] >= c.left_padding[:, None])[:, None, None, :]
+            elif isinstance(c, RotatingKVCache):
+                k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+                n = min(c.offset, k.shape[2], self.window)
+                out[kind] = (k[..., k.shape[2] - n:, :], v[..., v.shape[2] - n:, :])
+            else:
+                out[kind] = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+        return out, masks or None
