@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from .. import logs
 from ..jobs import Event, Sink
 from ..models.loader import LoadedModel
 from ..types import FinishReason
 from .output import JobOutput
 from .prefix_cache import COMPLETION, SYSTEM, PrefixCache
 
+log = logs.get("engine")
 
 
 @dataclass
@@ -30,7 +32,8 @@ class Row:
     output: JobOutput
     sink: Sink
     shared_prefix: int  # prompt tokens of a system prefix to keep once read (0: none)
-    fault: BaseException | None = None
+    fault: BaseException | None = None  # its sampler, logits processor or output raised: it fails alone
+    generator_done: bool = False  # the generator removed the row itself (EOS or its max_tokens)
 
 
 class PlainBatch:
@@ -82,37 +85,48 @@ class PlainBatch:
         prompt_responses, gen_responses = self._gen.next()
         self._keep_system_prefixes(prompt_responses)
         out: list[tuple[Row, list[Event]]] = []
-        ended: list[int] = []
+        dropped, ended = [], []  # rows the generator removed itself; rows a stop string ended
         for r in gen_responses:
             row = self._rows.get(r.uid)
-            if row is None:
+            if row is None or row.fault is not None:
+                continue  # a faulted row is reported by `faults`
+            row.generator_done = r.finish_reason is not None
+            try:
+                events = row.output.token(r.token)
+                if row.generator_done and not row.output.finished:  # its own length rule ended it first
+                    events += row.output.finish(FinishReason.LENGTH)
+            except Exception as e:  # this row's output (its detokenizer, its stop strings) fails it alone
+                row.fault = e
                 continue
-            if row.fault is not None:
-                continue  # reported below
-            events = row.output.token(r.token)
-            if r.finish_reason is not None and not row.output.finished:  # its own length rule ended it first
-                events += row.output.finish(FinishReason.LENGTH)
             if row.output.finished:
-                if r.finish_reason is not None:  # the generator dropped the row itself (EOS or max_tokens)
-                    self._forget(row)
-                    self.prefix.store(r.all_tokens, r.prompt_cache, COMPLETION)
-                else:  # a stop string, which only the text shows
-                    ended.append(r.uid)
+                (dropped if row.generator_done else ended).append((row, r))
             out.append((row, events))
+        # The step committed: only now do ended rows leave, so a failure above loses none of them.
+        for row, r in dropped:
+            self._forget(row)
+            self._store(r.all_tokens, r.prompt_cache)
         if ended:
-            caches = self._gen.remove(ended, return_prompt_caches=True)
-            for uid in ended:
-                self._forget(self._rows[uid])
-                cache, tokens = caches.get(uid, (None, None))
+            caches = self._gen.remove([r.uid for _, r in ended], return_prompt_caches=True)
+            for row, r in ended:
+                self._forget(row)
+                cache, tokens = caches.get(r.uid, (None, None))
                 if cache:
-                    self.prefix.store(tokens, cache, COMPLETION)
+                    self._store(tokens, cache)
         return out
 
+    def _store(self, tokens, cache) -> None:
+        try:
+            self.prefix.store(tokens, cache, COMPLETION)
+        except Exception:  # keeping a prefix is an optimisation: its failure costs no job
+            log.exception("prefix_store_failed", model=self.model_id)
+
     def faults(self) -> list[tuple[Row, BaseException]]:
-        """Rows whose sampler or logits processor raised in the last step; removed from the batch."""
+        """Rows whose sampler, logits processor or output raised in the last step; removed from the batch."""
         bad = [row for row in self._rows.values() if row.fault is not None]
         if bad:
-            self._gen.remove([row.uid for row in bad])
+            live = [row.uid for row in bad if not row.generator_done]
+            if live:
+                self._gen.remove(live)
             for row in bad:
                 self._forget(row)
         return [(row, row.fault) for row in bad]

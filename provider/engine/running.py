@@ -32,21 +32,21 @@ class Running:
         self._prefix_cache_bytes = prefix_cache_bytes
         self._batches: dict[str, PlainBatch] = {}  # by model id: the jobs that decode together
         self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
-        self._model_of: dict[str, str] = {}  # job id -> model id
         self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
         self.stats = stats  # the engine's (EngineStats): batch and prefix-reuse counters are added to it here
 
     def __len__(self) -> int:
-        return len(self._model_of)
+        return sum(len(rows) for rows in self._groups())
 
     def job_ids(self) -> list[str]:
-        return list(self._model_of)
-
-    def model_of(self, job_id: str) -> str | None:
-        return self._model_of.get(job_id)
+        """The jobs the batches hold rows for: the one record of what runs (the engine's books check it)."""
+        return [job_id for rows in self._groups() for job_id in rows.job_ids()]
 
     def on_model(self, model_id: str) -> int:
-        return sum(1 for m in self._model_of.values() if m == model_id)
+        return sum(len(rows) for rows in (self._batches.get(model_id), self._speculating.get(model_id)) if rows)
+
+    def _groups(self) -> list:
+        return [*self._batches.values(), *self._speculating.values()]
 
     # --- starting -----------------------------------------------------------------
 
@@ -71,7 +71,6 @@ class Running:
             spec.add(output, sink, prompt, plan, cache=cache, cached=cached)
         else:
             self._add_plain(lm, output, sink, prompt, cache, shared_prefix=shared_prefix)
-        self._model_of[job.id] = lm.id
 
     def _continue_plain(self, lm: LoadedModel, row, reason: str) -> None:
         prompt, cached = SpecBatch.continuation(row)
@@ -111,9 +110,10 @@ class Running:
             restore_random_state()
             del self._speculating[model_id]
             return [([_failed(row.output.job.id, e)], row.sink) for row in spec.close()]
+        out = [(events, row.sink) for row, events in results] + self._faulted(spec)
         if not len(spec):
             del self._speculating[model_id]
-        return [(events, row.sink) for row, events in results]
+        return out
 
     def _step_batch(self, model_id: str, batch: PlainBatch) -> list[Delivery]:
         try:
@@ -126,38 +126,35 @@ class Running:
         if results:
             self.stats.batch_steps += 1
             self.stats.batch_rows += len(results)
-        out = [(events, row.sink) for row, events in results]
-        for row, error in batch.faults():  # a row's own sampler or logits processor raised
-            log.error("job_step_failed", job_id=row.output.job.id, error=type(error).__name__, exc_info=error)
-            restore_random_state()
-            out.append(([_failed(row.output.job.id, error)], row.sink))
+        out = [(events, row.sink) for row, events in results] + self._faulted(batch)
         if not len(batch):  # an empty generator holds nothing worth keeping; a new one is cheap
             batch.close()
             del self._batches[model_id]
         return out
 
+    @staticmethod
+    def _faulted(rows) -> list[Delivery]:
+        """Rows whose own sampler, logits processor or output raised: each fails alone."""
+        out = []
+        for row, error in rows.faults():
+            log.error("job_step_failed", job_id=row.output.job.id, error=type(error).__name__, exc_info=error)
+            restore_random_state()
+            out.append(([_failed(row.output.job.id, error)], row.sink))
+        return out
+
     # --- ending ---------------------------------------------------------------------
 
-    def ended(self, job_id: str) -> str | None:
-        """Forget a job that delivered its last event; its model id."""
-        return self._model_of.pop(job_id, None)
-
     def cancel(self, job_id: str) -> Delivery | None:
-        model_id = self._model_of.get(job_id, "")
-        for rows in (self._batches.get(model_id), self._speculating.get(model_id)):
-            row = rows.cancel(job_id) if rows is not None else None
+        """Take a job's row out of its batch; its last events (a cancelled Done), or None if no batch has it."""
+        for rows in self._groups():
+            row = rows.cancel(job_id)
             if row is not None:
                 return row.output.finish(FinishReason.CANCELLED), row.sink
         return None
 
-    def sinks(self) -> dict[str, Sink]:
-        groups = [*self._batches.values(), *self._speculating.values()]
-        return {row.output.job.id: row.sink for rows in groups for row in rows.rows()}
-
     def clear(self) -> None:
         self._batches.clear()
         self._speculating.clear()
-        self._model_of.clear()
 
     # --- prefix caches --------------------------------------------------------------
 

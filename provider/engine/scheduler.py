@@ -25,17 +25,20 @@ from typing import Callable
 from .. import logs
 from ..jobs import Accepted, Done, Error, Event, Job, JobError, Sink, Usage
 from ..types import Cause, FinishReason
-from ..memory.admission import NEVER, WAIT
+from ..memory.admission import ADMIT, WAIT
+from ..models.loader import LoadedModel
 from ..models.residency import Residency
 from ..prompts import Prepared
 from ..status import EngineStats
 from ..telemetry import NOT_STARTED
+from .books import Books, deliver
 from .job_plan import job_plan
 from .running import Running, restore_random_state
 from .waiting import Pending, Verdict, WaitingJobs
 
 log = logs.get("engine")
 DRAINING_MESSAGE = "the node is draining and accepts no new jobs; retry elsewhere"
+STOPPED_MESSAGE = "the node stopped before this job started; retry elsewhere"
 FAILED_MESSAGE = "the node's engine stopped after an internal failure ({}); the node is restarting, retry elsewhere"
 
 
@@ -63,6 +66,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting = WaitingJobs()
         self.stats = EngineStats()
+        self._books = Books(models, self.stats)  # every job from its queueing to its one terminal event
         self._running = Running(self.stats, prefill_step_size=prefill_step_size, max_rows=max_concurrent,
                                 prefix_cache_bytes=prefix_cache_bytes)
         self._next_idle_check = 0.0
@@ -72,7 +76,7 @@ class Engine:
         self.last_tick = time.monotonic()  # fed to the service watchdog
         self.failure: str | None = None  # why the loop died; None while it runs
         self.on_failure: Callable[[str], None] | None = None  # called once, on the engine thread, if it dies
-        self.on_job_done: list[Callable[[Done, str], None]] = []  # (done, model id), on the engine thread
+        self.on_job_done = self._books.on_job_done  # (done, model id), on the engine thread
         self._submit_lock = threading.Lock()  # orders submits against the loop's death
 
     # --- called from any thread -------------------------------------------------
@@ -85,9 +89,9 @@ class Engine:
         with self._submit_lock:
             # Answered here too, since a stopped or dead engine thread no longer reads its inbox.
             if self.failure is not None:
-                _safe(sink, Error(job.id, Cause.INTERNAL, FAILED_MESSAGE.format(self.failure)))
+                deliver(sink, Error(job.id, Cause.INTERNAL, FAILED_MESSAGE.format(self.failure)))
             elif self.draining:
-                _safe(sink, Error(job.id, Cause.DRAINING, DRAINING_MESSAGE))
+                deliver(sink, Error(job.id, Cause.DRAINING, DRAINING_MESSAGE))
             else:
                 prepared = prepare(job)
                 self._inbox.put(Pending(job, sink, time.perf_counter(), prepared))
@@ -106,7 +110,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not len(self._running) and not len(self._waiting)
+        return not len(self._books)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread."""
@@ -127,8 +131,7 @@ class Engine:
             self.failure = why
         log.critical("engine_failed", error=why)
         message = FAILED_MESSAGE.format(why)
-        sinks = self._running.sinks()
-        sinks |= {p.job.id: p.sink for p in self._waiting.all()}
+        sinks = self._books.sinks()
         while True:  # jobs submitted but never read
             try:
                 msg = self._inbox.get_nowait()
@@ -137,9 +140,10 @@ class Engine:
             if isinstance(msg, Pending):
                 sinks[msg.job.id] = msg.sink
         for job_id, sink in sinks.items():
-            _safe(sink, Error(job_id, Cause.INTERNAL, message))
+            deliver(sink, Error(job_id, Cause.INTERNAL, message))
         self._running.clear()
         self._waiting = WaitingJobs()
+        self._books.clear()
         self._update_counts()
         if self.on_failure is not None:
             try:
@@ -160,12 +164,24 @@ class Engine:
                 self._next_idle_check = time.monotonic() + 1.0
             for events, sink in self._running.step():
                 self._deliver(events, sink)
+            self._reconcile()
             self._publish_prefix_bytes()
             self.last_tick = time.monotonic()
-        for job_id in self._running.job_ids():
+        for job_id in self._running.job_ids():  # their real outcome: cancelled, with what they generated
             self._cancel(job_id)
-        while (p := self._waiting.pop_any()) is not None:
-            self._cancelled_before_start(p)
+        for entry in self._books.entries():  # never started: the node stops, so it is the node's to refuse
+            self._waiting.remove(entry.pending.job.id)
+            self._books.finish(Error(entry.pending.job.id, Cause.DRAINING, STOPPED_MESSAGE))
+        self._update_counts()
+
+    def _reconcile(self) -> None:
+        """A started job that no batch holds would never end: fail it, and say so (it is a bug, not a load)."""
+        lost = self._books.running_ids() - set(self._running.job_ids())
+        for job_id in lost:
+            log.error("job_lost_by_its_batch", job_id=job_id)
+            self._books.finish(Error(job_id, Cause.INTERNAL, "the job's batch lost it; retry"))
+        if lost:
+            self._update_counts()
 
     def _pump(self, block: bool) -> None:
         try:
@@ -187,11 +203,14 @@ class Engine:
         self._update_counts()
 
     def _enqueue(self, p: Pending) -> None:
-        if self.draining:
-            _safe(p.sink, Error(p.job.id, Cause.DRAINING, DRAINING_MESSAGE))
+        if p.job.id in self._books:  # one job id, one life: a second submit under it is refused, not merged
+            deliver(p.sink, Error(p.job.id, Cause.DUPLICATE_JOB, f"job {p.job.id} is already running here"))
+        elif self.draining:
+            deliver(p.sink, Error(p.job.id, Cause.DRAINING, DRAINING_MESSAGE))
         elif len(self._waiting) >= self._max_queued + max(0, self._max_concurrent - len(self._running)):
-            _safe(p.sink, Error(p.job.id, Cause.OVERLOADED, f"the queue is full ({self._max_queued} jobs); retry later"))
+            deliver(p.sink, Error(p.job.id, Cause.OVERLOADED, f"the queue is full ({self._max_queued} jobs); retry later"))
         else:
+            self._books.enter(p)
             self._waiting.append(p)
 
     def _admit(self) -> None:
@@ -216,90 +235,60 @@ class Engine:
             self._waiting.park(p, loaded)
             loaded.add_done_callback(lambda _: self._inbox.put(_WAKE))
             return Verdict.GONE
-        max_tokens = min(prepared.job.sampling.max_tokens, loaded.context_length - len(prepared.prompt))
-        admission = self.models.admit_job(p.job.id, loaded.id, len(prepared.prompt) + max_tokens)
-        if admission.decision == NEVER:
-            self._fail(p, JobError(Cause.INSUFFICIENT_MEMORY, admission.message(loaded.id)))
-            return Verdict.GONE
-        if admission.decision == WAIT:
+        lm = self.models.acquire(loaded.id)  # held from here: nothing evicts it while the job is decided
+        if lm is None:  # evicted since `request` (a load on the loader thread made room): ask for it again
             return Verdict.WAIT
+        max_tokens = min(prepared.job.sampling.max_tokens, lm.context_length - len(prepared.prompt))
+        admission = self.models.admit_job(p.job.id, lm.id, len(prepared.prompt) + max_tokens)
+        if admission.decision != ADMIT:
+            self.models.release(lm.id)
+            if admission.decision == WAIT:
+                return Verdict.WAIT
+            self._fail(p, JobError(Cause.INSUFFICIENT_MEMORY, admission.message(lm.id)))
+            return Verdict.GONE
+        self._books.started(p.job.id, lm.id)  # from here `finish` gives back the model and the KV
         self._running.trim_prefix_caches(admission.prefix_keep)
         self._publish_prefix_bytes()
-        return Verdict.STARTED if self._start(p, prepared, loaded.id, max_tokens) else Verdict.GONE
+        return Verdict.STARTED if self._start(p, prepared, lm, max_tokens) else Verdict.GONE
 
     def _publish_prefix_bytes(self) -> None:
         """The budget counts the prefix caches; only this thread touches them, so it pushes their size."""
         self.models.prefix_bytes = self._running.prefix_bytes
 
-    def _start(self, p: Pending, prepared: Prepared, model_id: str, max_tokens: int) -> bool:
-        lm = self.models.acquire(model_id)
+    def _start(self, p: Pending, prepared: Prepared, lm: LoadedModel, max_tokens: int) -> bool:
         job, prompt = prepared.job, list(prepared.prompt)
         try:
-            plan = job_plan(job, lm, self.models.speculation, sharing=self._running.on_model(model_id))
+            plan = job_plan(job, lm, self.models.speculation, sharing=self._running.on_model(lm.id))
             self._running.start(job, p.sink, lm, prompt, max_tokens=max_tokens, arrived=p.arrived, plan=plan,
                                 shared_prefix=prepared.shared_prefix)
         except Exception as e:
-            self.models.release(model_id)
-            self.models.release_job(job.id)
+            self._running.cancel(job.id)  # whatever part of it a batch took
             self._fail(p, _as_job_error(e))
             return False
-        _safe(p.sink, Accepted(job.id, lm.id, len(prompt)))
+        deliver(p.sink, Accepted(job.id, lm.id, len(prompt)))
         log.info("job_started", job_id=job.id, model=lm.id, prompt_tokens=len(prompt), speculation=plan.reason)
         return True
 
     def _fail(self, p: Pending, e: JobError) -> None:
-        self.stats.jobs_failed += 1
-        log.info("job_rejected", job_id=p.job.id, cause=e.cause.value)
-        _safe(p.sink, Error.of(p.job.id, e))
+        self._waiting.remove(p.job.id)
+        self._books.finish(Error.of(p.job.id, e))
 
     def _cancel(self, job_id: str) -> None:
         delivery = self._running.cancel(job_id)
         if delivery is not None:
             self._deliver(*delivery)
             return
-        p = self._waiting.remove(job_id)
-        if p is not None:
-            self._cancelled_before_start(p)
+        if self._waiting.remove(job_id) is not None:
+            self._books.finish(Done(job_id, FinishReason.CANCELLED, Usage(0, 0), NOT_STARTED))
         self._update_counts()
-
-    def _cancelled_before_start(self, p: Pending) -> None:
-        self.stats.jobs_cancelled += 1
-        _safe(p.sink, Done(p.job.id, FinishReason.CANCELLED, Usage(0, 0), NOT_STARTED))
 
     def _deliver(self, events: list[Event], sink: Sink) -> None:
         for ev in events:
-            if not isinstance(ev, (Done, Error)):
-                _safe(sink, ev)
-                continue
-            # Accounted before the sink hears of it: whoever reads the status next sees the job gone.
-            model_id = self._running.ended(ev.job_id)
-            if model_id is not None:
-                self.models.release(model_id)
-            self.models.release_job(ev.job_id)
-            if isinstance(ev, Error):
-                self.stats.jobs_failed += 1
-                log.info("job_finished", job_id=ev.job_id, model=model_id, cause=ev.cause.value)
+            if isinstance(ev, (Done, Error)):
+                self._books.finish(ev)
+                self._update_counts()
             else:
-                if ev.finish_reason == FinishReason.CANCELLED:
-                    self.stats.jobs_cancelled += 1
-                else:
-                    self.stats.jobs_completed += 1
-                t, spec = ev.telemetry, ev.telemetry.speculation
-                self.stats.tokens_generated += ev.usage.completion_tokens
-                self.stats.prompt_tokens += ev.usage.prompt_tokens
-                self.stats.spec_drafted += spec.drafted
-                self.stats.spec_accepted += spec.accepted
-                self.stats.spec_target_forwards += spec.target_forwards
-                for observer in self.on_job_done:
-                    try:
-                        observer(ev, model_id or "")
-                    except Exception:
-                        log.exception("job_observer_failed", job_id=ev.job_id)
-                log.info("job_finished", job_id=ev.job_id, model=model_id, finish_reason=ev.finish_reason.value,
-                         completion_tokens=ev.usage.completion_tokens, cached_prompt_tokens=t.cached_prompt_tokens,
-                         ttft_ms=t.ttft_ms, decode_tokens_per_s=t.decode_tokens_per_s, speculation=spec.as_dict())
-            self._update_counts()
-            _safe(sink, ev)
+                deliver(sink, ev)
 
     def _update_counts(self) -> None:
         self.stats.active = len(self._running)
@@ -313,10 +302,3 @@ def _as_job_error(e: Exception) -> JobError:
     log.error("job_start_failed", error=type(e).__name__, exc_info=e)
     restore_random_state()
     return JobError(Cause.INTERNAL, f"the job could not start: {type(e).__name__}")
-
-
-def _safe(sink: Sink, ev: Event) -> None:
-    try:
-        sink(ev)
-    except Exception:  # a broken consumer must not stop the engine
-        log.exception("event_sink_failed", job_id=ev.job_id)

@@ -32,6 +32,7 @@ class Row:
     sink: Sink
     spec: SpecRow
     auto: bool  # auto chose to speculate (not `on`): it may go back to plain decoding
+    fault: BaseException | None = None  # its output raised: it fails alone
 
 
 class SpecBatch:
@@ -62,6 +63,7 @@ class SpecBatch:
 
     def step(self) -> list[tuple[Row, list[Event]]]:
         out: list[tuple[Row, list[Event]]] = []
+        ended: list[Row] = []
         decoding = [row for row in self._rows.values() if not row.spec.reading]
         reading = next((row for row in self._rows.values() if not row.spec.read_all_but_last), None)
         if reading is not None:
@@ -69,23 +71,37 @@ class SpecBatch:
         starting = [row for row in self._rows.values() if row.spec.reading and row.spec.read_all_but_last]
         if starting:  # their last prompt tokens in one forward, which gives each its first token
             for row, first in zip(starting, self._speculator.begin([row.spec for row in starting])):
-                out.append((row, self._emit(row, [first])))
+                out.append((row, self._emit(row, [first], ended)))
         by_k: dict[int, list[Row]] = {}
         for row in decoding:
             by_k.setdefault(row.spec.k, []).append(row)
         for rows in by_k.values():
             for row, tokens in zip(rows, self._speculator.round([row.spec for row in rows])):
-                out.append((row, self._emit(row, tokens)))
+                out.append((row, self._emit(row, tokens, ended)))
+        for row in ended:  # the step committed: only now do ended rows leave, so a failure above loses none
+            self._end(row)
         return out
 
-    def _emit(self, row: Row, tokens: list[int]) -> list[Event]:
+    def _emit(self, row: Row, tokens: list[int], ended: list[Row]) -> list[Event]:
         events: list[Event] = []
-        for token in tokens:
-            events += row.output.token(token)
-            if row.output.finished:
-                self._end(row)
-                break
+        try:
+            for token in tokens:
+                events += row.output.token(token)
+                if row.output.finished:
+                    ended.append(row)
+                    break
+        except Exception as e:  # this row's output (its detokenizer, its stop strings) fails it alone
+            row.fault = e
+            return []
         return events
+
+    def faults(self) -> list[tuple[Row, BaseException]]:
+        """Rows whose output raised in the last step; removed from the batch."""
+        bad = [row for row in self._rows.values() if row.fault is not None]
+        for row in bad:
+            del self._rows[row.output.job.id]
+            self._observe(row)
+        return [(row, row.fault) for row in bad]
 
     def demote(self) -> list[Row]:
         """Take out the rows auto chose to speculate, for the plain batch to continue from their caches

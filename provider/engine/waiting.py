@@ -100,7 +100,8 @@ class WaitingJobs:
                     break  # it has waited long enough: nothing behind it goes first
                 blocked = blocked or p
                 continue
-            self._line.remove(p)
+            if p in self._line:  # a job that failed here was already taken out when it was finished
+                self._line.remove(p)
             if verdict is Verdict.STARTED and blocked is not None:
                 blocked.passed_over += 1
 

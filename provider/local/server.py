@@ -15,6 +15,7 @@ from aiohttp import web
 
 from .. import logs, paths
 from ..jobs import Accepted, Done, Error, Tokens, Usage
+from ..types import Cause
 from ..node import JobStream, Node
 from . import openai_api as api
 
@@ -168,7 +169,8 @@ class LocalAPI:
             first = await anext(stream)
             if isinstance(first, Error):
                 raise api.error_for(first.cause, first.message, first.param)
-            assert isinstance(first, Accepted)
+            if not isinstance(first, Accepted):  # ended before it started: only a cancel does that
+                raise api.error_for(Cause.DRAINING, "the job was cancelled before it started; retry")
             if req.stream:
                 return await self._stream(request, stream, job.id, first.model, chat, req.include_usage)
             return await self._collect(request, stream, job.id, first.model, chat)

@@ -146,11 +146,12 @@ class Residency:
         self._loader.submit(self._load, model_id, future)
         return future
 
-    def acquire(self, model_id: str) -> LoadedModel:
+    def acquire(self, model_id: str) -> LoadedModel | None:
+        """Hold a resident model (no eviction until `release`); None if it is not resident (any more)."""
         with self._lock:
             e = self._entries.get(model_id)
             if e is None or not e.ready:
-                raise JobError(Cause.INTERNAL, f"model {model_id} is not resident")
+                return None
             e.in_use += 1
             e.last_used = time.monotonic()
             return e.lm
