@@ -31,6 +31,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # as OpenAI's API
 MAX_SEED = 1 << 63
 MAX_TOP_K = (1 << 32) - 1  # the proto's uint32
+# A temperature below this samples as greedy (0). At 1e-3 a token trailing the best by 0.02 in logit is already
+# e^-20 (2e-9) as likely, and below it 1/T overflows half-precision logits (every token NaN) long before it
+# could change the argmax; so the node takes the argmax instead of pretending to sample.
+GREEDY_BELOW = 1e-3
 
 
 def _invalid(param: str, rule: str, value: Any = None) -> JobError:
@@ -142,7 +146,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def resolve_max_tokens(value: Any, default: int, limit: int) -> int:

@@ -135,7 +135,7 @@ class Node:
         )
         self.catalog = models.catalog
         models.profiler = profile.measure
-        self.prompts = PromptPreparer(self.catalog.checkpoint)
+        self.prompts = PromptPreparer(self.catalog.tokenizer_files)
         self.metrics = Metrics(self.status)
         self.engine.on_job_done.append(self.metrics.job_ended)
         facts = system_facts()  # what does not change while the process runs

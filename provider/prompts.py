@@ -68,7 +68,7 @@ class PromptPreparer:
     """`prepare(job)` returns a future of `Prepared`, or of the JobError that refuses the job."""
 
     def __init__(self, checkpoint: Callable[[str], tuple[Path, dict]], workers: int = 2):
-        self._checkpoint = checkpoint  # model id -> (directory, config); may download
+        self._checkpoint = checkpoint  # model id -> (directory, config); may download config and tokenizer
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="prompts")
         self._models: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -109,6 +109,13 @@ class PromptPreparer:
         with m.lock:
             ids = encode_prompt(job, m.tokenizer)
             shared = system_prefix_length(job, m.tokenizer, ids)
+        beyond = next((t for t in ids if t >= m.vocab_size), None)
+        if beyond is not None:  # an embedding lookup past the table's rows crashes native code
+            raise JobError(
+                Cause.INVALID_REQUEST,
+                f"the prompt encodes to token id {beyond} ({m.tokenizer.convert_ids_to_tokens(beyond)!r}), which "
+                f"{job.model} has no embedding for (its {m.vocab_size} rows end at {m.vocab_size - 1}): its "
+                "tokenizer knows tokens its weights do not; remove that text", where)
         if len(ids) >= m.context_length:  # at least one token of room to generate
             raise JobError(
                 Cause.CONTEXT_LENGTH_EXCEEDED,

@@ -61,9 +61,9 @@ def test_a_failing_sampler_or_processor_fails_that_job_only(fixtures_dir, monkey
     node = make_node({"q": fixtures_dir / "qwen3-tiny"})
     real = getattr(sampling, f"{where}_for" if where == "sampler" else "logits_processors_for")
 
-    def broken(params):
+    def broken(params, *limit):
         if params.seed != 666:
-            return real(params)
+            return real(params, *limit)
         if where == "logits_processors":  # raises while the job starts
             raise RuntimeError("injected processor failure")
 

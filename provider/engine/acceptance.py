@@ -22,8 +22,10 @@ from ..speculation import GREEDY, SPECULATIVE_SAMPLING
 from .sampling import filters_for, job_seed
 
 
-def greedy_tokens(logits: mx.array) -> mx.array:
-    """Argmax exactly as mlx-lm's plain path takes it (over log-probabilities), so near-ties break alike."""
+def greedy_tokens(logits: mx.array, limit: int | None = None) -> mx.array:
+    """Argmax exactly as mlx-lm's plain path takes it (over log-probabilities), so near-ties break alike;
+    over the ids below `limit` (those the detokenizer can decode) when the model scores more."""
+    logits = logits[..., :limit]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return mx.argmax(logprobs, axis=-1)
 
@@ -31,15 +33,18 @@ def greedy_tokens(logits: mx.array) -> mx.array:
 class GreedyChoice:
     scheme = GREEDY
 
+    def __init__(self, limit: int | None = None):
+        self._limit = limit
+
     def first(self, logits: mx.array) -> mx.array:
-        return greedy_tokens(logits)
+        return greedy_tokens(logits, self._limit)
 
     def draft(self, logits: mx.array) -> tuple[mx.array, None]:
-        return greedy_tokens(logits), None
+        return greedy_tokens(logits, self._limit), None
 
     def verify(self, logits: mx.array, drafts: mx.array, q: list) -> tuple[mx.array, mx.array, dict]:
         """logits [k+1, V] -> (accepted count n, the token after them [1], per-round extras)."""
-        verdict = greedy_tokens(logits)
+        verdict = greedy_tokens(logits, self._limit)
         k = drafts.shape[0]
         n = mx.cumprod((verdict[:k] == drafts).astype(mx.int32)).sum()
         return n, mx.take(verdict, n)[None], {}
@@ -48,7 +53,8 @@ class GreedyChoice:
 class SampledChoice:
     scheme = SPECULATIVE_SAMPLING
 
-    def __init__(self, params: SamplingParams, seed: int | None = None):
+    def __init__(self, params: SamplingParams, seed: int | None = None, limit: int | None = None):
+        self._limit = limit  # p and q both over the decodable ids: the same support, so still exact
         self._filtered = filters_for(params)
         self._inv_temp = 1 / params.temperature
         self._key = mx.random.key(job_seed(params) if seed is None else seed)
@@ -58,7 +64,7 @@ class SampledChoice:
         return sub
 
     def probs(self, logits: mx.array) -> mx.array:
-        logits = logits.astype(mx.float32)
+        logits = logits[..., :self._limit].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return mx.softmax(self._filtered(logprobs) * self._inv_temp, axis=-1)
 
@@ -89,5 +95,5 @@ class SampledChoice:
         return n, bonus[None], overlap
 
 
-def choice_for(params: SamplingParams) -> GreedyChoice | SampledChoice:
-    return GreedyChoice() if params.greedy else SampledChoice(params)
+def choice_for(params: SamplingParams, limit: int | None = None) -> GreedyChoice | SampledChoice:
+    return GreedyChoice(limit) if params.greedy else SampledChoice(params, limit=limit)

@@ -81,7 +81,8 @@ class Running:
                    cached: int | None = None, shared_prefix: int = 0) -> None:
         params = output.job.sampling
         self._plain_batch(lm).add(output, sink, prompt, cache=cache,
-                                  sampler=None if params.greedy else sampling.sampler_for(params),
+                                  sampler=None if params.greedy and lm.decodable is None
+                                  else sampling.sampler_for(params, lm.decodable),
                                   processors=sampling.logits_processors_for(params),
                                   shared_prefix=shared_prefix, cached=cached)
 

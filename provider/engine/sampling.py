@@ -18,10 +18,12 @@ from ..jobs import SamplingParams
 Sampler = Callable[[mx.array], mx.array]
 
 
-def sampler_for(params: SamplingParams) -> Sampler:
+def sampler_for(params: SamplingParams, limit: int | None = None) -> Sampler:
+    """The job's sampler; with `limit`, it draws only ids below it (those the detokenizer can decode)."""
     if params.greedy:
-        return make_sampler(temp=0.0)  # argmax
-    return _keyed_sampler(params, job_seed(params))
+        argmax = make_sampler(temp=0.0)
+        return argmax if limit is None else (lambda logprobs: argmax(logprobs[..., :limit]))
+    return _keyed_sampler(params, job_seed(params), limit)
 
 
 def logits_processors_for(params: SamplingParams) -> list | None:
@@ -54,13 +56,16 @@ def job_seed(params: SamplingParams) -> int:
     return secrets.randbits(63) if params.seed is None else params.seed
 
 
-def _keyed_sampler(params: SamplingParams, seed: int) -> Sampler:
+def _keyed_sampler(params: SamplingParams, seed: int, limit: int | None) -> Sampler:
     key = mx.random.key(seed)
     filtered = filters_for(params)
+    inv_temp = 1 / params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, sub = mx.random.split(key)
-        return mx.random.categorical(filtered(logprobs) * (1 / params.temperature), key=sub)
+        # In float32: 1/T times half-precision logits overflows at small temperatures.
+        logprobs = logprobs[..., :limit].astype(mx.float32)
+        return mx.random.categorical(filtered(logprobs) * inv_temp, key=sub)
 
     return sample

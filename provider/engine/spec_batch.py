@@ -39,6 +39,7 @@ class SpecBatch:
     def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, prefill_step_size: int):
         self.model_id = lm.id
         self._profile = lm.spec_profile
+        self._decodable = lm.decodable
         self._speculator = Speculator(lm.model, drafter_for(lm))
         self.prefix = prefix
         self._chunk_alone = prefill_step_size
@@ -57,7 +58,7 @@ class SpecBatch:
     def add(self, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, *, cache, cached: int) -> None:
         stats = SpecTelemetry(plan.mode, k=plan.k, choice=plan.choice)
         output.spec_stats = stats
-        spec = self._speculator.new_row(prompt, stats=stats, choice=choice_for(output.job.sampling), caches=cache,
+        spec = self._speculator.new_row(prompt, stats=stats, choice=choice_for(output.job.sampling, self._decodable), caches=cache,
                                         cached=cached)
         self._rows[output.job.id] = Row(output, sink, spec, auto=plan.choice is not None)
 

@@ -55,6 +55,14 @@ class Catalog:
         path = stored.path or loader.resolve(stored.source, allow_download=self._allow_download)
         return path, read_config(path)
 
+    def tokenizer_files(self, model_id: str) -> tuple[Path, dict]:
+        """The directory holding the model's config and tokenizer, and its config: all a prompt needs. A repo
+        not yet cached has only those files fetched, so preparing a prompt never waits on its weights."""
+        stored = self._models[model_id]
+        path = stored.path or loader.resolve(stored.source, allow_download=self._allow_download,
+                                             patterns=loader.TOKENIZER_PATTERNS)
+        return path, read_config(path)
+
     def drafter_path(self, model_id: str) -> Path | None:
         drafter = self._models[model_id].drafter
         return Path(drafter).expanduser() if drafter else None

@@ -23,6 +23,9 @@ class LoadedModel:
     drafter_mode: str | None = None  # mtp | draft | None
     drafter_reason: str = "no_drafter"  # why there is no drafter (stable reason), or "ok"
     spec_profile: Any = None  # speculation.SpecProfile: the pair's measured costs and acceptance (auto's k)
+    # Token ids the detokenizer can decode, when the model's output is wider (a vocabulary padded past the
+    # tokenizer): samplers draw below it. None: every output id decodes.
+    decodable: int | None = None
 
     @property
     def context_length(self) -> int:
@@ -35,8 +38,13 @@ def model_id_for(source: str) -> str:
     return p.name if p.exists() else source
 
 
-def resolve(source: str, *, allow_download: bool = True) -> Path:
-    """Local directory as is; a repo id from the Hugging Face cache, downloading it if allowed."""
+# What preparing a prompt needs of a repo: its config and tokenizer, never its weights.
+TOKENIZER_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+
+
+def resolve(source: str, *, allow_download: bool = True, patterns: list[str] | None = None) -> Path:
+    """Local directory as is; a repo id from the Hugging Face cache, downloading it if allowed: the files
+    mlx-lm loads a model from, or only `patterns`."""
     p = Path(source).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
@@ -48,14 +56,15 @@ def resolve(source: str, *, allow_download: bool = True) -> Path:
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+    patterns = patterns or DEFAULT_ALLOW_PATTERNS
     try:
-        return Path(snapshot_download(source, local_files_only=True, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return Path(snapshot_download(source, local_files_only=True, allow_patterns=patterns))
     except Exception:
         if not allow_download:
             raise JobError(Cause.UNKNOWN_MODEL, f"model {source!r} is not in the local Hugging Face cache") from None
     try:
         # huggingface_hub shows a progress bar and resumes partial downloads.
-        return Path(snapshot_download(source, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return Path(snapshot_download(source, allow_patterns=patterns))
     except Exception as e:
         raise JobError(Cause.UNKNOWN_MODEL, f"cannot fetch model {source!r}: {type(e).__name__}: {e}") from None
 
@@ -118,4 +127,13 @@ def load(model_id: str, path: Path) -> LoadedModel:
         model, tokenizer, config = mlx_load(str(path), return_config=True)
     except Exception as e:
         raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot load {model_id} from {path}: {type(e).__name__}: {e}") from None
-    return LoadedModel(model_id, path, model, tokenizer, config, time.perf_counter() - start)
+    lm = LoadedModel(model_id, path, model, tokenizer, config, time.perf_counter() - start)
+    lm.decodable = decodable_limit(config, len(tokenizer.get_vocab()))
+    return lm
+
+
+def decodable_limit(config: dict, tokenizer_size: int) -> int | None:
+    """The ids a sampler may draw when the model scores more ids than the tokenizer has."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    width = text.get("vocab_size") or config.get("vocab_size")
+    return tokenizer_size if isinstance(width, int) and 0 < tokenizer_size < width else None
