@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 # Kinds, evicted in this order when the cache is over its bound: finished completions first, shared system
 # prompts last (they are what the next request of every chat reuses).
@@ -50,6 +51,7 @@ class PrefixCache:
     def store(self, tokens: list[int], cache: list[Any], kind: str = COMPLETION) -> None:
         if self.max_bytes <= 0 or not tokens or not cache:
             return
+        owned(cache)
         self._lru.insert_cache(self.model_id, list(tokens), cache, cache_type=kind)
 
     def trim_to(self, max_bytes: int) -> int:
@@ -60,3 +62,20 @@ class PrefixCache:
 
     def clear(self) -> int:
         return self.trim_to(0)
+
+
+def owned(cache: list[Any]) -> None:
+    """Make each layer's K/V arrays own exactly their bytes, evaluated now. What a batch hands back for a row is
+    a lazy slice of the batch's buffers, and a slice (evaluated or not) keeps the whole buffer alive (rows x
+    the longest row) while counting only itself; a KVCache also holds capacity past its offset. Copied and
+    trimmed, an entry holds what `nbytes` says, and the batch's buffers go when the batch lets them go."""
+    for c in cache:
+        if isinstance(c, KVCache) and c.keys is not None:
+            c.keys = mx.contiguous(c.keys[..., : c.offset, :])
+            c.values = mx.contiguous(c.values[..., : c.offset, :])
+        else:
+            for name in ("keys", "values"):
+                array = getattr(c, name, None)
+                if isinstance(array, mx.array):
+                    setattr(c, name, mx.contiguous(array))
+    mx.eval([c.state for c in cache])

@@ -162,10 +162,11 @@ class Engine:
                 self.models.unload_idle()
                 self._running.keep_prefix_caches_of(set(self.models.resident()))
                 self._next_idle_check = time.monotonic() + 1.0
-            for events, sink in self._running.step():
+            deliveries = self._running.step()
+            self._publish_prefix_bytes()  # what the step kept for reuse is booked before any job's end is heard
+            for events, sink in deliveries:
                 self._deliver(events, sink)
             self._reconcile()
-            self._publish_prefix_bytes()
             self.last_tick = time.monotonic()
         for job_id in self._running.job_ids():  # their real outcome: cancelled, with what they generated
             self._cancel(job_id)
@@ -285,6 +286,7 @@ class Engine:
     def _deliver(self, events: list[Event], sink: Sink) -> None:
         for ev in events:
             if isinstance(ev, (Done, Error)):
+                self._publish_prefix_bytes()  # a cancelled speculative row keeps its KV for reuse
                 self._books.finish(ev)
                 self._update_counts()
             else:

@@ -261,6 +261,15 @@ def make_llama_pair(target_out: Path, draft_out: Path) -> None:
     _save(draft_out, cfg := _llama_config(ids, 512, 32, 1), _random_weights(cfg, seed=3))
 
 
+def make_llama_kv_heavy(out: Path) -> None:
+    """A small Llama with a heavy KV per token (4 layers x K,V x 8 heads x 32, fp32: 8 KiB a token) and a 4k
+    context, so memory tests see KV dominate what MLX holds."""
+    ids = build_tokenizer(_mkdir(out), 512, CHATML_TEMPLATE, "<eos>", add_bos=True)
+    config = _llama_config(ids, 512, 256, 4) | {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32,
+                                                 "max_position_embeddings": 4096}
+    _save(out, config, _random_weights(config, seed=5))
+
+
 def make_qwen3_tiny(out: Path) -> None:
     ids = build_tokenizer(_mkdir(out), 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
     config = {
@@ -292,6 +301,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "gemma4-tiny-assistant": lambda d: make_gemma4_tiny_assistant(d / "gemma4-tiny-assistant", d / "gemma4-tiny"),
     "llama-tiny": lambda d: make_llama_pair(d / "llama-tiny", d / "llama-tiny-draft"),
     "qwen3-tiny": lambda d: make_qwen3_tiny(d / "qwen3-tiny"),
+    "llama-kv-heavy": lambda d: make_llama_kv_heavy(d / "llama-kv-heavy"),
 }
 
 

@@ -41,12 +41,10 @@ WORDS = fixtures.CORPUS.split()
 
 
 def build_model(out: Path) -> tuple[Path, list[int]]:
-    """The KV-heavy Llama: 8 KB of fp32 KV per token (4 layers x K,V x 8 heads x 32), real BPE tokenizer."""
-    ids = fixtures.build_tokenizer(fixtures._mkdir(out), 512, fixtures.CHATML_TEMPLATE, "<eos>", add_bos=True)
-    cfg = fixtures._llama_config(ids, 512, 256, 4) | {
-        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32, "max_position_embeddings": 4096}
-    fixtures._save(out, cfg, fixtures._random_weights(cfg, seed=5))
-    return out, [ids["<eos>"], ids["<|im_end|>"]]
+    """The fixture factory's KV-heavy Llama (8 KiB of fp32 KV per token), and its end-of-sequence ids."""
+    fixtures.make_llama_kv_heavy(out)
+    config = json.loads((out / "config.json").read_text())
+    return out, list(config["eos_token_id"])
 
 
 class Sampler(threading.Thread):
