@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     if args.command == "start":
-        return _start(args)
+        # Leave without the interpreter's teardown, as the one-shot commands do: MLX 0.32's CPU backend can
+        # abort there (SIGABRT) after a clean drain, and the service manager would read a crash.
+        _leave(_start(args))
     if args.command == "doctor":
         from . import doctor
 

@@ -88,3 +88,6 @@ class _StatusCollector:
         yield gauge("memory_budget_bytes", "Usable memory budget.", m.usable_bytes)
         yield gauge("memory_used_bytes", "Budget held by models, jobs' KV and prefix caches.", m.reserved_bytes)
         yield gauge("memory_free_bytes", "Budget free.", m.free_bytes)
+        yield gauge("memory_mlx_active_bytes", "What MLX holds now (mx.get_active_memory).", m.mlx_active_bytes)
+        yield gauge("memory_unaccounted_bytes", "What MLX holds beyond the ledger; admission counts it as used.",
+                    m.unaccounted_bytes)

@@ -66,8 +66,10 @@ def test_a_repeated_system_prompt_is_reported_as_cached_tokens(client):
     system = {"role": "system", "content": "You answer questions about caches and batches. " * 8}
     usages = [client.chat.completions.create(model="gemma4-tiny", max_tokens=4, temperature=0, messages=[
         system, {"role": "user", "content": q}]).usage for q in ("What is a cache?", "What is a batch?")]
-    assert usages[0].prompt_tokens_details.cached_tokens == 0
-    assert 40 < usages[1].prompt_tokens_details.cached_tokens < usages[1].prompt_tokens
+    # The first may reuse the few template tokens an earlier test's chat began with (the server is the module's).
+    first, second = (u.prompt_tokens_details.cached_tokens for u in usages)
+    assert first < 8
+    assert first + 40 < second < usages[1].prompt_tokens
 
 
 def test_models_and_health(client, server):

@@ -2,8 +2,8 @@
 event, and the one `finish` that ends it.
 
 The engine thread is the only writer. A job is entered when it joins the queue; it holds its model (a
-refcount in the residency) and its KV reservation from the moment it starts; `finish` releases both, leaves
-the counters, and delivers the terminal event, exactly once: a second `finish` of the same job is dropped
+refcount in the residency) from the moment it starts, and its batch's KV is booked by the engine; `finish` releases the model, counts
+the job, and delivers the terminal event, exactly once: a second `finish` of the same job is dropped
 (and logged), so a job can never get two outcomes, and a job that is still in the books at idle is a bug the
 engine catches (`Engine._reconcile`), not a hang.
 """
@@ -26,7 +26,7 @@ log = logs.get("engine")
 @dataclass
 class Entry:
     pending: Pending
-    model_id: str | None = None  # set once the job holds its model (a refcount) and its KV reservation
+    model_id: str | None = None  # set once the job holds its model (a refcount)
 
     @property
     def started(self) -> bool:
@@ -50,7 +50,7 @@ class Books:
         self._jobs[p.job.id] = Entry(p)
 
     def started(self, job_id: str, model_id: str) -> None:
-        """The job holds `model_id` and its KV reservation now: `finish` gives both back."""
+        """The job holds `model_id` now (its batch's KV is booked by the engine): `finish` gives it back."""
         self._jobs[job_id].model_id = model_id
 
     def running_ids(self) -> set[str]:
@@ -76,7 +76,6 @@ class Books:
         model_id = entry.model_id
         if model_id is not None:
             self.models.release(model_id)
-        self.models.release_job(ev.job_id)  # accounted before the sink hears of it: the next status sees it gone
         self._count(ev, model_id)
         deliver(entry.pending.sink, ev)
         return True

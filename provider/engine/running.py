@@ -9,9 +9,11 @@ raises fails that job; a failure inside a forward shared by a batch fails that b
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass, field
 from .. import logs
 from ..jobs import Error, Event, Job, Sink
 from ..types import Cause, FinishReason, SpecReason
+from ..memory.batch_kv import plain_batch_bytes, prefill_transient_bytes, spec_batch_bytes
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..status import QueueStatus
@@ -22,6 +24,15 @@ from .prefix_cache import PrefixCache
 from .spec_batch import SpecBatch
 
 Delivery = tuple[list[Event], Sink]
+PREFILL_ROWS = 8  # prompts the plain batch reads in one forward (mlx-lm's prefill_batch_size)
+
+
+@dataclass
+class Layout:
+    """One batch's rows as memory sees them: each row's final length, and the prompts still being read."""
+
+    finals: list[int] = field(default_factory=list)
+    reading: list[int] = field(default_factory=list)
 log = logs.get("engine")
 
 
@@ -47,6 +58,49 @@ class Running:
 
     def _groups(self) -> list:
         return [*self._batches.values(), *self._speculating.values()]
+
+    # --- what the batches will hold ---------------------------------------------------
+
+    def booked_bytes(self, model_id: str) -> int:
+        """What the model's batches will hold: KV when every row they run now reaches its final length, and the
+        scratch of reading the prompts still being read."""
+        rows = self._batches.get(model_id) or self._speculating.get(model_id)
+        return self._bytes(rows.lm, *self._layout(model_id)) if rows is not None else 0
+
+    def booking_with(self, lm: LoadedModel, prompt: int, final: int) -> int:
+        """The same with one more job (`prompt` tokens, `final` at the end), wherever it will decode: in the
+        plain batch, in the plain batch with the speculating rows demoted to it, or speculating (the largest:
+        that is decided after admission)."""
+        plain, spec = self._layout(lm.id)
+        joined = Layout(plain.finals + [final], plain.reading + [prompt])
+        layouts = [(joined, spec), (Layout(joined.finals + spec.finals, joined.reading + spec.reading), Layout())]
+        if lm.drafter is not None:
+            layouts.append((plain, Layout(spec.finals + [final], spec.reading + [prompt])))
+        return max(self._bytes(lm, p, s) for p, s in layouts)
+
+    def models(self) -> set[str]:
+        return set(self._batches) | set(self._speculating)
+
+    def _layout(self, model_id: str) -> tuple[Layout, Layout]:
+        plain, spec = self._batches.get(model_id), self._speculating.get(model_id)
+        return (Layout([r.output.prompt_tokens + r.output.max_tokens for r in plain.rows()],
+                       [r.output.prompt_tokens for r in plain.rows() if r.output.t_first is None]) if plain
+                else Layout(),
+                Layout([r.output.prompt_tokens + r.output.max_tokens for r in spec.rows()],
+                       [r.output.prompt_tokens for r in spec.rows() if r.spec.reading]) if spec else Layout())
+
+    def _bytes(self, lm: LoadedModel, plain: Layout, spec: Layout) -> int:
+        if lm.kv_shape is None:
+            return 0
+        kv = plain_batch_bytes(plain.finals, lm.kv_shape) + spec_batch_bytes(spec.finals, lm.kv_shape,
+                                                                              lm.draft_kv_shape)
+        if lm.act_shape is None:
+            return kv
+        # The plain batch reads up to PREFILL_ROWS prompts in one forward, the speculative batch one at a time;
+        # the model's own footprint already holds one chunk of one row's scratch.
+        scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, self._prefill_step_size, PREFILL_ROWS),
+                      prefill_transient_bytes(spec.reading, lm.act_shape, self._prefill_step_size, 1))
+        return kv + max(0, scratch - lm.act_reserve)
 
     # --- starting -----------------------------------------------------------------
 
@@ -90,7 +144,7 @@ class Running:
         batch = self._batches.get(lm.id)
         if batch is None:
             batch = self._batches[lm.id] = PlainBatch(lm, self._prefix[lm.id], prefill_step_size=self._prefill_step_size,
-                                                      max_rows=self._max_rows)
+                                                      max_rows=self._max_rows, prefill_rows=PREFILL_ROWS)
         return batch
 
     # --- one pass -------------------------------------------------------------------

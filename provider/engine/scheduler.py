@@ -4,7 +4,7 @@ round of each job that speculates on its own.
 
 Front ends hand jobs in through a thread-safe inbox and receive events through a sink callback (called on
 this thread; it must not block). A job waits, in arrival order, until its prompt is prepared off this
-thread, its model is resident and its KV fits the memory budget (Residency.admit_job): a job that could
+thread, its model is resident and its KV fits the memory budget (Residency.admit_batch, for the batch it joins as that batch will be): a job that could
 never fit is refused with the numbers; one that must wait may be passed over by later jobs a bounded
 number of times (provider.engine.waiting). Cancels are read between steps, so a cancelled job stops within one step.
 
@@ -67,6 +67,10 @@ class Engine:
         self._waiting = WaitingJobs()
         self.stats = EngineStats()
         self._books = Books(models, self.stats)  # every job from its queueing to its one terminal event
+        # Bookings of each model's batches (_rebook): the models booked, the last step's and the floor they keep.
+        self._booked_models: set[str] = set()
+        self._last_step: dict[str, int] = {}
+        self._floor: dict[str, int] = {}
         self._running = Running(self.stats, prefill_step_size=prefill_step_size, max_rows=max_concurrent,
                                 prefix_cache_bytes=prefix_cache_bytes)
         self._next_idle_check = 0.0
@@ -164,6 +168,7 @@ class Engine:
                 self._next_idle_check = time.monotonic() + 1.0
             deliveries = self._running.step()
             self._publish_prefix_bytes()  # what the step kept for reuse is booked before any job's end is heard
+            self._rebook(step=True)  # rows that read their prompts or left free their share one step late
             for events, sink in deliveries:
                 self._deliver(events, sink)
             self._reconcile()
@@ -180,6 +185,7 @@ class Engine:
         lost = self._books.running_ids() - set(self._running.job_ids())
         for job_id in lost:
             log.error("job_lost_by_its_batch", job_id=job_id)
+            self._rebook()
             self._books.finish(Error(job_id, Cause.INTERNAL, "the job's batch lost it; retry"))
         if lost:
             self._update_counts()
@@ -240,7 +246,10 @@ class Engine:
         if lm is None:  # evicted since `request` (a load on the loader thread made room): ask for it again
             return Verdict.WAIT
         max_tokens = min(prepared.job.sampling.max_tokens, lm.context_length - len(prepared.prompt))
-        admission = self.models.admit_job(p.job.id, lm.id, len(prepared.prompt) + max_tokens)
+        # Booked for the batch it joins, as that batch will be (rows x its longest row), not for the job alone.
+        admission = self.models.admit_batch(
+            lm.id, self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens))
+
         if admission.decision != ADMIT:
             self.models.release(lm.id)
             if admission.decision == WAIT:
@@ -266,12 +275,14 @@ class Engine:
             self._running.cancel(job.id)  # whatever part of it a batch took
             self._fail(p, _as_job_error(e))
             return False
+        self._rebook()  # the layout it joined (plain or speculating) is known now
         deliver(p.sink, Accepted(job.id, lm.id, len(prompt)))
         log.info("job_started", job_id=job.id, model=lm.id, prompt_tokens=len(prompt), speculation=plan.reason)
         return True
 
     def _fail(self, p: Pending, e: JobError) -> None:
         self._waiting.remove(p.job.id)
+        self._rebook()  # a job admitted but not started gives its share of the booking back
         self._books.finish(Error.of(p.job.id, e))
 
     def _cancel(self, job_id: str) -> None:
@@ -287,10 +298,25 @@ class Engine:
         for ev in events:
             if isinstance(ev, (Done, Error)):
                 self._publish_prefix_bytes()  # a cancelled speculative row keeps its KV for reuse
+                self._rebook()  # its row left its batch: the batch will hold less
                 self._books.finish(ev)
                 self._update_counts()
             else:
                 deliver(sink, ev)
+
+    def _rebook(self, step: bool = False) -> None:
+        """Book in the residency what each model's batches will hold, from the rows they run now. A booking
+        grows at once and shrinks a step late: MLX evaluates a step after the engine has moved on (async), and
+        a row leaving a batch copies the rows that stay, so memory goes a step after the rows do. A model with
+        no rows left holds nothing (its last step was read back)."""
+        now = {model_id: self._running.booked_bytes(model_id) for model_id in self._running.models()}
+        if step:  # the floor until the next step: this step's rows and the previous step's
+            self._floor = {m: max(b, self._last_step.get(m, 0)) for m, b in now.items()}
+            self._last_step = now
+        for model_id in set(self._booked_models) | set(now):
+            booked = now.get(model_id, 0)
+            self.models.book(model_id, max(booked, self._floor.get(model_id, 0)) if booked else 0)
+        self._booked_models = set(now)
 
     def _update_counts(self) -> None:
         self.stats.active = len(self._running)

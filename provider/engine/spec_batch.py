@@ -38,6 +38,7 @@ class Row:
 class SpecBatch:
     def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, prefill_step_size: int):
         self.model_id = lm.id
+        self.lm = lm
         self._profile = lm.spec_profile
         self._decodable = lm.decodable
         self._speculator = Speculator(lm.model, drafter_for(lm))

@@ -77,12 +77,13 @@ class JobAdmission:
 
 
 def plan_job(needed: int, usable: int, residents: list[Resident], model_id: str, jobs_kv: int,
-             prefix_bytes: int) -> JobAdmission:
-    """Admit a job whose KV takes `needed` bytes on the resident model `model_id`: from what is free, then by
-    dropping prefix caches, then by evicting idle models (LRU first). Otherwise it waits for running jobs,
-    unless even an otherwise empty node could not hold it."""
+             prefix_bytes: int, unaccounted: int = 0) -> JobAdmission:
+    """Admit a job whose KV takes `needed` more bytes on the resident model `model_id`: from what is free, then
+    by dropping prefix caches, then by evicting idle models (LRU first). Otherwise it waits for running jobs,
+    unless even an otherwise empty node could not hold it. `unaccounted` is what MLX holds beyond the ledger:
+    it is used memory all the same (admission takes the larger of the ledger and MLX's own count)."""
     held = sum(r.bytes for r in residents)
-    free = usable - held - jobs_kv - prefix_bytes
+    free = usable - held - jobs_kv - prefix_bytes - unaccounted
     if free >= needed:
         return JobAdmission(ADMIT, needed, free, usable, prefix_bytes, ())
     if free + prefix_bytes >= needed:

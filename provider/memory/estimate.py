@@ -67,8 +67,20 @@ def kv_shape(config: dict, dtype_bytes: int = 2) -> KVShape:
     return KVShape(full, sliding, window if sliding else None)
 
 
-def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4) -> int:
-    """Peak scratch of one prefill chunk: hidden states, MLP intermediates, attention scores, last logits."""
+@dataclass(frozen=True)
+class ActivationShape:
+    """Scratch a forward needs: per token it reads, per (query, key) pair of attention scores, per row."""
+
+    per_token: int  # hidden states and MLP intermediates
+    per_score: int  # attention scores and their softmax across the heads (float32)
+    per_row: int  # the last position's logits
+
+    def prefill_bytes(self, rows: int, chunk: int, kv_len: int) -> int:
+        """Peak scratch of `rows` rows reading `chunk` prompt tokens each, attending to `kv_len` positions."""
+        return rows * (chunk * self.per_token + chunk * max(kv_len, chunk) * self.per_score + self.per_row)
+
+
+def activation_shape(config: dict, dtype_bytes: int = 4) -> ActivationShape:
     tc = text_config(config)
     hidden = tc.get("hidden_size", 0)
     inter = tc.get("intermediate_size", 4 * hidden)
@@ -76,6 +88,11 @@ def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4) -> i
         inter *= 2
     heads = tc.get("num_attention_heads", 1)
     vocab = tc.get("vocab_size") or config.get("vocab_size", 0)
-    per_token = 6 * hidden + 3 * inter
-    scores = heads * prefill_step * prefill_step
-    return dtype_bytes * (prefill_step * per_token + scores + 2 * vocab)
+    # Scores and their softmax are both alive in attention (float32, every head): two per (query, key) pair.
+    return ActivationShape(dtype_bytes * (6 * hidden + 3 * inter), dtype_bytes * 2 * heads, dtype_bytes * 2 * vocab)
+
+
+def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4) -> int:
+    """Peak scratch of one prefill chunk of one row: hidden states, MLP intermediates, attention scores, last
+    logits."""
+    return activation_shape(config, dtype_bytes).prefill_bytes(1, prefill_step, prefill_step)

@@ -15,7 +15,8 @@ class Footprint:
     weights: int
     kv: int  # one sequence of kv_reserve_tokens (sliding layers capped at their window): the load gate
     activations: int
-    kv_shape: estimate.KVShape  # per-token KV, from which each job's KV is admitted
+    kv_shape: estimate.KVShape  # per-token KV, from which each batch's KV is booked
+    act_shape: estimate.ActivationShape  # scratch per token read, from which a batch's prefill peak is booked
 
     @property
     def total(self) -> int:
@@ -28,7 +29,8 @@ def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step
     dtype_bytes = _dominant_float_bytes(tensors)
     tokens = min(kv_tokens, context_length(config))
     shape = estimate.kv_shape(config, dtype_bytes)
-    return Footprint(weights, shape.bytes_for(tokens), estimate.activation_bytes(config, prefill_step), shape)
+    return Footprint(weights, shape.bytes_for(tokens), estimate.activation_bytes(config, prefill_step), shape,
+                     estimate.activation_shape(config))
 
 
 def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:
@@ -39,6 +41,11 @@ def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_
         return weights + estimate.activation_bytes(config, k + 1)
     return weights + estimate.activation_bytes(config, prefill_step) + estimate.kv_shape(config).bytes_for(
         prefill_step)
+
+
+def kv_shape_of(path: Path, config: dict) -> estimate.KVShape:
+    """Per-token KV of a checkpoint, in the float width its weights (and so its activations) use."""
+    return estimate.kv_shape(config, _dominant_float_bytes(open_checkpoint(path).tensors))
 
 
 def _dominant_float_bytes(tensors: dict) -> int:

@@ -26,6 +26,10 @@ class LoadedModel:
     # Token ids the detokenizer can decode, when the model's output is wider (a vocabulary padded past the
     # tokenizer): samplers draw below it. None: every output id decodes.
     decodable: int | None = None
+    kv_shape: Any = None  # memory.estimate.KVShape of the target, from its files (set by the residency)
+    draft_kv_shape: Any = None  # the same of a draft model (an MTP assistant keeps no KV of its own)
+    act_shape: Any = None  # memory.estimate.ActivationShape: a forward's scratch (set by the residency)
+    act_reserve: int = 0  # the scratch its footprint already reserves (one chunk of one row)
 
     @property
     def context_length(self) -> int:

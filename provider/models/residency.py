@@ -22,13 +22,15 @@ from .. import logs
 from ..jobs import JobError
 from ..types import Cause, Policy, SpecMode, SpecReason
 from ..memory.admission import ADMIT, JobAdmission, Resident, idle_to_unload, plan_job, plan_load
+from ..memory.batch_kv import plain_batch_bytes
+from ..memory.estimate import KVShape
 from ..memory.budget import Budget
 from ..speculation import SpeculationConfig, plan_drafter
 from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
 from .checkpoint import HeaderError, read_config
-from .footprint import Footprint, drafter_footprint, estimate_footprint
+from .footprint import Footprint, drafter_footprint, estimate_footprint, kv_shape_of
 from .loader import LoadedModel
 from .store import StoredModel
 
@@ -53,7 +55,7 @@ class _Entry:
 
     @property
     def bytes(self) -> int:
-        """What the model holds: weights, activations, drafter. Jobs' KV is admitted per job (Residency.admit_job);
+        """What the model holds: weights, activations, drafter. Its batches' KV is booked apart (admit_batch);
         a load is gated on one sequence of kv_reserve_tokens fitting beside it."""
         if self.footprint is None:
             return 0
@@ -76,7 +78,12 @@ class Residency:
         self._prefill_step = prefill_step
         self.speculation = speculation  # the node's one owner of policy and k; the engine reads it here
         self._entries: dict[str, _Entry] = {}
-        self._job_kv: dict[str, int] = {}  # admitted jobs' KV bytes, by job id
+        # What each model's batches will hold in KV, worst case (memory.batch_kv): booked by the engine when a
+        # job is admitted and whenever rows join or leave; nothing once they are gone.
+        self._batch_kv: dict[str, int] = {}
+        # What MLX held before this residency existed is not its to account for (in a daemon, nothing; beside
+        # other users of MLX in one process, theirs).
+        self._mlx_baseline = _mlx_active()
         self.prefix_bytes = 0  # what the engine's prefix caches hold; set by the engine thread
         self._lock = threading.Lock()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
@@ -97,15 +104,29 @@ class Residency:
 
         with self._lock:
             models = sum(e.bytes for e in self._entries.values())
-            jobs = sum(self._job_kv.values())
+            jobs = sum(self._batch_kv.values())
         prefix = self.prefix_bytes
         used = models + jobs + prefix
+        active = _mlx_active()
+        unaccounted = max(0, active - self._mlx_baseline - used)
         b = self.budget
         return MemoryStatus(system_bytes=system_bytes, budget_bytes=b.total, reserve_bytes=b.reserve,
                             usable_bytes=b.usable, source=b.source, reserved_bytes=used,
-                            free_bytes=max(0, b.usable - used), mlx_active_bytes=mx.get_active_memory(),
+                            free_bytes=max(0, b.usable - used - unaccounted), mlx_active_bytes=active,
                             mlx_peak_bytes=mx.get_peak_memory(), models_bytes=models, jobs_kv_bytes=jobs,
-                            prefix_cache_bytes=prefix)
+                            prefix_cache_bytes=prefix, unaccounted_bytes=unaccounted)
+
+    def unaccounted_bytes(self) -> int:
+        """What MLX holds beyond the ledger (models, batches' KV, prefix caches): admission counts it as used,
+        so a ledger that falls behind reality costs headroom, not an out-of-memory kill."""
+        with self._lock:
+            return self._unaccounted_locked()
+
+    def _unaccounted_locked(self) -> int:
+        return max(0, _mlx_active() - self._mlx_baseline - self._ledger_locked())
+
+    def _ledger_locked(self) -> int:
+        return sum(e.bytes for e in self._entries.values()) + sum(self._batch_kv.values()) + self.prefix_bytes
 
     def statuses(self) -> list[ModelStatus]:
         """Every model served, resident or not, with what its files say it is."""
@@ -164,29 +185,39 @@ class Residency:
                 e.last_used = time.monotonic()
 
     def job_kv_bytes(self, model_id: str, tokens: int) -> int:
+        """KV of one job of `tokens` (prompt + max_tokens) running alone on the model."""
+        kv = self.kv_shape(model_id)
+        return plain_batch_bytes([tokens], kv) if kv is not None else 0
+
+    def kv_shape(self, model_id: str) -> KVShape | None:
         with self._lock:
             e = self._entries.get(model_id)
-            return e.footprint.kv_shape.bytes_for(tokens) if e is not None and e.footprint is not None else 0
+            return e.footprint.kv_shape if e is not None and e.footprint is not None else None
 
-    def admit_job(self, job_id: str, model_id: str, tokens: int) -> JobAdmission:
-        """Reserve a job's KV (`tokens` of prompt + max_tokens) on a resident model, evicting idle models if
-        that makes it fit; the caller trims its prefix caches to `prefix_keep` and releases with release_job."""
-        needed = self.job_kv_bytes(model_id, tokens)
+    def admit_batch(self, model_id: str, booked: int) -> JobAdmission:
+        """Admit a job whose batch on `model_id` will hold `booked` bytes of KV with it (memory.batch_kv), evicting
+        idle models if that makes it fit; on admission the model's booking is `booked`. The caller trims its
+        prefix caches to `prefix_keep`, and books again (`book`) whenever rows leave."""
         with self._lock:
+            needed = max(0, booked - self._batch_kv.get(model_id, 0))
             residents = [e.resident() for e in self._entries.values()]
-            plan = plan_job(needed, self.budget.usable, residents, model_id, sum(self._job_kv.values()),
-                            self.prefix_bytes)
+            plan = plan_job(needed, self.budget.usable, residents, model_id, sum(self._batch_kv.values()),
+                            self.prefix_bytes, unaccounted=self._unaccounted_locked())
             if plan.decision == ADMIT:
                 for victim in plan.evict:
                     self._unload_locked(victim, "make_room_for_job")
-                self._job_kv[job_id] = needed
+                self._batch_kv[model_id] = max(booked, self._batch_kv.get(model_id, 0))
         if plan.evict:
             _free_mlx_cache()
         return plan
 
-    def release_job(self, job_id: str) -> None:
+    def book(self, model_id: str, booked: int) -> None:
+        """What the model's batches will hold now that rows joined or left (0: none)."""
         with self._lock:
-            self._job_kv.pop(job_id, None)
+            if booked > 0:
+                self._batch_kv[model_id] = booked
+            else:
+                self._batch_kv.pop(model_id, None)
 
     def unload_idle(self) -> list[str]:
         with self._lock:
@@ -228,7 +259,7 @@ class Residency:
         with self._lock:
             entry = self._entries[model_id]
             others = [e.resident() for mid, e in self._entries.items() if mid != model_id]
-            in_flight = sum(self._job_kv.values()) + self.prefix_bytes
+            in_flight = sum(self._batch_kv.values()) + self.prefix_bytes + self._unaccounted_locked()
             plan = plan_load(fp.total, max(0, self.budget.usable - in_flight), others, self._max_resident)
             if not plan.admit:
                 log.warning("model_load_refused", model=model_id, needed=plan.needed, free=plan.free,
@@ -237,7 +268,8 @@ class Residency:
             for victim in plan.evict:
                 self._unload_locked(victim, "make_room")
             entry.footprint = fp
-            headroom = self.budget.usable - sum(e.bytes for e in self._entries.values())  # after the target
+            # After the target, and after what running jobs and the prefix caches hold: a drafter must fit now.
+            headroom = self.budget.usable - sum(e.bytes for e in self._entries.values()) - in_flight
             drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom)
             if drafting.mode is not None:
                 entry.drafter_bytes = drafter_need  # reserved before any drafter weights are read
@@ -246,6 +278,9 @@ class Residency:
         if drafting.reason == SpecReason.INSUFFICIENT_HEADROOM:
             log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting)
+        lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
+        if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
+            lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:
             try:
                 lm.spec_profile = self.profiler(lm)
@@ -292,6 +327,12 @@ def verify_pin(model_id: str, path: Path, pinned: str) -> None:
                        f"{model_id}: checkpoint hash {actual[:16]}… does not match the pinned {pinned[:16]}…; "
                        "the files changed since they were pinned — re-download, or update the pin after "
                        "checking them with `provider models verify`")
+
+
+def _mlx_active() -> int:
+    import mlx.core as mx
+
+    return mx.get_active_memory()
 
 
 def _free_mlx_cache() -> None:
