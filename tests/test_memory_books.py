@@ -49,3 +49,66 @@ def test_prefix_entries_hold_only_their_own_bytes(fixtures_dir):
         await node.stop()
 
     run(main())
+
+
+def test_a_draft_model_reads_a_cached_prefix_a_chunk_per_step(fixtures_dir, monkeypatch):
+    from provider.engine.drafters import DraftModelDrafter
+
+    node = make_node({"l": fixtures_dir / "llama-tiny"}, speculation="on", prefill_step_size=64, prefix_cache_gb=1.0,
+                     manager_kw={"drafters": {"l": fixtures_dir / "llama-tiny-draft"}, "prefill_step": 64})
+    reads: list[int] = []
+    real_read = DraftModelDrafter.read
+
+    def read(self, row, tokens):  # a spy: how much the draft model reads in one engine step
+        reads.append(len(tokens))
+        return real_read(self, row, tokens)
+
+    monkeypatch.setattr(DraftModelDrafter, "read", read)
+    prompt = _prompt(1, 200)
+
+    async def main():
+        _, _, first, _ = await collect(node, Job("a", "l", greedy(4), prompt=prompt))
+        reads.clear()
+        _, _, again, _ = await collect(node, Job("b", "l", greedy(4), prompt=prompt + " again"))
+        assert isinstance(first, Done) and isinstance(again, Done)
+        assert again.usage.cached_prompt_tokens > 64 and again.telemetry.speculation.mode == "draft"
+        # The cached prefix is read by the draft model too, but never more than a chunk in one engine step.
+        assert reads and max(reads) <= 64 and sum(reads) >= again.usage.cached_prompt_tokens, reads
+        await node.stop()
+
+    run(main())
+
+
+def test_a_long_prompt_beside_short_jobs_is_booked_as_the_padded_batch_it_makes(fixtures_dir):
+    base = _active()
+    node = make_node({"m": fixtures_dir / "llama-kv-heavy"}, max_concurrent_jobs=16, prefix_cache_gb=0)
+    per_token = 8 * 1024  # llama-kv-heavy: 4 layers x K,V x 8 heads x 32, float32
+    over: list = []
+    peak_booked = 0
+
+    async def sample(stop: asyncio.Event):
+        nonlocal peak_booked
+        while not stop.is_set():
+            mem, held = node.status().memory, _active() - base
+            peak_booked = max(peak_booked, mem.jobs_kv_bytes)
+            if not _within(held, mem.reserved_bytes):
+                over.append((held / MiB, mem.reserved_bytes / MiB))
+            await asyncio.sleep(0.02)
+
+    async def main():
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample(stop))
+        short = [collect(node, Job(f"s{i}", "m", greedy(48), prompt=_prompt(i, 6))) for i in range(15)]
+        long = collect(node, Job("long", "m", greedy(8), prompt=_prompt(99, 700)))
+        ends = await asyncio.gather(long, *short)
+        stop.set()
+        await sampler
+        assert all(isinstance(end, Done) for _, _, end, _ in ends)
+        long_tokens = ends[0][2].usage.prompt_tokens + 8
+        # Every row is padded to the long one: the batch is booked as 16 of it, not as 1 long + 15 short.
+        assert peak_booked >= 16 * long_tokens * per_token, (peak_booked / MiB, long_tokens)
+        assert not over, over
+        assert node.status().memory.jobs_kv_bytes == 0
+        await node.stop()
+
+    run(main())

@@ -165,6 +165,7 @@ class Engine:
             if time.monotonic() >= self._next_idle_check:
                 self.models.unload_idle()
                 self._running.keep_prefix_caches_of(set(self.models.resident()))
+                self.models.check_ledger()
                 self._next_idle_check = time.monotonic() + 1.0
             deliveries = self._running.step()
             self._publish_prefix_bytes()  # what the step kept for reuse is booked before any job's end is heard

@@ -42,6 +42,7 @@ class SpecRow:
     stats: SpecTelemetry
     caches: list
     read: int = 0  # prompt tokens in the caches while the prompt is being read
+    drafter_read: int = 0  # of those, the ones the drafter has read too (a cached prefix it reads in chunks)
     last: int | None = None  # None while the prompt is being read
     hidden: mx.array | None = None
     draft: Any = None  # the drafter's own state for this row (a draft model's caches and pending tokens)
@@ -62,8 +63,8 @@ class SpecRow:
 
     @property
     def read_all_but_last(self) -> bool:
-        """Every prompt token but the last is in the caches: the row can take its first token."""
-        return self.read >= len(self.prompt) - 1
+        """Every prompt token but the last is in the caches, the drafter's too: the row can take its first token."""
+        return self.read >= len(self.prompt) - 1 and self.drafter_read >= self.read
 
 
 def rollback(caches: list, n: int) -> None:
@@ -119,25 +120,36 @@ class Speculator:
         row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model))
         row.read = cached
         row.tokens = list(prompt[:cached])
-        self.drafter.begin(row)
-        if cached:
-            self.drafter.read(row, prompt[:cached])
+        self.drafter.begin(row)  # a cached prefix the drafter reads as the prompt is read, a chunk per step
         return row
 
     def read(self, row: SpecRow, step: int) -> bool:
-        """Read up to `step` more prompt tokens, all but the last; True once they are all in the caches."""
+        """Read up to `step` more prompt tokens, all but the last: first what the drafter has not read of a
+        cached prefix, then the rest of the prompt; True once they are all in the caches."""
+        if row.drafter_read < row.read:
+            self._drafter_reads(row, step)
+            return row.read_all_but_last
         rest = row.prompt[row.read:-1][:step]
         if rest:
             self.model(mx.array(rest)[None], cache=row.caches)
             mx.eval([c.state for c in row.caches])
-            self.drafter.read(row, rest)
             row.read += len(rest)
             row.tokens += rest
+            self._drafter_reads(row, step)
         return row.read_all_but_last
+
+    def _drafter_reads(self, row: SpecRow, step: int) -> None:
+        chunk = row.prompt[row.drafter_read:row.read][:step]
+        if chunk:
+            self.drafter.read(row, chunk)
+            row.drafter_read += len(chunk)
 
     def begin(self, rows: list[SpecRow]) -> list[int]:
         """The first token of each row whose prompt is read but its last token: that token, width 1 as
         mlx-lm's plain path reads it, in one forward over the rows."""
+        for r in rows:  # rows begun directly (not read step by step): the drafter reads their cached prefix now
+            while r.drafter_read < r.read:
+                self._drafter_reads(r, len(r.prompt))
         caches = merged([r.caches for r in rows])
         logits, hidden = self.target.forward(mx.array([[r.prompt[-1]] for r in rows]), caches)
         firsts = [r.choice.first(logits[i:i + 1, -1, :]) for i, r in enumerate(rows)]
@@ -145,6 +157,7 @@ class Speculator:
         for i, (row, own, first) in enumerate(zip(rows, split(caches, len(rows)), firsts)):
             row.caches = own
             row.last, row.read = first.item(), len(row.prompt)
+            row.drafter_read = row.read  # the last prompt token is the drafter's pending input (start)
             row.tokens.append(row.prompt[-1])
             row.hidden = hidden[i:i + 1, -1:, :] if hidden is not None else None
             row.stats.target_forwards += 1

@@ -84,6 +84,7 @@ class Residency:
         # What MLX held before this residency existed is not its to account for (in a daemon, nothing; beside
         # other users of MLX in one process, theirs).
         self._mlx_baseline = _mlx_active()
+        self._next_ledger_warning = 0.0
         self.prefix_bytes = 0  # what the engine's prefix caches hold; set by the engine thread
         self._lock = threading.Lock()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
@@ -121,6 +122,17 @@ class Residency:
         so a ledger that falls behind reality costs headroom, not an out-of-memory kill."""
         with self._lock:
             return self._unaccounted_locked()
+
+    def check_ledger(self) -> None:
+        """Say so when MLX holds more than 10 % beyond the ledger (at most once a minute): the estimates behind
+        admission are off for this model or load, and admission is running on MLX's own count meanwhile."""
+        with self._lock:
+            ledger, unaccounted = self._ledger_locked(), self._unaccounted_locked()
+        now = time.monotonic()
+        if unaccounted > 0.10 * ledger and now >= self._next_ledger_warning:
+            self._next_ledger_warning = now + 60.0
+            log.warning("memory_ledger_behind", unaccounted_bytes=unaccounted, ledger_bytes=ledger,
+                        mlx_active_bytes=_mlx_active())
 
     def _unaccounted_locked(self) -> int:
         return max(0, _mlx_active() - self._mlx_baseline - self._ledger_locked())
