@@ -187,9 +187,8 @@ class Engine:
         for job_id in lost:
             log.error("job_lost_by_its_batch", job_id=job_id)
             self._rebook()
-            self._books.finish(Error(job_id, Cause.INTERNAL, "the job's batch lost it; retry"))
-        if lost:
             self._update_counts()
+            self._books.finish(Error(job_id, Cause.INTERNAL, "the job's batch lost it; retry"))
 
     def _pump(self, block: bool) -> None:
         try:
@@ -284,6 +283,7 @@ class Engine:
     def _fail(self, p: Pending, e: JobError) -> None:
         self._waiting.remove(p.job.id)
         self._rebook()  # a job admitted but not started gives its share of the booking back
+        self._update_counts()
         self._books.finish(Error.of(p.job.id, e))
 
     def _cancel(self, job_id: str) -> None:
@@ -292,16 +292,16 @@ class Engine:
             self._deliver(*delivery)
             return
         if self._waiting.remove(job_id) is not None:
+            self._update_counts()
             self._books.finish(Done(job_id, FinishReason.CANCELLED, Usage(0, 0), NOT_STARTED))
-        self._update_counts()
 
     def _deliver(self, events: list[Event], sink: Sink) -> None:
         for ev in events:
             if isinstance(ev, (Done, Error)):
                 self._publish_prefix_bytes()  # a cancelled speculative row keeps its KV for reuse
                 self._rebook()  # its row left its batch: the batch will hold less
+                self._update_counts()  # counted before the sink hears of it: the next status sees it gone
                 self._books.finish(ev)
-                self._update_counts()
             else:
                 deliver(sink, ev)
 
