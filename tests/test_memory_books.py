@@ -112,3 +112,29 @@ def test_a_long_prompt_beside_short_jobs_is_booked_as_the_padded_batch_it_makes(
         await node.stop()
 
     run(main())
+
+
+def test_drafter_headroom_counts_what_running_jobs_hold(fixtures_dir):
+    from provider.models.checkpoint import read_config
+    from provider.models.footprint import drafter_footprint, estimate_footprint
+    from provider.types import SpecMode
+
+    kw = {"kv_reserve_tokens": 256, "prefill_step": 64}
+    g, a = fixtures_dir / "gemma4-tiny", fixtures_dir / "gemma4-tiny-assistant"
+    target = estimate_footprint(g, read_config(g), kv_tokens=256, prefill_step=64)
+    need = drafter_footprint(a, read_config(a), SpecMode.MTP, 3, 64)
+    busy = 4 * need  # what another model's running jobs hold
+    slack = (need - target.kv) // 2  # beside the target and its one-sequence reserve, less than the drafter
+    assert slack > 0
+    node = make_node({"gemma": g, "other": fixtures_dir / "qwen3-tiny"}, budget_bytes=target.total + busy + slack,
+                     manager_kw={"drafters": {"gemma": a}, **kw})
+
+    async def main():
+        node.models.book("other", busy)  # stands in for the other model's batches mid-run (their booking)
+        done = (await collect(node, Job("g", "gemma", greedy(4), prompt="x")))[2]
+        assert isinstance(done, Done)
+        # Beside the target the budget has room for the drafter, but not beside the running jobs.
+        assert done.telemetry.speculation.reason == "insufficient_headroom"
+        await node.stop()
+
+    run(main())

@@ -249,14 +249,13 @@ class Engine:
         # Booked for the batch it joins, as that batch will be (rows x its longest row), not for the job alone.
         admission = self.models.admit_batch(
             lm.id, self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens))
-
         if admission.decision != ADMIT:
             self.models.release(lm.id)
             if admission.decision == WAIT:
                 return Verdict.WAIT
             self._fail(p, JobError(Cause.INSUFFICIENT_MEMORY, admission.message(lm.id)))
             return Verdict.GONE
-        self._books.started(p.job.id, lm.id)  # from here `finish` gives back the model and the KV
+        self._books.started(p.job.id, lm.id)  # from here `finish` gives the model back (and _rebook its KV)
         self._running.trim_prefix_caches(admission.prefix_keep)
         self._publish_prefix_bytes()
         return Verdict.STARTED if self._start(p, prepared, lm, max_tokens) else Verdict.GONE
