@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+
 from .. import logs
 from ..jobs import Error, Event, Job, Sink
 from ..types import Cause, FinishReason, SpecReason
@@ -33,6 +34,8 @@ class Layout:
 
     finals: list[int] = field(default_factory=list)
     reading: list[int] = field(default_factory=list)
+
+
 log = logs.get("engine")
 
 

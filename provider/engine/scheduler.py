@@ -4,9 +4,10 @@ round of each job that speculates on its own.
 
 Front ends hand jobs in through a thread-safe inbox and receive events through a sink callback (called on
 this thread; it must not block). A job waits, in arrival order, until its prompt is prepared off this
-thread, its model is resident and its KV fits the memory budget (Residency.admit_batch, for the batch it joins as that batch will be): a job that could
-never fit is refused with the numbers; one that must wait may be passed over by later jobs a bounded
-number of times (provider.engine.waiting). Cancels are read between steps, so a cancelled job stops within one step.
+thread, its model is resident and the batch it joins, as that batch will be with it, fits the memory budget
+(Residency.admit_batch): a job that could never fit is refused with the numbers; one that must wait may be
+passed over by later jobs a bounded number of times (provider.engine.waiting). Cancels are read between
+steps, so a cancelled job stops within one step.
 
 Supervised: whatever one job raises fails that job alone. If the loop itself
 dies, the engine is `failed`: every job, queued or new, gets a typed error at
