@@ -85,12 +85,10 @@ class Running:
         return set(self._batches) | set(self._speculating)
 
     def _layout(self, model_id: str) -> tuple[Layout, Layout]:
+        """The model's plain rows and speculating rows; a row still reads its prompt until its first token."""
         plain, spec = self._batches.get(model_id), self._speculating.get(model_id)
-        return (Layout([r.output.prompt_tokens + r.output.max_tokens for r in plain.rows()],
-                       [r.output.prompt_tokens for r in plain.rows() if r.output.t_first is None]) if plain
-                else Layout(),
-                Layout([r.output.prompt_tokens + r.output.max_tokens for r in spec.rows()],
-                       [r.output.prompt_tokens for r in spec.rows() if r.spec.reading]) if spec else Layout())
+        return (_layout(plain.rows() if plain else [], lambda r: r.output.t_first is None),
+                _layout(spec.rows() if spec else [], lambda r: r.spec.reading))
 
     def _bytes(self, lm: LoadedModel, plain: Layout, spec: Layout) -> int:
         if lm.kv_shape is None:
@@ -231,6 +229,11 @@ class Running:
     def keep_prefix_caches_of(self, resident: set[str]) -> None:
         for model_id in [m for m in self._prefix if m not in resident]:
             del self._prefix[model_id]  # its KV is of no use without the model
+
+
+def _layout(rows: list, reading) -> Layout:
+    return Layout([r.output.prompt_tokens + r.output.max_tokens for r in rows],
+                  [r.output.prompt_tokens for r in rows if reading(r)])
 
 
 def _failed(job_id: str, e: BaseException) -> Error:

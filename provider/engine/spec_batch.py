@@ -59,8 +59,8 @@ class SpecBatch:
     def add(self, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, *, cache, cached: int) -> None:
         stats = SpecTelemetry(plan.mode, k=plan.k, choice=plan.choice)
         output.spec_stats = stats
-        spec = self._speculator.new_row(prompt, stats=stats, choice=choice_for(output.job.sampling, self._decodable), caches=cache,
-                                        cached=cached)
+        choice = choice_for(output.job.sampling, self._decodable)
+        spec = self._speculator.new_row(prompt, stats=stats, choice=choice, caches=cache, cached=cached)
         self._rows[output.job.id] = Row(output, sink, spec, auto=plan.choice is not None)
 
     def step(self) -> list[tuple[Row, list[Event]]]:

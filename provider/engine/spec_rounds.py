@@ -148,8 +148,7 @@ class Speculator:
         """The first token of each row whose prompt is read but its last token: that token, width 1 as
         mlx-lm's plain path reads it, in one forward over the rows."""
         for r in rows:  # rows begun directly (not read step by step): the drafter reads their cached prefix now
-            while r.drafter_read < r.read:
-                self._drafter_reads(r, len(r.prompt))
+            self._drafter_reads(r, r.read)
         caches = merged([r.caches for r in rows])
         logits, hidden = self.target.forward(mx.array([[r.prompt[-1]] for r in rows]), caches)
         firsts = [r.choice.first(logits[i:i + 1, -1, :]) for i, r in enumerate(rows)]

@@ -138,6 +138,7 @@ def load(model_id: str, path: Path) -> LoadedModel:
 
 def decodable_limit(config: dict, tokenizer_size: int) -> int | None:
     """The ids a sampler may draw when the model scores more ids than the tokenizer has."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    width = text.get("vocab_size") or config.get("vocab_size")
+    from .capability import vocab_size
+
+    width = vocab_size(config)
     return tokenizer_size if isinstance(width, int) and 0 < tokenizer_size < width else None
