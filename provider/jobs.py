@@ -10,18 +10,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
-from .types import Cause, FinishReason, JobId, Policy
+from .constraints import NO_RULES, OutputRules, check_message_tool_fields
+from .types import Cause, FinishReason, JobError, JobId, Policy
 from .telemetry import Telemetry
-
-
-class JobError(Exception):
-    """A typed failure of one job. The node keeps serving. `param` names the request field at fault, if one is."""
-
-    def __init__(self, cause: Cause, message: str, param: str | None = None):
-        super().__init__(message)
-        self.cause = cause
-        self.message = message
-        self.param = param
 
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -164,17 +155,23 @@ class Job:
     prompt: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     speculation: Policy = Policy.AUTO
+    rules: OutputRules = NO_RULES  # response_format, tools, tool_choice
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise JobError(Cause.INVALID_REQUEST, "a job needs exactly one of prompt or messages")
         if self.prompt is not None:
             check_text("prompt", self.prompt)
+            if self.rules.calls_tools:
+                raise _invalid("tools", "need chat messages (a raw prompt has no chat template to render them)")
         for i, m in enumerate(self.messages or ()):
             role = m.get("role")
             if not isinstance(role, str) or role not in ROLES:
                 raise _invalid(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
             check_text(f"messages[{i}].content", m.get("content"))
+            check_message_tool_fields(i, m)
+        if not isinstance(self.rules, OutputRules):
+            raise _invalid("response_format", "must be the job's output rules")
         if not isinstance(self.speculation, str) or self.speculation not in {p.value for p in Policy}:
             raise _invalid("speculation", "must be one of auto, on, off", self.speculation)
         object.__setattr__(self, "speculation", Policy(self.speculation))
@@ -193,11 +190,19 @@ class Accepted:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str  # call_<hex>, unique per call
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+@dataclass(frozen=True)
 class Tokens:
     job_id: JobId
     seq: int  # 0, 1, 2, ... per job, no gaps
-    text: str
+    text: str  # content: the output minus any tool calls
     token_ids: tuple[int, ...]
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed with these tokens
 
 
 @dataclass(frozen=True)

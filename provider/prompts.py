@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from . import logs
+from .engine.grammar import Compiler, lark_for
 from .jobs import Job, JobError
+from .models.tool_format import ToolFormat, tool_format_for
 from .types import Cause
 
 log = logs.get("prompts")
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A constrained job's matcher, compiled off the engine thread; the engine makes it a RowGrammar."""
+
+    matcher: Any  # llguidance.LLMatcher, used by one row only
+    n_vocab: int  # the matcher's mask width, in tokens
+    kind: str  # OutputRules.kind
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,8 @@ class Prepared:
     job: Job  # its sampling fitted to the model
     prompt: tuple[int, ...]  # token ids, templated
     shared_prefix: int = 0  # tokens of the leading system messages, a prefix other chats are likely to share
+    grammar: CompiledGrammar | None = None  # for a job with output rules
+    tool_format: ToolFormat | None = None  # the model's, for a job that may call tools
 
 
 @dataclass(frozen=True)
@@ -40,10 +53,28 @@ class PromptTokenizer:
     context_length: int
     max_token_chars: int  # the longest token's text: a prompt of n characters is at least n / this tokens
     lock: threading.Lock  # HF fast tokenizers are not safe to call from two threads at once
+    tool_format: ToolFormat
+    n_vocab: int  # the widest of the logits and the tokenizer: the grammar masks' width
+    _compiler: list = field(default_factory=list)  # built on first use (its tokenizer takes ~1 s on big vocabularies)
 
     @property
     def max_prompt_chars(self) -> int:
         return self.context_length * self.max_token_chars
+
+    def compiler(self) -> Compiler:
+        with self.lock:
+            if not self._compiler:
+                self._compiler.append(Compiler(self.tokenizer, self.n_vocab))
+            return self._compiler[0]
+
+    def grammar(self, job: Job) -> CompiledGrammar | None:
+        """The job's output rules compiled for this model, or None when it has none."""
+        if not job.rules.constrained:
+            return None
+        lark = lark_for(job.rules, self.tool_format)
+        param = "tools" if job.rules.calls_tools else "response_format"
+        compiler = self.compiler()
+        return CompiledGrammar(compiler.matcher(lark, param), compiler.n_vocab, job.rules.kind)
 
 
 def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptTokenizer:
@@ -61,7 +92,7 @@ def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptToke
     declared = vocab_size(config)
     sizes = [n for n in (declared, len(vocab)) if isinstance(n, int) and n > 0]
     return PromptTokenizer(tok, min(sizes), context_length(config), max((len(t) for t in vocab), default=1) or 1,
-                     threading.Lock())
+                           threading.Lock(), tool_format_for(tok), max(sizes))
 
 
 class PromptPreparer:
@@ -107,8 +138,10 @@ class PromptPreparer:
                 f"{m.context_length} tokens can hold (at most {m.max_prompt_chars} characters with its "
                 "tokenizer); shorten the prompt", where)
         with m.lock:
-            ids = encode_prompt(job, m.tokenizer)
-            shared = system_prefix_length(job, m.tokenizer, ids)
+            messages, tools = m.tool_format.prompt_messages(list(job.messages), job.rules) if job.messages \
+                else (None, None)
+            ids = encode_prompt(job, m.tokenizer, messages, tools)
+            shared = system_prefix_length(messages, tools, m.tokenizer, ids)
         beyond = next((t for t in ids if t >= m.vocab_size), None)
         if beyond is not None:  # an embedding lookup past the table's rows crashes native code
             raise JobError(
@@ -121,22 +154,22 @@ class PromptPreparer:
                 Cause.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt is {len(ids)} tokens but {job.model} has a context of {m.context_length}; "
                 "shorten the prompt", where)
-        return Prepared(replace(job, sampling=sampling), tuple(ids), shared)
+        return Prepared(replace(job, sampling=sampling), tuple(ids), shared, m.grammar(job), m.tool_format)
 
 
-def system_prefix_length(job: Job, tok: Any, ids: list[int]) -> int:
-    """How many leading tokens of `ids` render the leading system messages, found as mlx_lm.server does:
-    template the system messages before an empty user turn and keep what agrees with the prompt. Those
-    tokens' KV is kept apart so the next chat with the same system prompt reuses it."""
-    if not job.messages or job.messages[-1].get("role") != "user":
+def system_prefix_length(messages: list[dict] | None, tools: list | None, tok: Any, ids: list[int]) -> int:
+    """How many leading tokens of `ids` render the leading system messages (and the tools), found as
+    mlx_lm.server does: template the system messages before an empty user turn and keep what agrees with the
+    prompt. Those tokens' KV is kept apart so the next chat with the same system prompt reuses it."""
+    if not messages or messages[-1].get("role") != "user":
         return 0
-    system = [m for m in job.messages[: next((i for i, m in enumerate(job.messages) if m.get("role") != "system"),
-                                             len(job.messages))]]
+    system = [m for m in messages[: next((i for i, m in enumerate(messages) if m.get("role") != "system"),
+                                         len(messages))]]
     if not system:
         return 0
     try:
         rendered = tok.apply_chat_template([*system, {"role": "user", "content": ""}], add_generation_prompt=False,
-                                           tokenize=True)
+                                           tokenize=True, tools=tools)
         if isinstance(rendered, dict):
             rendered = rendered["input_ids"]
     except Exception:  # a template that refuses this shape: no shared prefix, nothing lost
@@ -145,14 +178,17 @@ def system_prefix_length(job: Job, tok: Any, ids: list[int]) -> int:
     return n if 0 < n < len(ids) - 1 else 0
 
 
-def encode_prompt(job: Job, tok: Any) -> list[int]:
+def encode_prompt(job: Job, tok: Any, messages: list[dict] | None = None, tools: list | None = None) -> list[int]:
+    """The job's prompt as token ids: its chat `messages` (as its tool format renders them; the job's own by
+    default) through the model's template, with `tools` for templates that render them, or its raw prompt."""
     try:
         if job.messages is not None:
             if not tok.has_chat_template:
                 raise JobError(Cause.INVALID_REQUEST, f"model {job.model} has no chat template; send a raw "
                                                       "prompt to /v1/completions instead", "messages")
             try:
-                ids = tok.apply_chat_template(list(job.messages), add_generation_prompt=True, tokenize=True)
+                ids = tok.apply_chat_template(list(job.messages) if messages is None else messages,
+                                              add_generation_prompt=True, tokenize=True, tools=tools)
             except Exception as e:  # jinja raises for, e.g., roles that do not alternate
                 raise JobError(Cause.INVALID_REQUEST, f"the chat template of {job.model} rejected the messages: "
                                                       f"{e}", "messages") from None

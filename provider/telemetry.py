@@ -30,6 +30,9 @@ class SpecTelemetry:
     # and of Σ p·q (what sample-and-compare, mlx-lm's scheme, would accept there).
     min_overlap: float = 0.0
     dot_overlap: float = 0.0
+    # Constrained rows: drafts whose drafter's own first choice the grammar forbade, so the mask redirected it
+    # (drafts are drawn under the grammar, so none the target judges is forbidden).
+    grammar_steered: int = 0
     choice: Any = None  # auto's speculation.KChoice: its decision from measured costs, when it made one
 
     @property
@@ -61,7 +64,7 @@ class SpecTelemetry:
                "acceptance_rate": self.acceptance_rate, "target_forwards": self.target_forwards,
                "tokens_per_target_forward": self.tokens_per_target_forward,
                "draft_ms": round(self.draft_s * 1000, 3), "verify_ms": round(self.verify_s * 1000, 3),
-               "mean_batch": self.mean_batch}
+               "mean_batch": self.mean_batch, "grammar_steered": self.grammar_steered}
         return out | ({"decision": decision} if decision else {})
 
 
@@ -84,12 +87,17 @@ class Telemetry:
     decode_tokens_per_s: float | None = None  # after the first token
     peak_memory_bytes: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    constraint: str | None = None  # a constrained job's kind (json_object, json_schema, tool_call, tools_auto...)
+    mask_ms_per_token: float | None = None  # the grammar's mask time, per mask computed
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ttft_ms": self.ttft_ms, "cached_prompt_tokens": self.cached_prompt_tokens, "queue_ms": self.queue_ms, "total_ms": self.total_ms,
-                "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s,
-                "peak_memory_bytes": self.peak_memory_bytes, "finish_reason": self.finish_reason.value,
-                "speculation": self.speculation.as_dict()}
+        out = {"ttft_ms": self.ttft_ms, "cached_prompt_tokens": self.cached_prompt_tokens, "queue_ms": self.queue_ms,
+               "total_ms": self.total_ms, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+               "decode_tokens_per_s": self.decode_tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes,
+               "finish_reason": self.finish_reason.value, "speculation": self.speculation.as_dict()}
+        if self.constraint is not None:
+            out |= {"constraint": self.constraint, "mask_ms_per_token": self.mask_ms_per_token}
+        return out
 
 
 NOT_STARTED = Telemetry(FinishReason.CANCELLED, SpecTelemetry(SpecMode.OFF, SpecReason.NOT_STARTED))

@@ -45,6 +45,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS token or a stop string
     LENGTH = "length"  # max_tokens, or the context
     CANCELLED = "cancelled"  # the client left, the coordinator cancelled, the deadline passed, or a drain ran out
+    TOOL_CALLS = "tool_calls"  # the model called tools and ended its turn
 
 
 class Cause(str, enum.Enum):
@@ -64,3 +65,13 @@ class Cause(str, enum.Enum):
     INTERNAL = "internal"
     WEIGHTS_MISMATCH = "weights_mismatch"  # the files do not match a pin (the node's own or the job's)
     SEALING_FAILED = "sealing_failed"  # a sealed job did not open, or came in plaintext where sealing is required
+
+
+class JobError(Exception):
+    """A typed failure of one job. The node keeps serving. `param` names the request field at fault, if one is."""
+
+    def __init__(self, cause: Cause, message: str, param: str | None = None):
+        super().__init__(message)
+        self.cause = cause
+        self.message = message
+        self.param = param

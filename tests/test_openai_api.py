@@ -77,8 +77,21 @@ def test_logits_processor_fields_are_parsed():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "frobnicate": 1}}}]}, "tools"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "contains": {}}}}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"x-guidance": {"lenient": True}}}}}}}, "response_format"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {
+        "name": "f", "arguments": "{not json"}}]}]}, "messages[0].tool_calls"),
     ({"messages": MSG, "logit_bias": {"x": 1}}, "logit_bias"),
     ({"messages": MSG, "presence_penalty": 5}, "presence_penalty"),
     ({"messages": MSG, "repetition_penalty": "high"}, "repetition_penalty"),

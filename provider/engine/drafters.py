@@ -19,10 +19,15 @@ from ..models.gemma4_target import Target
 
 
 def _draw(rows: list[SpecRow], logits: mx.array, qs: list[list]) -> mx.array:
-    """Each row's draft from its own logits [B, V], by its own choice; returns the drafts [B, 1]."""
+    """Each row's draft from its own logits [B, V], by its own choice; returns the drafts [B, 1]. A constrained
+    row drafts under its grammar's mask, and the grammar takes the draft at once (the next mask depends on it):
+    its draft is read back here, one sync per draft position."""
     tokens = []
     for i, row in enumerate(rows):
-        token, q = row.choice.draft(logits[i:i + 1])
+        own = logits[i:i + 1]
+        token, q = row.choice.draft(own if row.grammar is None else row.grammar.draft(own))
+        if row.grammar is not None:
+            row.grammar.drafted(token.item())
         tokens.append(token)
         qs[i].append(q)
     return mx.concatenate(tokens)[:, None]

@@ -15,13 +15,19 @@ import mlx.core as mx
 from ..jobs import Done, Event, Job, Tokens, Usage
 from ..telemetry import SpecTelemetry, Telemetry
 from ..types import FinishReason, SpecMode
+from ..models.tool_format import ToolFormat
 from .stops import StopMatcher
+from .tool_calls import ToolCallSplitter
 
 
 class JobOutput:
     def __init__(self, job: Job, tokenizer, *, prompt_tokens: int, max_tokens: int, arrived: float,
-                 cached_prompt_tokens: int = 0, spec_off_reason: str = "", spec_choice=None):
+                 cached_prompt_tokens: int = 0, spec_off_reason: str = "", spec_choice=None,
+                 tool_format: ToolFormat | None = None):
         self.job = job
+        self.grammar = None  # a constrained job's RowGrammar, wherever the job decodes
+        self._calls = (ToolCallSplitter(tool_format, [t.as_openai() for t in job.rules.tools])
+                       if job.rules.calls_tools and tool_format is not None else None)
         self.prompt_tokens = prompt_tokens
         self.cached_prompt_tokens = cached_prompt_tokens
         self.max_tokens = max_tokens
@@ -74,12 +80,24 @@ class JobOutput:
             tail += "" if hit_stop else self._stops.flush()
             if tail:
                 events.append(self._chunk(tail, ()))
+        if self._calls is not None and reason != FinishReason.CANCELLED:
+            text, calls = self._calls.finish()
+            if text or calls:
+                events.append(self._emit(text, (), calls))
+            if self._calls.calls and reason == FinishReason.STOP:
+                reason = FinishReason.TOOL_CALLS
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
         events.append(Done(self.job.id, reason, usage, self.telemetry(reason)))
         return events
 
     def _chunk(self, text: str, ids: tuple[int, ...]) -> Tokens:
-        ev = Tokens(self.job.id, self._seq, text, ids)
+        calls = ()
+        if self._calls is not None:
+            text, calls = self._calls.feed(text)
+        return self._emit(text, ids, calls)
+
+    def _emit(self, text: str, ids: tuple[int, ...], calls: tuple) -> Tokens:
+        ev = Tokens(self.job.id, self._seq, text, ids, calls)
         self._seq += 1
         return ev
 
@@ -104,4 +122,7 @@ class JobOutput:
             decode_tokens_per_s=round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else None,
             peak_memory_bytes=mx.get_peak_memory(),
             cached_prompt_tokens=self.cached_prompt_tokens,
+            constraint=self.job.rules.kind if self.job.rules.constrained else None,
+            mask_ms_per_token=(round(self.grammar.mask_s * 1000 / self.grammar.masks, 4)
+                               if self.grammar is not None and self.grammar.masks else None),
         )

@@ -18,6 +18,9 @@ from ..memory.batch_kv import plain_batch_bytes, prefill_transient_bytes, spec_b
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..status import QueueStatus
+from ..models.tool_format import ToolFormat
+from ..prompts import CompiledGrammar
+from .grammar import GrammarProcessor, RowGrammar
 from .plain_batch import PlainBatch
 from .output import JobOutput
 from . import sampling
@@ -106,7 +109,8 @@ class Running:
     # --- starting -----------------------------------------------------------------
 
     def start(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], *, max_tokens: int, arrived: float,
-              plan: SpecPlan, shared_prefix: int) -> None:
+              plan: SpecPlan, shared_prefix: int, grammar: CompiledGrammar | None = None,
+              tool_format: ToolFormat | None = None) -> None:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
             prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes)
@@ -115,7 +119,11 @@ class Running:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += cached
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
-                           cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice)
+                           cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice,
+                           tool_format=tool_format)
+        if grammar is not None:
+            output.grammar = RowGrammar(grammar.matcher, grammar.n_vocab, lm.logits_width, output.end_ids,
+                                        grammar.kind)
         if not plan.on and plan.reason in (SpecReason.NOT_PROFITABLE, SpecReason.BATCH_TOO_LARGE) and lm.id in self._speculating:
             for row in self._speculating[lm.id].demote():  # with this job, plain batching pays more
                 self._continue_plain(lm, row, plan.reason)
@@ -135,11 +143,13 @@ class Running:
     def _add_plain(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], cache, *,
                    cached: int | None = None, shared_prefix: int = 0) -> None:
         params = output.job.sampling
+        processors = sampling.logits_processors_for(params) or []
+        if output.grammar is not None:  # last: what the grammar forbids stays forbidden whatever came before
+            processors.append(GrammarProcessor(output.grammar, len(prompt)))
         self._plain_batch(lm).add(output, sink, prompt, cache=cache,
                                   sampler=None if params.greedy and lm.decodable is None
                                   else sampling.sampler_for(params, lm.decodable),
-                                  processors=sampling.logits_processors_for(params),
-                                  shared_prefix=shared_prefix, cached=cached)
+                                  processors=processors, shared_prefix=shared_prefix, cached=cached)
 
     def _plain_batch(self, lm: LoadedModel) -> PlainBatch:
         batch = self._batches.get(lm.id)

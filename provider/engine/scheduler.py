@@ -270,7 +270,8 @@ class Engine:
         try:
             plan = job_plan(job, lm, self.models.speculation, sharing=self._running.on_model(lm.id))
             self._running.start(job, p.sink, lm, prompt, max_tokens=max_tokens, arrived=p.arrived, plan=plan,
-                                shared_prefix=prepared.shared_prefix)
+                                shared_prefix=prepared.shared_prefix, grammar=prepared.grammar,
+                                tool_format=prepared.tool_format)
         except Exception as e:
             self._running.cancel(job.id)  # whatever part of it a batch took
             self._fail(p, _as_job_error(e))

@@ -60,7 +60,8 @@ class SpecBatch:
         stats = SpecTelemetry(plan.mode, k=plan.k, choice=plan.choice)
         output.spec_stats = stats
         choice = choice_for(output.job.sampling, self._decodable)
-        spec = self._speculator.new_row(prompt, stats=stats, choice=choice, caches=cache, cached=cached)
+        spec = self._speculator.new_row(prompt, stats=stats, choice=choice, caches=cache, cached=cached,
+                                        grammar=output.grammar)
         self._rows[output.job.id] = Row(output, sink, spec, auto=plan.choice is not None)
 
     def step(self) -> list[tuple[Row, list[Event]]]:

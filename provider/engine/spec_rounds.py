@@ -30,6 +30,7 @@ from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, RotatingKVC
 from ..models.gemma4_target import Target
 from ..telemetry import SpecTelemetry
 from .acceptance import GreedyChoice
+from .grammar import masked
 
 
 @dataclass
@@ -47,6 +48,7 @@ class SpecRow:
     hidden: mx.array | None = None
     draft: Any = None  # the drafter's own state for this row (a draft model's caches and pending tokens)
     tokens: list[int] = field(default_factory=list)  # what the caches hold K/V for, in order
+    grammar: Any = None  # a constrained row's grammar.RowGrammar: drafts and verdicts drawn under its masks
 
     @property
     def committed(self) -> int:
@@ -65,6 +67,10 @@ class SpecRow:
     def read_all_but_last(self) -> bool:
         """Every prompt token but the last is in the caches, the drafter's too: the row can take its first token."""
         return self.read >= len(self.prompt) - 1 and self.drafter_read >= self.read
+
+
+def _under_grammar(row: SpecRow, logits: mx.array) -> mx.array:
+    return logits if row.grammar is None else row.grammar.mask(logits)
 
 
 def rollback(caches: list, n: int) -> None:
@@ -113,11 +119,12 @@ class Speculator:
         self.drafter = drafter
 
     def new_row(self, prompt: list[int], *, stats: SpecTelemetry, choice=None, caches: list | None = None,
-                cached: int = 0) -> SpecRow:
+                cached: int = 0, grammar=None) -> SpecRow:
         """A row for `prompt`; `caches` may already hold the K/V of its first `cached` tokens."""
         choice = choice or GreedyChoice()
         stats.sampling_scheme = choice.scheme
-        row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model))
+        row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model),
+                      grammar=grammar)
         row.read = cached
         row.tokens = list(prompt[:cached])
         self.drafter.begin(row)  # a cached prefix the drafter reads as the prompt is read, a chunk per step
@@ -151,11 +158,13 @@ class Speculator:
             self._drafter_reads(r, r.read)
         caches = merged([r.caches for r in rows])
         logits, hidden = self.target.forward(mx.array([[r.prompt[-1]] for r in rows]), caches)
-        firsts = [r.choice.first(logits[i:i + 1, -1, :]) for i, r in enumerate(rows)]
+        firsts = [r.choice.first(_under_grammar(r, logits[i:i + 1, -1, :])) for i, r in enumerate(rows)]
         mx.eval(firsts, hidden if hidden is not None else [])
         for i, (row, own, first) in enumerate(zip(rows, split(caches, len(rows)), firsts)):
             row.caches = own
             row.last, row.read = first.item(), len(row.prompt)
+            if row.grammar is not None:
+                row.grammar.consume([row.last])
             row.drafter_read = row.read  # the last prompt token is the drafter's pending input (start)
             row.tokens.append(row.prompt[-1])
             row.hidden = hidden[i:i + 1, -1:, :] if hidden is not None else None
@@ -175,8 +184,12 @@ class Speculator:
         t1 = time.perf_counter()
         last = mx.array([[r.last] for r in rows])
         logits, hidden_all = self.target.forward(mx.concatenate([last, drafts], axis=1), caches)
-        verdicts = [r.choice.verify(logits[i], drafts[i], qs[i]) for i, r in enumerate(rows)]
-        mx.eval(verdicts)  # the round's one read-back
+        # A constrained row's k+1 positions under the masks its drafts were drawn with, and the bonus's.
+        verdicts = [r.choice.verify(logits[i] if r.grammar is None else masked(logits[i], r.grammar.verify_masks()),
+                                    drafts[i], qs[i]) for i, r in enumerate(rows)]
+        steered = [mx.concatenate(r.grammar.steered).sum() if r.grammar is not None and r.grammar.steered
+                   else mx.array(0) for r in rows]
+        mx.eval(verdicts, steered)  # the round's one read-back
         t2 = time.perf_counter()
         out = []
         drafted = drafts.tolist()
@@ -189,6 +202,10 @@ class Speculator:
             row.hidden = hidden_all[i:i + 1, n:n + 1, :] if hidden_all is not None else None
             self.drafter.accepted(row, n, k, drafted[i], bonus)
             self._count(row.stats, n, k, len(rows), extras, t1 - t0, t2 - t1)
+            if row.grammar is not None:
+                row.grammar.settle([*drafted[i][:n], bonus])
+                row.grammar.steered = []
+                row.stats.grammar_steered += steered[i].item()
             out.append([*drafted[i][:n], bonus])
         return out
 

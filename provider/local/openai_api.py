@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..jobs import MAX_STOP_STRINGS, Done, Job, JobError, SamplingParams, resolve_max_tokens
+from ..constraints import OutputRules, ResponseFormat, Tool, ToolChoice
+from ..jobs import MAX_STOP_STRINGS, Done, Job, JobError, SamplingParams, ToolCall, resolve_max_tokens
 from ..types import Cause
 from ..status import NodeStatus
 
@@ -107,7 +108,11 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise RequestError(f"{param}.content must be a string or an array of text parts", f"{param}.content")
-    return {"role": m.get("role"), "content": content}
+    out = {"role": m.get("role"), "content": content}
+    for key in ("tool_calls", "tool_call_id", "name"):  # checked by Job (constraints.check_message_tool_fields)
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
 
 
 def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) -> ParsedRequest:
@@ -118,20 +123,60 @@ def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) ->
         raise RequestError("only n=1 is supported", "n")
     if body.get("logprobs") not in (None, False, 0):
         raise RequestError("logprobs are not supported", "logprobs")
-    for key in ("tools", "functions", "response_format"):
-        if body.get(key) and body.get(key) != {"type": "text"}:
-            raise RequestError(f"{key} is not supported by this node (no tool calling or constrained decoding); "
-                               "send the request without it", key)
+    for key in ("functions", "function_call"):
+        if body.get(key) is not None:
+            raise RequestError(f"{key} is OpenAI's deprecated form; send tools and tool_choice", key)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
     try:
-        job = Job(id=job_id, model=model, sampling=_sampling(body, limits),
+        job = Job(id=job_id, model=model, sampling=_sampling(body, limits), rules=output_rules(body),
                   speculation=_given(body, "speculation", "auto"), **prompt)
-    except JobError as e:  # the shared bounds (jobs.py), reported against the field at fault
+    except JobError as e:  # the shared bounds (jobs.py, constraints.py), reported against the field at fault
         raise RequestError(e.message, e.param) from None
     return ParsedRequest(job, stream, _bool(options, "include_usage", False))
+
+
+def output_rules(body: dict[str, Any]) -> OutputRules:
+    """response_format, tools, tool_choice and parallel_tool_calls: wire shapes into OutputRules (which checks
+    every value)."""
+    tools = _given(body, "tools", [])
+    if not isinstance(tools, list):
+        raise RequestError("tools must be an array of {type: function, function: {...}}", "tools")
+    parsed = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict):
+            raise RequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{name, parameters}}}}",
+                               "tools")
+        parsed.append(Tool(fn.get("name"), _given(fn, "parameters", {"type": "object", "properties": {}}),
+                           _given(fn, "description", "")))
+    choice = _given(body, "tool_choice", "auto" if parsed else "none")
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        choice = ToolChoice("function", fn.get("name") if isinstance(fn, dict) else None)
+    else:
+        choice = ToolChoice(choice)
+    return OutputRules(_response_format(_given(body, "response_format", None)), tuple(parsed), choice,
+                       _given(body, "parallel_tool_calls", True))
+
+
+def _response_format(value: Any) -> ResponseFormat | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("response_format must be an object with a type", "response_format")
+    kind = value.get("type")
+    if kind != "json_schema":
+        return ResponseFormat(kind)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError("response_format.json_schema must be an object with name and schema", "response_format")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestError("response_format.json_schema.strict must be a boolean", "response_format")
+    return ResponseFormat("json_schema", _given(spec, "schema", {}), spec.get("name"))
 
 
 def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
@@ -190,10 +235,14 @@ def _envelope(job_id: str, model: str, obj: str, created: int) -> dict[str, Any]
     return {"id": job_id, "object": obj, "created": created, "model": model}
 
 
-def chat_response(job_id: str, model: str, text: str, done: Done, created: int) -> dict[str, Any]:
+def chat_response(job_id: str, model: str, text: str, done: Done, created: int,
+                  calls: list[ToolCall] = ()) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None,
+                               "refusal": None}
+    if calls:
+        message["tool_calls"] = [tool_call_dict(c) for c in calls]
     return _envelope(job_id, model, "chat.completion", created) | {
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": done.finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}],
         "usage": done.usage.as_dict(),
         "telemetry": done.telemetry.as_dict(),
     }
@@ -207,13 +256,28 @@ def completion_response(job_id: str, model: str, text: str, done: Done, created:
     }
 
 
+def tool_call_dict(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[list[dict[str, Any]]]:
+    """Each call as OpenAI streams one: a delta with its index, id and name, then one with its arguments."""
+    out = []
+    for i, c in enumerate(calls, first_index):
+        out.append([{"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}])
+        out.append([{"index": i, "function": {"arguments": c.arguments}}])
+    return out
+
+
 def chat_chunk(job_id: str, model: str, created: int, *, text: str | None = None, role: bool = False,
-               finish_reason: str | None = None) -> dict[str, Any]:
+               finish_reason: str | None = None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = "assistant"
     if text is not None:
         delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return _envelope(job_id, model, "chat.completion.chunk", created) | {
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
     }

@@ -178,15 +178,18 @@ class LocalAPI:
     async def _collect(self, request: web.Request, stream: JobStream, job_id: str, model: str,
                        chat: bool) -> web.Response:
         parts: list[str] = []
+        calls = []
         async for ev in stream:
             if isinstance(ev, Tokens):
                 parts.append(ev.text)
+                calls += ev.tool_calls
             elif isinstance(ev, Error):
                 raise api.error_for(ev.cause, ev.message, ev.param)
             elif isinstance(ev, Done):
                 request[USAGE] = ev.usage
-                build = api.chat_response if chat else api.completion_response
-                return web.json_response(build(job_id, model, "".join(parts), ev, api.now()))
+                if chat:
+                    return web.json_response(api.chat_response(job_id, model, "".join(parts), ev, api.now(), calls))
+                return web.json_response(api.completion_response(job_id, model, "".join(parts), ev, api.now()))
         raise api.RequestError("the job ended without a result", status=500, type_="server_error")
 
     async def _stream(self, request: web.Request, stream: JobStream, job_id: str, model: str, chat: bool,
@@ -202,6 +205,7 @@ class LocalAPI:
 
         if chat:
             await send(api.chat_chunk(job_id, model, created, role=True, text=""))
+        calls_sent = 0
         async for ev in stream:
             # Coalesce whatever else is already waiting, so a slow client never falls behind per token.
             batch, end = await stream.coalesce(ev) if isinstance(ev, Tokens) else ([], ev)
@@ -210,6 +214,10 @@ class LocalAPI:
                 chunk = (api.chat_chunk(job_id, model, created, text=text) if chat
                          else api.completion_chunk(job_id, model, created, text=text))
                 await send(chunk)
+            calls = [c for e in batch for c in e.tool_calls]
+            for delta in api.tool_call_deltas(calls, calls_sent):
+                await send(api.chat_chunk(job_id, model, created, tool_calls=delta))
+            calls_sent += len(calls)
             if isinstance(end, Error):
                 await send(api.error_for(end.cause, end.message, end.param).body())
             elif isinstance(end, Done):

@@ -53,7 +53,7 @@ CHATML_TEMPLATE = (
 
 
 def build_tokenizer(out: Path, vocab_size: int, chat_template: str, eos: str, add_bos: bool,
-                    corpus: list[str] | None = None) -> dict[str, int]:
+                    corpus: list[str] | None = None, extra_specials: tuple[str, ...] = ()) -> dict[str, int]:
     """Train a byte-level BPE (on CORPUS unless given one) and write tokenizer.json + tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -62,12 +62,12 @@ def build_tokenizer(out: Path, vocab_size: int, chat_template: str, eos: str, ad
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIALS,
+        special_tokens=SPECIALS + list(extra_specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus or [CORPUS] * 4, trainer=trainer)
-    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    ids = {s: tok.token_to_id(s) for s in SPECIALS + list(extra_specials)}
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
             single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", ids["<bos>"])]
@@ -138,8 +138,8 @@ def gemma4_text_config(vocab: int, ids: dict[str, int], *, hidden: int = 64, win
     }
 
 
-def make_gemma4_tiny(out: Path) -> None:
-    ids = build_tokenizer(_mkdir(out), 512, GEMMA_TEMPLATE, "<eos>", add_bos=True)
+def make_gemma4_tiny(out: Path, template: str = GEMMA_TEMPLATE, extra_specials: tuple[str, ...] = ()) -> None:
+    ids = build_tokenizer(_mkdir(out), 512, template, "<eos>", add_bos=True, extra_specials=extra_specials)
     text = gemma4_text_config(512, ids)
     config = {
         "architectures": ["Gemma4ForConditionalGeneration"],
@@ -155,6 +155,29 @@ def make_gemma4_tiny(out: Path) -> None:
     # mlx-lm's sanitize maps them back on load.
     hf = {k.replace("language_model.model.", "model.language_model.", 1): v for k, v in weights.items()}
     _save(out, config, hf)
+
+
+# Gemma 4's tool format, as its own chat template writes it: declarations in the system turn, calls as
+# <|tool_call>call:NAME{key:<|"|>text<|"|>,n:5}<tool_call|>, results as <|tool_response>...<tool_response|>.
+# (A shortened template with the real one's markers and shapes; mlx-lm infers the gemma4 parser from them.)
+GEMMA4_TOOL_SPECIALS = ("<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                        "<tool_response|>", '<|"|>')
+GEMMA4_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<start_of_turn>system\n{% for t in tools %}<|tool>declaration:"
+    "{{ t['function']['name'] }}{{ t['function'] | tojson }}<tool|>{% endfor %}<end_of_turn>\n{% endif %}"
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<|tool_call>call:{{ c['function']['name'] }}{{ '{' }}"
+    "{% for k, v in c['function']['arguments'].items() %}{{ k }}:{% if v is string %}<|\"|>{{ v }}<|\"|>"
+    "{% else %}{{ v | tojson }}{% endif %}{% if not loop.last %},{% endif %}{% endfor %}}<tool_call|>"
+    "{% endfor %}{% elif m['role'] == 'tool' %}<|tool_response>response:{{ m['content'] }}<tool_response|>"
+    "{% else %}{{ m['content'] }}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def make_gemma4_tools(out: Path) -> None:
+    """gemma4-tiny's architecture with Gemma 4's tool-call tokens and a template in its tool format."""
+    make_gemma4_tiny(out, GEMMA4_TOOLS_TEMPLATE, GEMMA4_TOOL_SPECIALS)
 
 
 def make_gemma4_tiny_assistant(out: Path, target: Path) -> None:
@@ -302,6 +325,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "llama-tiny": lambda d: make_llama_pair(d / "llama-tiny", d / "llama-tiny-draft"),
     "qwen3-tiny": lambda d: make_qwen3_tiny(d / "qwen3-tiny"),
     "llama-kv-heavy": lambda d: make_llama_kv_heavy(d / "llama-kv-heavy"),
+    "gemma4-tools": lambda d: make_gemma4_tools(d / "gemma4-tools"),
 }
 
 

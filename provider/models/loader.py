@@ -35,6 +35,13 @@ class LoadedModel:
     def context_length(self) -> int:
         return context_length(self.config)
 
+    @property
+    def logits_width(self) -> int:
+        """The ids the model scores (its configured vocabulary)."""
+        from .capability import vocab_size
+
+        return vocab_size(self.config)
+
 
 def model_id_for(source: str) -> str:
     """The public id of a model: a directory's name, or the repo id as given."""

@@ -1,0 +1,200 @@
+"""Grammar-constrained decoding with llguidance: a job's output rules as one Lark grammar, compiled off the
+engine thread within bounds, and a matcher per row whose token mask is applied to that row's logits.
+
+- Plain rows: `GrammarProcessor` is the row's last logits processor in mlx-lm's batched step. It consumes the
+  tokens sampled since its last call (the step's context), then masks the logits with what the grammar allows
+  next. Reading the sampled token back costs the row mlx-lm's step overlap (the mask needs it).
+- Speculating rows: each draft position is masked with the grammar's state after the drafts before it, and the
+  target's k+1 positions with those same masks plus the one after the last draft. p and q are both the masked,
+  renormalised distributions, so sampled speculation stays exact; rejected drafts are rolled back.
+
+The mask is applied with plain mx ops (llguidance's MLX helper is a Metal kernel). Columns the mask does not
+cover (a padded vocabulary) are never allowed; the model's end-of-turn ids are the grammar's EOS, allowed only
+where the grammar may end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ..constraints import ConstraintError, OutputRules, closed
+from ..models.tool_format import JSON_CALL_SEPARATORS, ToolFormat
+
+COMPILE_TIMEOUT_S = 2.0  # a grammar that takes longer is refused (it still ends within llguidance's fuel)
+MAX_GRAMMAR_CHARS = 1 << 20
+TEXT = "TEXT: /(.|\\n)+/"
+
+
+def lark_for(rules: OutputRules, fmt: ToolFormat | None) -> str:
+    """One Lark grammar for the job's output: JSON content, forced calls, or text (or JSON) with calls allowed."""
+    lines = ["%llguidance {}"]
+    content = None
+    if rules.json_content:
+        schema = closed(rules.content_schema())
+        schema["x-guidance"] = {**JSON_CALL_SEPARATORS, **(schema.get("x-guidance") or {}), "lenient": False}
+        lines.append(f"content: %json {json.dumps(schema)}")
+        content = "content"
+    if not rules.calls_tools:
+        lines.append("start: content")
+        return "\n".join(lines)
+    calls = fmt.call_grammar(rules)
+    lines.append(calls.rules)
+    many = f"call ({calls.separator} call)*" if calls.separator else "call+"
+    calls_rule = many if rules.parallel_tool_calls else "call"
+    if rules.tool_choice.forced:
+        lines.append(f"start: {calls_rule}")
+    elif content:
+        lines.append(f"start: content | {calls_rule}")
+    else:  # free text, and a call may begin anywhere in it; once begun, it is held to the grammar
+        if calls.special_trigger:
+            lines.append(f"seg: TEXT? {calls.trigger} {calls.body}")
+        else:
+            lines += [f"trig[lazy]: TEXT? {calls.trigger}", f"seg: trig {calls.body}"]
+        lines += [f"start: {'seg*' if rules.parallel_tool_calls else 'seg?'} TEXT?", TEXT]
+    return "\n".join(lines)
+
+
+class Compiler:
+    """Compiles grammars for one model, off the engine thread, each within a time and size bound."""
+
+    def __init__(self, tokenizer, n_vocab: int):
+        import llguidance.hf
+
+        self._lock = threading.Lock()
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=n_vocab,
+                                                      eos_token=sorted(tokenizer.eos_token_ids))
+        self.n_vocab = n_vocab
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    def matcher(self, lark: str, param: str):
+        """A fresh LLMatcher for `lark`, or ConstraintError naming `param` (too large, too slow, invalid)."""
+        import llguidance
+
+        if len(lark) > MAX_GRAMMAR_CHARS:
+            raise ConstraintError(param, f"{param}: the grammar it needs is over {MAX_GRAMMAR_CHARS} characters")
+        limits = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=2_000_000,
+                                           step_lexer_fuel=400_000, max_lexer_states=100_000,
+                                           verbose_errors=False)
+        future = self._pool.submit(llguidance.LLMatcher, self.tokenizer, lark, log_level=0, limits=limits)
+        try:
+            m = future.result(timeout=COMPILE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise ConstraintError(param, f"{param}: the schema took over {COMPILE_TIMEOUT_S:g} s to compile; "
+                                         "simplify it") from None
+        if m.is_error():
+            raise ConstraintError(param, f"{param}: {_first_line(m.get_error())}")
+        return m
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0][:400] if error.strip() else "the grammar did not compile"
+
+
+class RowGrammar:
+    """One row's matcher and its masks; engine thread only."""
+
+    def __init__(self, matcher, n_vocab: int, width: int, end_ids: set[int], kind: str):
+        import llguidance.numpy as lln
+
+        self._lln = lln
+        self.matcher = matcher
+        self.kind = kind
+        self.width = width  # the logits' width
+        self.end_ids = end_ids
+        self._bits = lln.allocate_token_bitmask(1, n_vocab)
+        self._ends = np.zeros(width, dtype=bool)
+        self._ends[[t for t in end_ids if t < width]] = True
+        self.mask_s = 0.0
+        self.masks = 0
+        self._round: list[np.ndarray] = []  # a speculative round's masks, position by position
+        self._tentative = 0  # drafts consumed in this round, to roll back
+        self.steered: list[mx.array] = []  # per draft: the drafter's own top choice was forbidden
+
+    # --- one position -----------------------------------------------------------
+
+    def allowed(self) -> np.ndarray:
+        """What the grammar allows next, as booleans over the logits' columns."""
+        t0 = time.perf_counter()
+        if self.matcher.is_stopped():
+            out = self._ends  # a finished grammar allows only its end
+        else:
+            self._lln.fill_next_token_bitmask(self.matcher, self._bits, 0)
+            bits = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")
+            out = np.zeros(self.width, dtype=bool)
+            n = min(self.width, bits.size)
+            out[:n] = bits[:n]
+            if not out.any():
+                raise GrammarError(f"the grammar allows no token here ({self.matcher.get_error() or 'stuck'})")
+        self.mask_s += time.perf_counter() - t0
+        self.masks += 1
+        return out
+
+    def mask(self, logits: mx.array, allowed: np.ndarray | None = None) -> mx.array:
+        allowed = self.allowed() if allowed is None else allowed
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def consume(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if t in self.end_ids:
+                return  # the row ends here
+            if not self.matcher.consume_token(t):
+                raise GrammarError(f"token {t} broke the grammar: {self.matcher.get_error()}")
+
+    # --- a speculative round ------------------------------------------------------
+
+    def draft(self, logits: mx.array) -> mx.array:
+        """The drafter's logits at the next draft position, masked; the mask is kept for the verify."""
+        allowed = self.allowed()
+        self._round.append(allowed)
+        self.steered.append(mx.logical_not(mx.array(allowed)[mx.argmax(logits, axis=-1)]))
+        return self.mask(logits, allowed)
+
+    def drafted(self, token: int) -> None:
+        """Consume a draft tentatively (the next draft's mask depends on it)."""
+        if token not in self.end_ids and not self.matcher.is_stopped():
+            if not self.matcher.consume_token(token):
+                raise GrammarError(f"draft {token} broke the grammar: {self.matcher.get_error()}")
+            self._tentative += 1
+
+    def verify_masks(self) -> mx.array:
+        """[k+1, V]: the masks the drafts were drawn under, and the one after the last draft (the bonus's)."""
+        masks = mx.array(np.stack(self._round + [self.allowed()]))
+        self._round = []
+        return masks
+
+    def settle(self, tokens: list[int]) -> None:
+        """Undo the round's drafts and take what it kept: its accepted drafts and the target's token."""
+        if self._tentative:
+            self.matcher.rollback(self._tentative)
+            self._tentative = 0
+        self.consume(tokens)
+
+
+class GrammarError(RuntimeError):
+    """The matcher left the grammar: a bug, not the client's fault. The row fails alone."""
+
+
+class GrammarProcessor:
+    """A plain row's last logits processor: catch up on the tokens sampled so far, then mask."""
+
+    def __init__(self, grammar: RowGrammar, prompt_len: int):
+        self.grammar = grammar
+        self._seen = prompt_len  # context tokens the matcher has accounted for
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        n = context.shape[-1] - self._seen
+        if n > 0:
+            self.grammar.consume(context[-n:].tolist())
+            self._seen += n
+        return self.grammar.mask(logits)
+
+
+def masked(logits: mx.array, masks: mx.array) -> mx.array:
+    """Logits [k+1, V] under per-position masks [k+1, V]."""
+    return mx.where(masks, logits, mx.array(-mx.inf, dtype=logits.dtype))
