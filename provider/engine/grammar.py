@@ -46,7 +46,8 @@ def lark_for(rules: OutputRules, fmt: ToolFormat | None) -> str:
     calls = fmt.call_grammar(rules)
     lines.append(calls.rules)
     many = f"call ({calls.separator} call)*" if calls.separator else "call+"
-    calls_rule = many if rules.parallel_tool_calls else "call"
+    # A named choice is one call of that function (as vLLM forces it); `required` and `auto` may make several.
+    calls_rule = many if rules.parallel_tool_calls and rules.tool_choice.mode != "function" else "call"
     if rules.tool_choice.forced:
         lines.append(f"start: {calls_rule}")
     elif content:

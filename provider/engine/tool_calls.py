@@ -24,6 +24,7 @@ class ToolCallSplitter:
         self._tools = tools  # as the parser may want them (OpenAI's shape)
         self._text = ""  # held back: possibly the start of a marker, or whitespace
         self._call: str | None = None  # inside a call: its text so far
+        self._gap = ""  # the whitespace before the current call
         self.calls = 0
 
     def feed(self, text: str) -> tuple[str, tuple[ToolCall, ...]]:
@@ -33,28 +34,30 @@ class ToolCallSplitter:
         while True:
             if self._call is not None:
                 end = self._text.find(self._fmt.end) if self._fmt.end else -1
-                if end < 0:
-                    self._call += self._text
-                    self._text = ""
+                if end < 0:  # all but what may begin the end marker joins the call
+                    keep = _partial_suffix(self._text, self._fmt.end) if self._fmt.end else 0
+                    self._call += self._text[:len(self._text) - keep]
+                    self._text = self._text[len(self._text) - keep:]
                     break
                 self._call += self._text[:end]
                 self._text = self._text[end + len(self._fmt.end):]
                 done = self._parse(self._call)
                 if done is None:
-                    content.append(self._fmt.start + self._call + self._fmt.end)
+                    content.append(self._gap + self._fmt.start + self._call + self._fmt.end)
                 calls += done or []
                 self._call = None
                 continue
             start = self._text.find(self._fmt.start)
             if start >= 0:
-                before = self._text[:start]
-                if before.strip():
+                before = self._text[:start].rstrip()
+                if before:
                     content.append(before)
+                self._gap = self._text[len(before):start]  # given back if the call turns out to be text
                 self._call, self._text = "", self._text[start + len(self._fmt.start):]
                 continue
             keep = _partial_suffix(self._text, self._fmt.start)
-            ready = self._text[:len(self._text) - keep]
-            if ready.strip():  # whitespace waits: it is content only if more content follows
+            ready = self._text[:len(self._text) - keep].rstrip()  # trailing whitespace waits: it is content
+            if ready:  # only if more content follows
                 content.append(ready)
                 self._text = self._text[len(ready):]
             break
@@ -67,7 +70,7 @@ class ToolCallSplitter:
             text = self._call + self._text
             done = self._parse(text) if not self._fmt.end else None
             if done is None:
-                content = self._fmt.start + text
+                content = self._gap + self._fmt.start + text
             calls = tuple(done or ())
         elif self._text.strip() or not self.calls:
             content = self._text

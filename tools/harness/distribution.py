@@ -33,9 +33,10 @@ class AcceptEveryDraft(SampledChoice):
 
 
 def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, positions: int,
-                  batch: int = 500) -> list[tuple[int, ...]]:
+                  batch: int = 500, grammar=None) -> list[tuple[int, ...]]:
     """`n` independent plain samples of the first `positions` tokens: batches of rows that read the prompt
-    once, each then decoding one token per forward and sampling with the node's plain sampler."""
+    once, each then decoding one token per forward and sampling with the node's plain sampler (under its own
+    grammar, a fresh `grammar()` per row, when given)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from provider.engine.spec_rounds import merged, prefill
@@ -46,18 +47,23 @@ def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, posi
     for start in range(0, n, batch):
         rows = min(batch, n - start)
         cache, x, cols = merged([read] * rows), mx.array([prompt[-1:]] * rows), []
+        grammars = [grammar() for _ in range(rows)] if grammar else None
         for _ in range(positions):
             logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+            if grammars:
+                logits = mx.concatenate([g.mask(logits[i:i + 1]) for i, g in enumerate(grammars)])
             y = sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
             cols.append(y.tolist())
+            for g, token in zip(grammars or (), cols[-1]):
+                g.consume([token])
             x = y[:, None]
         out += list(zip(*cols))
     return out
 
 
 def speculative_samples(model, make_drafter, prompt: list[int], params: SamplingParams, n: int, positions: int,
-                        k: int, choice=SampledChoice, seed0: int = 0,
-                        batch: int = 500) -> tuple[list[tuple[int, ...]], SpecTelemetry]:
+                        k: int, choice=SampledChoice, seed0: int = 0, batch: int = 500,
+                        grammar=None) -> tuple[list[tuple[int, ...]], SpecTelemetry]:
     """`n` independent speculative samples (seeds seed0, seed0 + 1, ...) of the first `positions` tokens:
     rows of the node's round loop, `batch` at a time, which read the prompt once and then each draft, get
     verified and roll back on their own."""
@@ -72,7 +78,7 @@ def speculative_samples(model, make_drafter, prompt: list[int], params: Sampling
         seeds = range(start, min(start + batch, seed0 + n))
         # Every row starts from the same read prompt (the first merge copies it); each has its own key.
         rows = [spec.new_row(prompt, stats=SpecTelemetry("sampled", k=k), choice=choice(params, seed), caches=read,
-                             cached=len(prompt) - 1) for seed in seeds]
+                             cached=len(prompt) - 1, grammar=grammar() if grammar else None) for seed in seeds]
         samples = [[first] for first in spec.begin(rows)]
         while live := [i for i, s in enumerate(samples) if len(s) < positions]:
             for i, tokens in zip(live, spec.round([rows[i] for i in live])):
