@@ -68,9 +68,12 @@ class ToolFormat:
             return self._gemma4_grammar(tools)
         lines = []
         for i, tool in enumerate(tools):
-            schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": closed(tool.parameters)},
+            arguments = closed(tool.parameters)
+            # The call wraps the arguments, so the definitions their $refs point at (#/$defs/...) move to its root.
+            hoisted = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
+            schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": arguments},
                       "required": ["name", "arguments"], "additionalProperties": False,
-                      "x-guidance": {**JSON_CALL_SEPARATORS, "lenient": False}}
+                      "x-guidance": {**JSON_CALL_SEPARATORS, "lenient": False}, **hoisted}
             lines.append(f"call_{i}: %json {json.dumps(schema)}")
         body = " | ".join(f"call_{i}" for i in range(len(tools)))
         lines.append(f'call_body: "\\n" ({body}) "\\n" {json.dumps(self.end)}')
