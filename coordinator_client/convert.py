@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from provider.jobs import Done, Error, Job, JobError, SamplingParams, Tokens, Usage, resolve_max_tokens
+import json
+
+from provider.constraints import (MAX_SCHEMA_BYTES, MAX_TOOLS, TOOL_CHOICE_MODES, ConstraintError, OutputRules,
+                                  ResponseFormat, Tool, ToolChoice)
+from provider.jobs import Done, Error, Job, JobError, SamplingParams, ToolCall, Tokens, Usage, resolve_max_tokens
 from provider.types import Cause, Policy
 
 from provider.telemetry import Telemetry
@@ -53,7 +57,7 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     else:
         if not req.chat.messages:
             raise _invalid("chat.messages is empty")
-        messages = tuple({"role": m.role, "content": m.content} for m in req.chat.messages)
+        messages = tuple(_message(m) for m in req.chat.messages)
     if req.speculation not in POLICY:
         raise _invalid(f"unknown speculation policy {req.speculation}")
     s = req.sampling
@@ -66,23 +70,66 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
         **present,
     )
     return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
-               speculation=POLICY[req.speculation])
+               speculation=POLICY[req.speculation], rules=output_rules(req))
+
+
+def _message(m: pb.ChatMessage) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def output_rules(req: pb.JobRequest) -> OutputRules:
+    """response_format, tools and tool_choice off the wire; OutputRules checks every value (the local API's
+    bounds). Schemas arrive as JSON text: bounded in bytes before they are parsed."""
+    rf = req.response_format if req.HasField("response_format") else None
+    if len(req.tools) > MAX_TOOLS:
+        raise ConstraintError("tools", f"tools must be at most {MAX_TOOLS}")
+    tools = tuple(Tool(t.name, _schema("tools", t.parameters_json or '{"type": "object", "properties": {}}'),
+                       t.description) for t in req.tools)
+    choice = req.tool_choice or ("auto" if tools else "none")
+    named = choice not in TOOL_CHOICE_MODES
+    return OutputRules(
+        None if rf is None or not rf.type else
+        ResponseFormat(rf.type, _schema("response_format", rf.schema_json) if rf.type == "json_schema" else None,
+                       rf.schema_name),
+        tools, ToolChoice("function", choice) if named else ToolChoice(choice),
+        req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True)
+
+
+def _schema(param: str, text: str) -> dict:
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise ConstraintError(param, f"{param}: a schema must be at most {MAX_SCHEMA_BYTES} bytes")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise ConstraintError(param, f"{param}: the schema is not valid JSON") from None
 
 
 def chunk_frame(job_id: str, seq: int, batch: list[Tokens], keys: JobKeys | None = None) -> pb.ProviderFrame:
     """One TokenChunk for coalesced token events; sealed back to the sender for a sealed job."""
     ids = [t for ev in batch for t in ev.token_ids]
     text = "".join(ev.text for ev in batch)
+    calls = tool_calls_to_pb([c for ev in batch for c in ev.tool_calls])
     if keys is not None:
         return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq,
-                                                          sealed=keys.seal_chunk(job_id, seq, text, ids)))
-    return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq, text=text, token_ids=ids))
+                                                          sealed=keys.seal_chunk(job_id, seq, text, ids, calls)))
+    return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq, text=text, token_ids=ids,
+                                                      tool_calls=calls))
+
+
+def tool_calls_to_pb(calls: list[ToolCall]) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
 def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
     out = pb.Telemetry(queue_ms=t.queue_ms, total_ms=t.total_ms, peak_memory_bytes=t.peak_memory_bytes,
-                       finish_reason=t.finish_reason.value)
-    for name in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s"):
+                       finish_reason=t.finish_reason.value, constraint=t.constraint or "")
+    for name in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "mask_ms_per_token"):
         if getattr(t, name) is not None:  # optional on the wire: absent, not zero, when unknown
             setattr(out, name, getattr(t, name))
     spec = t.speculation.as_dict()

@@ -34,20 +34,23 @@ class Transcript:
     chunks: int = 0
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[pb.ToolCall] = field(default_factory=list)
 
-    def add(self, text: str, token_ids: list[int]) -> None:
+    def add(self, *, text: str = "", token_ids=(), tool_calls=()) -> None:
         self.chunks += 1
         self.text.append(text)
         self.token_ids.extend(token_ids)
+        self.tool_calls.extend(tool_calls)
 
     def completion(self, job_id: str, keys: JobKeys | None = None) -> pb.Completion:
         """The whole completion, sealed back to the sender for a sealed job."""
         out = pb.Completion(chunks=self.chunks, token_ids_sha256=token_digest(self.token_ids))
         text = "".join(self.text)
         if keys is not None:
-            out.sealed = keys.seal_completion(job_id, text, self.token_ids)
+            out.sealed = keys.seal_completion(job_id, text, self.token_ids, self.tool_calls)
         else:
             out.text, out.token_ids[:] = text, self.token_ids
+            out.tool_calls.extend(self.tool_calls)
         return out
 
 
@@ -74,6 +77,7 @@ def brief(frame: pb.ProviderFrame) -> pb.ProviderFrame:
         c = getattr(out, kind).completion
         c.text, c.sealed = "", b""
         del c.token_ids[:]
+        del c.tool_calls[:]
     return out
 
 

@@ -143,6 +143,9 @@ class ReferenceCoordinator:
     def token_ids(self, job_id: str) -> list[int]:
         return [t for c in self.chunks[job_id] for t in c.token_ids]
 
+    def tool_calls(self, job_id: str) -> list[pb.ToolCall]:
+        return [call for c in self.chunks[job_id] for call in c.tool_calls]
+
     def completion(self, job_id: str) -> tuple[str, list[int]]:
         """The job's whole output, rebuilt from its chunks or, when chunks were lost with a session, from the
         completion its re-sent outcome carries; checked against the outcome's digest either way."""
@@ -282,7 +285,8 @@ class ReferenceCoordinator:
             body = self._job_keys[chunk.job_id].open_chunk(chunk.job_id, chunk.seq, chunk.sealed)
         except (KeyError, SealingError):
             return chunk  # not ours to open: kept as it came
-        return pb.TokenChunk(job_id=chunk.job_id, seq=chunk.seq, text=body.text, token_ids=body.token_ids)
+        return pb.TokenChunk(job_id=chunk.job_id, seq=chunk.seq, text=body.text, token_ids=body.token_ids,
+                             tool_calls=body.tool_calls)
 
 
 async def _main(port: int) -> None:

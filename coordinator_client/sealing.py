@@ -61,12 +61,12 @@ class JobKeys:
         request, response = derive_keys(shared, sender_key, sealing_key)
         return cls(ChaCha20Poly1305(request), ChaCha20Poly1305(response))
 
-    def seal_chunk(self, job_id: str, seq: int, text: str, token_ids: list[int]) -> bytes:
-        body = pb.TokenChunk(text=text, token_ids=token_ids).SerializeToString()
+    def seal_chunk(self, job_id: str, seq: int, text: str, token_ids: list[int], tool_calls=()) -> bytes:
+        body = pb.TokenChunk(text=text, token_ids=token_ids, tool_calls=tool_calls).SerializeToString()
         return self.response.encrypt(nonce(seq), body, aad(job_id, "chunk"))
 
-    def seal_completion(self, job_id: str, text: str, token_ids: list[int]) -> bytes:
-        body = pb.Completion(text=text, token_ids=token_ids).SerializeToString()
+    def seal_completion(self, job_id: str, text: str, token_ids: list[int], tool_calls=()) -> bytes:
+        body = pb.Completion(text=text, token_ids=token_ids, tool_calls=tool_calls).SerializeToString()
         return self.response.encrypt(nonce(COMPLETION_COUNTER), body, aad(job_id, "completion"))
 
     # The sender's side (the reference coordinator and tests use these).

@@ -163,7 +163,8 @@ class CoordinatorJobs:
                                if isinstance(ev, Tokens) else ([], ev))
                 if tokens:
                     outbox.put_nowait(convert.chunk_frame(job_id, transcript.chunks, tokens, keys))
-                    transcript.add("".join(t.text for t in tokens), [i for t in tokens for i in t.token_ids])
+                    transcript.add(text="".join(t.text for t in tokens), token_ids=[i for t in tokens for i in t.token_ids],
+                                   tool_calls=convert.tool_calls_to_pb([c for t in tokens for c in t.tool_calls]))
                 if end is not None:
                     self._outcome(outbox, self._ending(end, transcript, model, keys, deadline_passed=bool(expired)),
                                   job_id)

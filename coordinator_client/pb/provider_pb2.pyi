@@ -296,12 +296,46 @@ class Pong(_message.Message):
     def __init__(self, id: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "schema_name", "schema_json")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    schema_name: str
+    schema_json: str
+    def __init__(self, type: _Optional[str] = ..., schema_name: _Optional[str] = ..., schema_json: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
@@ -324,7 +358,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job_id", "model", "chat", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256", "sealed")
+    __slots__ = ("job_id", "model", "chat", "prompt", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256", "sealed", "response_format", "tools", "tool_choice", "parallel_tool_calls")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +371,10 @@ class JobRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     chat: ChatMessages
@@ -349,7 +387,11 @@ class JobRequest(_message.Message):
     deadline_ms: int
     model_sha256: str
     sealed: Sealed
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ...) -> None: ...
+    response_format: ResponseFormat
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: str
+    parallel_tool_calls: bool
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class Sealed(_message.Message):
     __slots__ = ("sender_key", "ciphertext")
@@ -370,18 +412,20 @@ class JobAccepted(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("job_id", "seq", "text", "token_ids", "sealed")
+    __slots__ = ("job_id", "seq", "text", "token_ids", "sealed", "tool_calls")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     seq: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sealed: bytes
-    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_prompt_tokens")
@@ -396,7 +440,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationTelemetry(_message.Message):
-    __slots__ = ("mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_target_forward", "draft_ms", "verify_ms", "sampling_scheme", "decision", "mean_batch")
+    __slots__ = ("mode", "reason", "k", "rounds", "drafted", "accepted", "acceptance_rate", "target_forwards", "tokens_per_target_forward", "draft_ms", "verify_ms", "sampling_scheme", "decision", "mean_batch", "grammar_steered")
     MODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +455,7 @@ class SpeculationTelemetry(_message.Message):
     SAMPLING_SCHEME_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     MEAN_BATCH_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_STEERED_FIELD_NUMBER: _ClassVar[int]
     mode: str
     reason: str
     k: int
@@ -425,7 +470,8 @@ class SpeculationTelemetry(_message.Message):
     sampling_scheme: str
     decision: SpeculationDecision
     mean_batch: float
-    def __init__(self, mode: _Optional[str] = ..., reason: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., target_forwards: _Optional[int] = ..., tokens_per_target_forward: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., sampling_scheme: _Optional[str] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., mean_batch: _Optional[float] = ...) -> None: ...
+    grammar_steered: int
+    def __init__(self, mode: _Optional[str] = ..., reason: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., target_forwards: _Optional[int] = ..., tokens_per_target_forward: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., sampling_scheme: _Optional[str] = ..., decision: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., mean_batch: _Optional[float] = ..., grammar_steered: _Optional[int] = ...) -> None: ...
 
 class SpeculationDecision(_message.Message):
     __slots__ = ("k", "acceptance", "expected_speedup")
@@ -458,7 +504,7 @@ class SpeculationProfile(_message.Message):
     def __init__(self, model: _Optional[str] = ..., plain_token_ms: _Optional[float] = ..., round_ms: _Optional[_Iterable[float]] = ..., greedy: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., sampled: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., rows: _Optional[int] = ..., plain_rows_ms: _Optional[float] = ..., round_rows_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("ttft_ms", "queue_ms", "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes", "finish_reason", "speculation")
+    __slots__ = ("ttft_ms", "queue_ms", "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes", "finish_reason", "speculation", "constraint", "mask_ms_per_token")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -467,6 +513,8 @@ class Telemetry(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    MASK_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     queue_ms: float
     total_ms: float
@@ -475,21 +523,25 @@ class Telemetry(_message.Message):
     peak_memory_bytes: int
     finish_reason: str
     speculation: SpeculationTelemetry
-    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ...) -> None: ...
+    constraint: str
+    mask_ms_per_token: float
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ..., constraint: _Optional[str] = ..., mask_ms_per_token: _Optional[float] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed")
+    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_SHA256_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     token_ids_sha256: bytes
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sealed: bytes
-    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class JobDone(_message.Message):
     __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature")
