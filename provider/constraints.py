@@ -162,19 +162,19 @@ def check_schema(param: str, schema: Any) -> None:
     """A JSON schema within the size and depth bounds (its keywords are checked by the grammar compiler)."""
     if not isinstance(schema, dict):
         raise ConstraintError(param, f"{param}: a schema must be a JSON object")
-    try:
-        size = len(json.dumps(schema, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise ConstraintError(param, f"{param}: the schema is not plain JSON ({e})") from None
-    if size > MAX_SCHEMA_BYTES:
-        raise ConstraintError(param, f"{param}: a schema must be at most {MAX_SCHEMA_BYTES} bytes, got {size}")
-    stack = [(schema, 1)]  # iterative: a hostile schema nested a million deep must not exhaust the stack
+    stack = [(schema, 1)]  # depth first, iteratively: a schema nested a million deep must not exhaust the stack
     while stack:
         node, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise ConstraintError(param, f"{param}: a schema may nest at most {MAX_SCHEMA_DEPTH} levels")
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    try:
+        size = len(json.dumps(schema, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ConstraintError(param, f"{param}: the schema is not plain JSON ({e})") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise ConstraintError(param, f"{param}: a schema must be at most {MAX_SCHEMA_BYTES} bytes, got {size}")
     _check_keywords(param, schema)
 
 

@@ -234,3 +234,33 @@ def test_grpc_big_prompt_and_top_k_are_typed_and_nobody_stalls(fixtures_dir, tmp
             assert session.stats.sessions == 1
 
     run(main())
+
+
+def test_hostile_schemas_and_tool_lists_get_a_4xx_naming_their_field_or_are_served(server):
+    """Every schema built to hurt a grammar compiler (tools/harness/hostile.py), as a response_format and as a
+    tool's parameters: refused with 400 naming the field, or served within its bounds (a recursion that can
+    never close ends with a typed 400 when its grammar stops); never a 5xx, and the node serves after each."""
+    from tools.harness.hostile import HOSTILE_SCHEMAS
+
+    chat = {"model": "llama-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+            "temperature": 1.0}
+    for i, schema in enumerate(HOSTILE_SCHEMAS):
+        bodies = [(chat | {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}},
+                   "response_format"),
+                  (chat | {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                           "tool_choice": "required"}, "tools")]
+        for body, param in bodies:
+            try:
+                content = json.dumps(body).encode()
+            except RecursionError:  # too deep for Python's encoder: sent as text
+                content = (b'{"model": "llama-tiny", "messages": [{"role": "user", "content": "x"}], '
+                           b'"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": '
+                           + b'{"type": "object", "properties": {"a": ' * 5000 + b"{}" + b"}}" * 5000 + b"}}}")
+            r = _post(server, content, raw=True, path="/v1/chat/completions")
+            assert r.status_code in (200, 400), (i, param, r.status_code, r.text[:300])
+            if r.status_code == 400:
+                # None: a body too deeply nested to parse at all (refused before any field is read)
+                assert r.json()["error"]["param"] in (param, "tool_choice", "messages", None), (i, r.text[:300])
+    many = chat | {"tools": [{"type": "function", "function": {"name": f"t{i}"}} for i in range(129)]}
+    assert _post(server, many).json()["error"]["param"] == "tools"
+    _still_serving(server)

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..constraints import ConstraintError, OutputRules, closed
+from ..types import Cause, JobError
 from ..models.tool_format import JSON_CALL_SEPARATORS, ToolFormat
 
 COMPILE_TIMEOUT_S = 2.0  # a grammar that takes longer is refused (it still ends within llguidance's fuel)
@@ -79,10 +80,12 @@ class Compiler:
 
         if len(lark) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(param, f"{param}: the grammar it needs is over {MAX_GRAMMAR_CHARS} characters")
+        # Each mask is bounded too (lexer fuel, Earley items per step: a few ms at worst), so a hostile grammar
+        # that compiles costs its own row little and the batch it shares less.
         limits = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=2_000_000,
-                                           step_lexer_fuel=400_000, max_lexer_states=100_000,
+                                           step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=100_000,
                                            verbose_errors=False)
-        future = self._pool.submit(llguidance.LLMatcher, self.tokenizer, lark, log_level=0, limits=limits)
+        future = self._pool.submit(_compile_and_step, self.tokenizer, lark, limits)
         try:
             m = future.result(timeout=COMPILE_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -91,6 +94,17 @@ class Compiler:
         if m.is_error():
             raise ConstraintError(param, f"{param}: {_first_line(m.get_error())}")
         return m
+
+
+def _compile_and_step(tokenizer, lark: str, limits):
+    """A matcher and its first mask: a grammar that compiles but cannot take a first step within its bounds
+    (a recursion it must expand without end, say) is refused here, before the job is admitted."""
+    import llguidance
+
+    m = llguidance.LLMatcher(tokenizer, lark, log_level=0, limits=limits)
+    if not m.is_error():
+        m.compute_bitmask()
+    return m
 
 
 def _first_line(error: str) -> str:
@@ -116,13 +130,26 @@ class RowGrammar:
         self._round: list[np.ndarray] = []  # a speculative round's masks, position by position
         self._tentative = 0  # drafts consumed in this round, to roll back
         self.steered: list[mx.array] = []  # per draft: the drafter's own top choice was forbidden
+        # Set when the matcher stops (a bound reached mid-generation). Nothing here raises into a step other
+        # rows share: the row's masks allow everything from then on, and its batch fails it alone (`check`).
+        self.error: GrammarError | None = None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, fallback: str) -> None:
+        if self.error is None:
+            self.error = GrammarError(_first_line(self.matcher.get_error() or fallback), self.kind)
 
     # --- one position -----------------------------------------------------------
 
     def allowed(self) -> np.ndarray:
         """What the grammar allows next, as booleans over the logits' columns."""
         t0 = time.perf_counter()
-        if self.matcher.is_stopped():
+        if self.error is not None:
+            out = np.ones(self.width, dtype=bool)
+        elif self.matcher.is_stopped():
             out = self._ends  # a finished grammar allows only its end
         else:
             self._lln.fill_next_token_bitmask(self.matcher, self._bits, 0)
@@ -131,7 +158,8 @@ class RowGrammar:
             n = min(self.width, bits.size)
             out[:n] = bits[:n]
             if not out.any():
-                raise GrammarError(f"the grammar allows no token here ({self.matcher.get_error() or 'stuck'})")
+                self._fail("its grammar allows no token here")
+                out[:] = True
         self.mask_s += time.perf_counter() - t0
         self.masks += 1
         return out
@@ -142,10 +170,10 @@ class RowGrammar:
 
     def consume(self, tokens: list[int]) -> None:
         for t in tokens:
-            if t in self.end_ids:
+            if t in self.end_ids or self.error is not None:
                 return  # the row ends here
             if not self.matcher.consume_token(t):
-                raise GrammarError(f"token {t} broke the grammar: {self.matcher.get_error()}")
+                self._fail(f"token {t} left the grammar")
 
     # --- a speculative round ------------------------------------------------------
 
@@ -158,9 +186,10 @@ class RowGrammar:
 
     def drafted(self, token: int) -> None:
         """Consume a draft tentatively (the next draft's mask depends on it)."""
-        if token not in self.end_ids and not self.matcher.is_stopped():
+        if token not in self.end_ids and self.error is None and not self.matcher.is_stopped():
             if not self.matcher.consume_token(token):
-                raise GrammarError(f"draft {token} broke the grammar: {self.matcher.get_error()}")
+                self._fail(f"draft {token} left the grammar")
+                return
             self._tentative += 1
 
     def verify_masks(self) -> mx.array:
@@ -171,14 +200,19 @@ class RowGrammar:
 
     def settle(self, tokens: list[int]) -> None:
         """Undo the round's drafts and take what it kept: its accepted drafts and the target's token."""
-        if self._tentative:
+        if self._tentative and self.error is None:
             self.matcher.rollback(self._tentative)
-            self._tentative = 0
+        self._tentative = 0
         self.consume(tokens)
 
 
-class GrammarError(RuntimeError):
-    """The matcher left the grammar: a bug, not the client's fault. The row fails alone."""
+class GrammarError(JobError):
+    """The matcher stopped mid-generation: its grammar needed more than its bounds allow at some step (the
+    request's schema is at fault, so the job ends with INVALID_REQUEST naming it). The row fails alone."""
+
+    def __init__(self, message: str, kind: str = ""):
+        param = "tools" if kind.startswith("tool") else "response_format"
+        super().__init__(Cause.INVALID_REQUEST, f"{param}: generation stopped: {message}", param)
 
 
 class GrammarProcessor:
@@ -193,7 +227,9 @@ class GrammarProcessor:
         if n > 0:
             self.grammar.consume(context[-n:].tolist())
             self._seen += n
-        return self.grammar.mask(logits)
+        masked_logits = self.grammar.mask(logits)
+        self.grammar.check()  # a stopped grammar fails this row (the batch's guard), not the step
+        return masked_logits
 
 
 def masked(logits: mx.array, masks: mx.array) -> mx.array:

@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from .. import logs
-from ..jobs import Error, Event, Job, Sink
+from ..jobs import Error, Event, Job, JobError, Sink
 from ..types import Cause, FinishReason, SpecReason
 from ..memory.batch_kv import plain_batch_bytes, prefill_transient_bytes, spec_batch_bytes
 from ..models.loader import LoadedModel
@@ -247,6 +247,8 @@ def _layout(rows: list, reading) -> Layout:
 
 
 def _failed(job_id: str, e: BaseException) -> Error:
+    if isinstance(e, JobError):  # a typed failure of the job's own (its grammar's bounds, say)
+        return Error.of(job_id, e)
     return Error(job_id, Cause.INTERNAL, f"generation failed: {type(e).__name__}")
 
 

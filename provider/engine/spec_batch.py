@@ -87,6 +87,9 @@ class SpecBatch:
 
     def _emit(self, row: Row, tokens: list[int], ended: list[Row]) -> list[Event]:
         events: list[Event] = []
+        if row.spec.grammar is not None and row.spec.grammar.error is not None:
+            row.fault = row.spec.grammar.error  # its grammar stopped: these tokens are not its grammar's
+            return []
         try:
             for token in tokens:
                 events += row.output.token(token)

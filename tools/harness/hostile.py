@@ -22,11 +22,11 @@ ODD_FLOATS = [float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 5e-324, 
 TEXT_EDGES = ["", "\ud800", "a\udfffb", "\x00", "\u202e", "🙂" * 8, "word " * 4000, "<|eot|>", "\ufeff"]
 ROLES = ["system", "user", "assistant", "developer", "tool", "", "wizard", "USER"]
 # The fields whose values reach the model (native code indexes with token ids): drawn more often.
-MODEL_FIELDS = ["logit_bias", "stop_token_ids", "top_k", "prompt", "messages"]
+MODEL_FIELDS = ["logit_bias", "stop_token_ids", "top_k", "prompt", "messages", "response_format", "tools"]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "stop_token_ids", "logit_bias", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "stream", "stream_options", "n", "logprobs", "tools", "response_format",
-          "speculation", "user"]
+          "tool_choice", "parallel_tool_calls", "speculation", "user"]
 
 numbers = st.one_of(st.integers(-3, 3), st.integers(-(2**70), 2**70), st.sampled_from(HUGE),
                     st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(ODD_FLOATS),
@@ -42,6 +42,57 @@ token_ids = st.one_of(st.sampled_from(BOUNDARY_IDS), st.integers(0, 600), st.sam
                       st.integers(-5, -1))
 messages = st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(ROLES), json_values),
                                            "content": st.one_of(texts, json_values)}), max_size=4)
+
+
+def _nested(depth: int, key: str = "properties") -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", key: {"a": schema}} if key == "properties" else {"type": "array", "items": schema}
+    return schema
+
+
+# Schemas built to hurt a grammar compiler: deep nesting (past the bound and just under it), enormous enums and
+# unions, pathological patterns and counted repetitions, recursion, wide objects, keywords nothing enforces,
+# wrong types where schemas go. Each must be a 4xx naming its field, or compile within its bound.
+HOSTILE_SCHEMAS = [
+    _nested(10_000), _nested(23), _nested(60, "items"),
+    {"enum": [f"v{i}" for i in range(9000)]},
+    {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]} for i in range(800)]},
+    {"type": "string", "pattern": "(a+)+(b|c)*d{1000}$"},
+    {"type": "string", "pattern": "[\\s\\S]{100000}"},
+    {"type": "string", "pattern": "(((((((((a*)*)*)*)*)*)*)*)*)*b"},
+    {"type": "string", "minLength": 10**9},
+    {"type": "array", "minItems": 10**9, "items": {"type": "integer"}},
+    {"type": "integer", "minimum": 10**400, "maximum": -(10**400)},
+    {"type": "number", "multipleOf": 1e-300},
+    {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}, "required": ["n"]}},
+     "$ref": "#/$defs/N"},
+    {"$ref": "#/$defs/missing"}, {"$ref": "http://example.com/schema.json"},
+    {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 3} for i in range(3000)},
+     "required": [f"p{i}" for i in range(3000)]},
+    {"type": "object", "if": {}, "then": {}}, {"type": "object", "frobnicate": True}, {"x-guidance": {"lenient": True}},
+    {"type": "nope"}, {"type": ["string", 5]}, {"properties": []}, {"anyOf": {}}, {"allOf": [{"type": "string"},
+                                                                                          {"type": "integer"}]},
+    {"type": "string", "format": "not-a-format"}, [], "schema", 5, None,
+]
+schemas = st.one_of(st.sampled_from(HOSTILE_SCHEMAS), json_values)
+response_formats = st.one_of(
+    st.builds(lambda schema, name: {"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+              schemas, st.one_of(st.just("r"), texts)),
+    st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "xml"}, {"type": "json_schema"},
+                     {"type": "json_schema", "json_schema": {"name": "r"}}]),
+    json_values)
+_tool = st.builds(lambda name, params, desc: {"type": "function", "function": {
+    "name": name, "parameters": params, "description": desc}},
+    st.one_of(st.sampled_from(["f", "get_weather", "a" * 65, "bad name", ""]), texts), schemas,
+    st.one_of(st.just(""), st.just("d" * 20_000), texts))
+tool_lists = st.one_of(st.lists(_tool, max_size=3),
+                       st.integers(129, 300).map(lambda n: [{"type": "function", "function": {"name": f"t{i}"}}
+                                                            for i in range(n)]),
+                       st.just([{"type": "function", "function": {"name": "f"}}] * 2), json_values)
+tool_choices = st.one_of(st.sampled_from(["none", "auto", "required", "any", ""]),
+                         st.builds(lambda n: {"type": "function", "function": {"name": n}},
+                                   st.sampled_from(["f", "g", "get_weather"])), json_values)
 
 
 def _field(name: str) -> st.SearchStrategy:
@@ -60,6 +111,9 @@ def _field(name: str) -> st.SearchStrategy:
             st.dictionaries(st.one_of(token_ids.map(str), texts), numbers, min_size=1, max_size=5)),
         "stream": st.booleans(),
         "speculation": st.sampled_from(["auto", "on", "off", "maybe"]),
+        "response_format": response_formats,
+        "tools": tool_lists,
+        "tool_choice": tool_choices,
     }.get(name, numbers)
     return st.one_of(plausible, plausible, json_values)
 
