@@ -5,6 +5,7 @@ the state directory, then calls `run`."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -55,6 +56,10 @@ async def run(settings: Settings, *, local: bool) -> int:
         print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
     finally:
         loading.cancel()
+    # What is loaded now lives as long as the process (modules, the model's tokenizer and its vocabulary):
+    # out of the collector's sight, a full collection scans only what requests allocate. Without this, traffic
+    # that allocates (large request bodies, schemas) paused every stream for 100 ms and more per collection.
+    gc.freeze()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

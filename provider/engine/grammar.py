@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import threading
 import time
 
@@ -72,7 +73,7 @@ class Compiler:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=n_vocab,
                                                       eos_token=sorted(tokenizer.eos_token_ids))
         self.n_vocab = n_vocab
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=_background)
 
     def matcher(self, lark: str, param: str):
         """A fresh LLMatcher for `lark`, or ConstraintError naming `param` (too large, too slow, invalid)."""
@@ -80,10 +81,11 @@ class Compiler:
 
         if len(lark) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(param, f"{param}: the grammar it needs is over {MAX_GRAMMAR_CHARS} characters")
-        # Each mask is bounded too (lexer fuel, Earley items per step: a few ms at worst), so a hostile grammar
-        # that compiles costs its own row little and the batch it shares less.
+        # Each step is bounded too, on the engine thread where every row waits for it: lexer fuel and Earley
+        # items per step (10,000: about 10 ms at worst here; real schemas use hundreds), so a hostile grammar
+        # that compiles costs the batch it shares little before it stops.
         limits = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=2_000_000,
-                                           step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=100_000,
+                                           step_lexer_fuel=200_000, step_max_items=10_000, max_lexer_states=100_000,
                                            verbose_errors=False)
         future = self._pool.submit(_compile_and_step, self.tokenizer, lark, limits)
         try:
@@ -94,6 +96,15 @@ class Compiler:
         if m.is_error():
             raise ConstraintError(param, f"{param}: {_first_line(m.get_error())}")
         return m
+
+
+def _background() -> None:
+    """Compiling runs beneath decoding: on a machine of few cores a large grammar's compile (it releases the
+    GIL) must not take a core from the engine thread's forward."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux, macOS)
+    except (AttributeError, OSError):
+        pass
 
 
 def _compile_and_step(tokenizer, lark: str, limits):

@@ -203,8 +203,12 @@ class Running:
         """Rows whose own sampler, logits processor or output raised: each fails alone."""
         out = []
         for row, error in rows.faults():
-            log.error("job_step_failed", job_id=row.output.job.id, error=type(error).__name__, exc_info=error)
-            restore_random_state()
+            if isinstance(error, JobError):  # the request's fault (its grammar stopped): no traceback to render
+                log.info("job_failed_mid_generation", job_id=row.output.job.id, cause=error.cause.value,
+                         param=error.param, error=error.message)
+            else:
+                log.error("job_step_failed", job_id=row.output.job.id, error=type(error).__name__, exc_info=error)
+                restore_random_state()
             out.append(([_failed(row.output.job.id, error)], row.sink))
         return out
 

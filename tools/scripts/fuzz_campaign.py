@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import collections
 import itertools
+import json
 import sys
 import tempfile
 import threading
@@ -140,11 +141,89 @@ def grpc_phase(coord: ReferenceCoordinator, loop, session, n: int, seed: int, t:
     good("good-last")
 
 
+def _stream_gaps(srv: LocalServer, max_tokens: int) -> list[float]:
+    """One streamed completion on `srv`: the seconds between its chunks."""
+    arrivals = []
+    body = {"prompt": "The cache", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "speculation": "off"}
+    with httpx.stream("POST", srv.url + "/v1/completions", headers=srv.headers, json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter())
+    return [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # after the first token
+
+
+def schema_phase(n: int, seed: int, t: Tally, root: Path) -> dict:
+    """A stream decodes on the bundled model while requests are sent beside it: first plain twins, then
+    requests with hostile schemas and tool lists. A tool list is part of the prompt (the generic format writes
+    it there), so each tool request's twin carries the same text as its message: the comparison is of the
+    schema's handling (checks, compile, masks, refusals), not of reading a longer prompt, which chunked
+    prefill paces. The stream's longest gap beside the hostile requests over its longest beside the twins
+    (goal <= 2)."""
+    import random
+
+    from tools.harness.hostile import HOSTILE_SCHEMAS
+
+    (root / "schemas").mkdir()
+    srv = LocalServer(None, root / "schemas")
+    rng = random.Random(seed)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 1.0}
+    pairs = [(chat | {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": sc}}}, chat)
+             for sc in HOSTILE_SCHEMAS[1:]]  # [0] is too deep for json.dumps (tests/test_hostile_input.py sends it)
+    for sc in HOSTILE_SCHEMAS[1:]:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": sc}}]
+        pairs.append((chat | {"tools": tools, "tool_choice": "required"},
+                      chat | {"messages": [{"role": "user", "content": "x " + json.dumps(tools)}]}))
+    try:
+        _stream_gaps(srv, 16)  # warm
+
+        def beside(bodies) -> float:
+            stop = threading.Event()
+
+            def send():
+                with httpx.Client(timeout=HANG_S) as client:
+                    while not stop.is_set():
+                        body = rng.choice(bodies)
+                        try:
+                            r = client.post(srv.url + "/v1/chat/completions", headers=srv.headers, json=body)
+                        except httpx.HTTPError as e:
+                            t.bad("schema_transport_errors", f"{type(e).__name__}")
+                            continue
+                        t.counts["schema_cases"] += 1
+                        t.counts[f"schema_{r.status_code}"] += 1
+                        if r.status_code >= 500:
+                            t.bad("http_5xx", f"{r.status_code} {r.text[:200]} <- {json.dumps(body)[:200]}")
+                        elif r.status_code == 400 and not r.json()["error"].get("param"):
+                            t.bad("schema_4xx_without_param", r.text[:200])
+
+            senders = [threading.Thread(target=send) for _ in range(2)]
+            for th in senders:
+                th.start()
+            try:
+                return max(max(_stream_gaps(srv, 128)) for _ in range(n))
+            finally:
+                stop.set()
+                for th in senders:
+                    th.join()
+
+        plain = beside([twin for _, twin in pairs])
+        counts = dict(t.counts)
+        attacked = beside([hostile for hostile, _ in pairs])
+        for key, before in counts.items():  # report the hostile requests alone
+            if key.startswith("schema_"):
+                t.counts[key] -= before
+    finally:
+        srv.stop()
+    return {"plain_gap_ms": plain * 1000, "hostile_gap_ms": attacked * 1000, "ratio": attacked / plain}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--http", type=int, default=2000, help="HTTP cases (default 2000)")
     ap.add_argument("--frames", type=int, default=1000, help="coordinator frames (default 1000)")
     ap.add_argument("--seed", type=int, default=int(time.time()), help="hypothesis seed (default: the time)")
+    ap.add_argument("--streams", type=int, default=3,
+                    help="streams measured beside plain and beside hostile-schema requests (default 3)")
     args = ap.parse_args()
     if args.http < 1 or args.frames < 5:
         ap.error("--http must be >= 1 and --frames >= 5")
@@ -168,6 +247,7 @@ def main() -> int:
             http_s = time.monotonic() - started
             grpc_phase(coord, loop, session, args.frames, args.seed, t, srv)
             grpc_s = time.monotonic() - started - http_s
+            gaps = schema_phase(args.streams, args.seed, t, root)
             alive = srv.proc.poll() is None
             rss_end = proc.memory_info().rss if alive else 0
             sessions = len({sid for sid, *_ in coord.frames})
@@ -185,6 +265,10 @@ def main() -> int:
     print(f"    JobDone           {c['grpc_done']:6d}")
     print(f"    typed JobErrors   {c['grpc_typed_errors']:6d}")
     print(f"    INTERNAL          {c['grpc_internal']:6d}  (must be 0)")
+    print(f"  hostile schemas and tool lists beside a stream (bundled model): {c['schema_cases']} requests, "
+          + ", ".join(f"{k[7:]}: {v}" for k, v in sorted(c.items()) if k.startswith("schema_") and k[7:].isdigit()))
+    print(f"    the stream's longest gap: {gaps['plain_gap_ms']:.1f} ms beside their plain twins, "
+          f"{gaps['hostile_gap_ms']:.1f} ms beside hostile ones: x{gaps['ratio']:.2f}  (goal <= 2)")
     print(f"  crashes             {crashes:6d}  (must be 0)")
     print(f"  hangs (> {HANG_S:.0f} s)      {c['hangs']:6d}  (must be 0)")
     print(f"  good request after every 100 cases: {t.good_ok}/{t.good_checks} served")
@@ -194,7 +278,7 @@ def main() -> int:
     for kind, example in t.examples.items():
         print(f"  first {kind}: {example}")
     ok = (not c["http_5xx"] and not c["grpc_internal"] and not crashes and not c["hangs"]
-          and t.good_ok == t.good_checks and code == 0)
+          and t.good_ok == t.good_checks and code == 0 and gaps["ratio"] <= 2)
     print("verdict:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
