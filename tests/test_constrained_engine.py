@@ -14,7 +14,7 @@ from provider.engine.drafters import DraftModelDrafter
 from provider.engine.grammar import Compiler, RowGrammar
 from provider.jobs import Done, Job, SamplingParams
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
-from tests.helpers import collect, greedy, make_node, run
+from tests.helpers import collect, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples, speculative_samples
 
 MODEL = "gemma4-demo"
