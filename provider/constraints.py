@@ -109,7 +109,7 @@ class OutputRules:
         names = [t.name for t in self.tools]
         if len(set(names)) != len(names):
             raise ConstraintError("tools", "tools must not repeat a function name")
-        if sum(len(json.dumps(t.parameters)) + len(t.description) for t in self.tools) > MAX_TOOLS_BYTES:
+        if self.tools_chars > MAX_TOOLS_BYTES:
             raise ConstraintError("tools", f"tools must total at most {MAX_TOOLS_BYTES} bytes of definitions")
         if self.tool_choice.mode != "none" and not self.tools:
             raise ConstraintError("tool_choice", "tool_choice needs tools")
@@ -118,6 +118,11 @@ class OutputRules:
                                                  "which is not among the tools")
         if not isinstance(self.parallel_tool_calls, bool):
             raise ConstraintError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+
+    @property
+    def tools_chars(self) -> int:
+        """The tools' definitions in characters, as a prompt would carry them."""
+        return sum(len(json.dumps(t.parameters)) + len(t.description) + len(t.name) for t in self.tools)
 
     @property
     def calls_tools(self) -> bool:

@@ -178,8 +178,9 @@ class Job:
 
     @property
     def prompt_chars(self) -> int:
-        """Characters of text the prompt carries (a template only adds to them)."""
-        return len(self.prompt) if self.prompt is not None else sum(len(m["content"]) for m in self.messages)
+        """Characters of text the prompt carries (a template only adds to them; offered tools are written into it)."""
+        text = len(self.prompt) if self.prompt is not None else sum(len(m["content"]) for m in self.messages)
+        return text + (self.rules.tools_chars if self.rules.calls_tools else 0)
 
 
 @dataclass(frozen=True)

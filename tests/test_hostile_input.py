@@ -250,17 +250,10 @@ def test_hostile_schemas_and_tool_lists_get_a_4xx_naming_their_field_or_are_serv
                   (chat | {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
                            "tool_choice": "required"}, "tools")]
         for body, param in bodies:
-            try:
-                content = json.dumps(body).encode()
-            except RecursionError:  # too deep for Python's encoder: sent as text
-                content = (b'{"model": "llama-tiny", "messages": [{"role": "user", "content": "x"}], '
-                           b'"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": '
-                           + b'{"type": "object", "properties": {"a": ' * 5000 + b"{}" + b"}}" * 5000 + b"}}}")
-            r = _post(server, content, raw=True, path="/v1/chat/completions")
+            r = _post(server, body, path="/v1/chat/completions")
             assert r.status_code in (200, 400), (i, param, r.status_code, r.text[:300])
-            if r.status_code == 400:
-                # None: a body too deeply nested to parse at all (refused before any field is read)
-                assert r.json()["error"]["param"] in (param, "tool_choice", "messages", None), (i, r.text[:300])
+            if r.status_code == 400:  # messages: the tools written into the prompt make it longer than the context
+                assert r.json()["error"]["param"] in (param, "tool_choice", "messages"), (i, r.text[:300])
     many = chat | {"tools": [{"type": "function", "function": {"name": f"t{i}"}} for i in range(129)]}
     assert _post(server, many).json()["error"]["param"] == "tools"
     _still_serving(server)

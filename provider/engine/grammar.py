@@ -39,7 +39,7 @@ def lark_for(rules: OutputRules, fmt: ToolFormat | None) -> str:
     content = None
     if rules.json_content:
         schema = closed(rules.content_schema())
-        schema["x-guidance"] = {**JSON_CALL_SEPARATORS, **(schema.get("x-guidance") or {}), "lenient": False}
+        schema["x-guidance"] = {**JSON_CALL_SEPARATORS, "lenient": False}  # clients may not set x-guidance
         lines.append(f"content: %json {json.dumps(schema)}")
         content = "content"
     if not rules.calls_tools:
@@ -69,7 +69,6 @@ class Compiler:
     def __init__(self, tokenizer, n_vocab: int):
         import llguidance.hf
 
-        self._lock = threading.Lock()
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=n_vocab,
                                                       eos_token=sorted(tokenizer.eos_token_ids))
         self.n_vocab = n_vocab

@@ -55,7 +55,7 @@ def _nested(depth: int, key: str = "properties") -> dict:
 # unions, pathological patterns and counted repetitions, recursion, wide objects, keywords nothing enforces,
 # wrong types where schemas go. Each must be a 4xx naming its field, or compile within its bound.
 HOSTILE_SCHEMAS = [
-    _nested(10_000), _nested(23), _nested(60, "items"),
+    _nested(300), _nested(23), _nested(60, "items"),  # 600 levels: past the bound, still encodable
     {"enum": [f"v{i}" for i in range(9000)]},
     {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]} for i in range(800)]},
     {"type": "string", "pattern": "(a+)+(b|c)*d{1000}$"},
@@ -194,7 +194,9 @@ uint32s = st.one_of(st.integers(0, 20), st.integers(0, 2**32 - 1))
 
 
 PROTO_FIELDS = ["model", "input", "temperature", "top_p", "min_p", "top_k", "seed", "max_tokens", "stop",
-                "stop_token_ids", "speculation", "deadline_ms"]
+                "stop_token_ids", "speculation", "deadline_ms", "response_format", "tools", "tool_choice"]
+schema_texts = st.one_of(st.sampled_from([json.dumps(s) for s in HOSTILE_SCHEMAS if s is not None]), proto_texts,
+                         st.just("{" * 100_000))
 
 
 @st.composite
@@ -218,7 +220,18 @@ def job_requests(draw, model: str) -> pb.JobRequest:
                         speculation=pick("speculation", 0, st.sampled_from([0, 1, 2, 3, 7, 2**31 - 1])),
                         deadline_ms=pick("deadline_ms", 0, st.sampled_from(
                             [1, int(time.time() * 1000) + 60_000, -5, 2**63 - 1])))
-    if hostile not in ("input", "all"):
+    if hostile in ("response_format", "all"):
+        req.response_format.CopyFrom(pb.ResponseFormat(
+            type=draw(st.sampled_from(["json_schema", "json_object", "text", "xml", ""])),
+            schema_name=draw(st.one_of(st.just("r"), proto_texts)), schema_json=draw(schema_texts)))
+    if hostile in ("tools", "all"):
+        for _ in range(draw(st.sampled_from([1, 2, 129]))):
+            req.tools.add(name=draw(st.one_of(st.just("f"), proto_texts)), parameters_json=draw(schema_texts))
+    if hostile in ("tool_choice", "all"):
+        req.tool_choice = draw(st.one_of(st.sampled_from(["none", "auto", "required", "f", "g"]), proto_texts))
+    if hostile in ("tools", "tool_choice") and draw(st.booleans()):
+        req.chat.messages.add(role="user", content="The cache")  # tools need a chat
+    elif hostile not in ("input", "all"):
         req.prompt = "The cache"
     elif draw(st.booleans()):
         req.prompt = draw(proto_texts)

@@ -169,8 +169,8 @@ def schema_phase(n: int, seed: int, t: Tally, root: Path) -> dict:
     rng = random.Random(seed)
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 1.0}
     pairs = [(chat | {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": sc}}}, chat)
-             for sc in HOSTILE_SCHEMAS[1:]]  # [0] is too deep for json.dumps (tests/test_hostile_input.py sends it)
-    for sc in HOSTILE_SCHEMAS[1:]:
+             for sc in HOSTILE_SCHEMAS]
+    for sc in HOSTILE_SCHEMAS:
         tools = [{"type": "function", "function": {"name": "f", "parameters": sc}}]
         pairs.append((chat | {"tools": tools, "tool_choice": "required"},
                       chat | {"messages": [{"role": "user", "content": "x " + json.dumps(tools)}]}))
