@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a systemd user unit (the default on Linux)")
         if name == "install":
             sp.add_argument("--dry-run", action="store_true", help="print what would be written; write nothing")
+    from .generate import add_parser as add_generate
+
+    add_generate(sub)
     st = sub.add_parser("status", help="the running daemon's state (models, jobs, memory), from its state directory")
     st.add_argument("--json", action="store_true", help="the whole status as JSON")
     return parser
@@ -109,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import doctor
 
         _leave(doctor.run(lambda: Settings.load(config_file=args.config)))
+    if args.command == "generate":
+        from . import generate
+
+        _leave(generate.run(args))
     if args.command == "models":
         return _models(args)
     if args.command == "status":
