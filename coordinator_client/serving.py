@@ -129,58 +129,65 @@ class CoordinatorJobs:
         task.add_done_callback(lambda _: self._running.pop(job.id, None))
 
     async def _serve(self, job, req: pb.JobRequest, keys: JobKeys | None, outbox: asyncio.Queue) -> None:
+        """The job's whole life, pin check included, in one `try`: every way out records exactly one outcome
+        (its end, an error, or COORDINATOR_LOST when the session is abandoned) and stops the engine job."""
         job_id = job.id
-        if req.model_sha256:
-            try:  # before the job reaches the engine, so weights that do not match are never loaded
-                await asyncio.to_thread(self.node.check_pin, job.model, req.model_sha256)
-            except JobError as e:
-                self._outcome(outbox, convert.error_frame(job_id, e.cause, e.message), job_id)
-                return
-            except Exception as e:  # a bug must still end the job with its one outcome
-                log.exception("pin_check_failed", job_id=job_id)
-                self._outcome(outbox, convert.error_frame(job_id, Cause.INTERNAL, f"checking the pin failed: "
-                                                          f"{type(e).__name__}"), job_id)
-                return
-        stream = self.node.run(job)
-        if job_id in self._cancelled:  # cancelled during the pin check: the engine ends it at once, as cancelled
-            self.node.cancel(job_id)
-        transcript, model = Transcript(), ""
-        timer = None
+        transcript, model, stream, timer = Transcript(), "", None, None
         expired = []  # set when the deadline cancelled the job: its end is then DEADLINE_EXCEEDED, not "cancelled"
-        if req.deadline_ms:
-            delay = max(0.0, req.deadline_ms / 1000 - time.time())
-            timer = asyncio.get_running_loop().call_later(
-                delay, lambda: (expired.append(True), self.node.cancel(job_id)))
+        ended = []
+
+        def end(frame: pb.ProviderFrame, to: asyncio.Queue | None = outbox) -> None:
+            if not ended:
+                ended.append(True)
+                self._outcome(to, frame, job_id)
+
         try:
+            if req.model_sha256:  # before the job reaches the engine, so weights that do not match never load
+                await asyncio.to_thread(self.node.check_pin, job.model, req.model_sha256)
+            stream = self.node.run(job)
+            if job_id in self._cancelled:  # cancelled during the pin check: the engine ends it at once
+                self.node.cancel(job_id)
+            if req.deadline_ms:
+                delay = max(0.0, req.deadline_ms / 1000 - time.time())
+                timer = asyncio.get_running_loop().call_later(
+                    delay, lambda: (expired.append(True), self.node.cancel(job_id)))
             async for ev in stream:
                 if isinstance(ev, Accepted):
                     model = ev.model
                     outbox.put_nowait(pb.ProviderFrame(job_accepted=pb.JobAccepted(
                         job_id=job_id, model=ev.model, prompt_tokens=ev.prompt_tokens)))
                     continue
-                tokens, end = (await stream.coalesce(ev, behind=lambda: not outbox.empty(),
-                                                     window_s=self.coalesce_s)
-                               if isinstance(ev, Tokens) else ([], ev))
+                tokens, last = (await stream.coalesce(ev, behind=lambda: not outbox.empty(),
+                                                      window_s=self.coalesce_s)
+                                if isinstance(ev, Tokens) else ([], ev))
                 if tokens:
                     outbox.put_nowait(convert.chunk_frame(job_id, transcript.chunks, tokens, keys))
-                    transcript.add(text="".join(t.text for t in tokens), token_ids=[i for t in tokens for i in t.token_ids],
+                    transcript.add(text="".join(t.text for t in tokens),
+                                   token_ids=[i for t in tokens for i in t.token_ids],
                                    tool_calls=convert.tool_calls_to_pb([c for t in tokens for c in t.tool_calls]))
-                if end is not None:
-                    self._outcome(outbox, self._ending(end, transcript, model, keys, deadline_passed=bool(expired)),
-                                  job_id)
+                if last is not None:
+                    end(self._ending(last, transcript, model, keys, deadline_passed=bool(expired)))
         except asyncio.CancelledError:
-            # The stream died under this job: stop generating, report it on the next session.
-            await stream.aclose()
+            # The session was abandoned under this job (during its pin check, before its first step, or while
+            # it ran): stop generating, report it on the next session.
             self.stats.coordinator_lost += 1
             frame = convert.error_frame(job_id, Cause.COORDINATOR_LOST,
                                         "the coordinator stream died while the job ran; it was cancelled")
             frame.job_error.completion.CopyFrom(transcript.completion(job_id, keys))
-            self._outcome(None, frame, job_id)
+            end(frame, None)
             raise
+        except JobError as e:  # the pin did not match, or could not be checked
+            end(convert.error_frame(job_id, e.cause, e.message))
+        except Exception as e:  # a bug (converting, signing, sealing): the job still gets its one outcome
+            log.exception("coordinator_job_failed", job_id=job_id)
+            end(convert.error_frame(job_id, Cause.INTERNAL, f"serving the job failed: {type(e).__name__}"))
         finally:
             self._cancelled.discard(job_id)
+            self._started.pop(job_id, None)
             if timer:
                 timer.cancel()
+            if stream is not None:
+                await stream.aclose()  # a job whose serving failed stops generating; an ended one is untouched
 
     def _ending(self, end, transcript: Transcript, model: str, keys: JobKeys | None, *,
                 deadline_passed: bool) -> pb.ProviderFrame:

@@ -1,0 +1,71 @@
+"""Every coordinator job gets exactly one outcome, whichever way its serving ends: the session abandoned during
+its pin check, or a failure while its result is built (issue 20, finding 2). Against the reference
+coordinator on loopback; the slow first hash and the failing signer are injected faults, named as such."""
+
+import asyncio
+import time
+
+from coordinator_client.pb import provider_pb2 as pb
+from coordinator_client.reference_coordinator import ReferenceCoordinator
+from tests.helpers import run
+from tools.harness.nodes import harness, job
+
+PIN = "0" * 64
+
+
+def _models(fixtures_dir):
+    return {"g": fixtures_dir / "gemma4-tiny"}
+
+
+async def _one_outcome(coord, job_id: str, timeout: float = 20) -> pb.ProviderFrame:
+    deadline = time.monotonic() + timeout
+    while not coord.outcomes.get(job_id):
+        assert time.monotonic() < deadline, f"{job_id}: no outcome"
+        await asyncio.sleep(0.01)
+    return coord.outcomes[job_id][-1]
+
+
+def test_a_session_abandoned_during_the_pin_check_records_coordinator_lost(fixtures_dir, tmp_path):
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=200)
+        await coord.start()
+        async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, node, session):
+            checking = asyncio.Event()
+            loop = asyncio.get_running_loop()
+
+            def slow_first_hash(model, expected):  # fault: a first hash of a large model takes minutes
+                loop.call_soon_threadsafe(checking.set)
+                time.sleep(1.5)
+
+            node.check_pin = slow_first_hash
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("pinned", "g", max_tokens=4, model_sha256=PIN))
+            await asyncio.wait_for(checking.wait(), 10)
+            await coord.kill()  # the session is abandoned while the job waits on its pin
+            await coord.start()
+            await coord.wait_for_node(after=s.session_id)
+            frame = await _one_outcome(coord, "pinned")
+            assert frame.job_error.cause == pb.ERROR_CAUSE_COORDINATOR_LOST
+            assert not session.jobs._running and not session.jobs._started and not session.jobs._cancelled
+            assert node.status().active_jobs == 0
+
+    run(main())
+
+
+def test_a_result_that_fails_to_build_still_ends_the_job_once_and_stops_it(fixtures_dir, tmp_path):
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            def broken_signer(data: bytes) -> bytes:  # fault: the signing key's backend fails
+                raise RuntimeError("the signer failed")
+
+            s = await coord.wait_for_node()
+            session.jobs.identity.sign = broken_signer  # after the handshake, which signs with it too
+            coord.dispatch(s, job("unsigned", "g", max_tokens=3))
+            frame = await _one_outcome(coord, "unsigned")
+            assert frame.job_error.cause == pb.ERROR_CAUSE_INTERNAL and "failed" in frame.job_error.message
+            assert len(coord.outcomes["unsigned"]) == 1 and not session.jobs._running
+            del session.jobs.identity.sign  # the real signer again: the node goes on serving
+            coord.dispatch(s, job("after", "g", max_tokens=3))
+            assert (await _one_outcome(coord, "after")).job_done.finish_reason == "length"
+
+    run(main())
