@@ -74,6 +74,7 @@ class ReferenceCoordinator:
         self.protocol_errors: list[pb.ProtocolError] = []
         self.bad_results: dict[str, str] = {}  # job id -> why its JobDone was refused (never acknowledged)
         self.next_reject: pb.Reject | None = None  # refuse the next Hello with this, to test the node's reaction
+        self.next_challenge: bytes | None = None  # send these bytes instead of the next Challenge (garbage tests)
         self._job_keys: dict[str, JobKeys] = {}  # sealed jobs' keys, to open what comes back
         self._outcome_waiters: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._session_changed = asyncio.Condition()
@@ -186,8 +187,12 @@ class ReferenceCoordinator:
     async def _connect(self, request_iterator, context: grpc.aio.ServicerContext):
         nonce = secrets.token_bytes(self.nonce_bytes)
         self._issued_nonces.add(nonce)
-        await context.write(pb.CoordinatorFrame(challenge=pb.Challenge(nonce=nonce,
-                                                                       server_time_ms=int(time.time() * 1000))))
+        if self.next_challenge is not None:
+            garbage, self.next_challenge = self.next_challenge, None
+            await context.write(garbage)
+        else:
+            await context.write(pb.CoordinatorFrame(challenge=pb.Challenge(nonce=nonce,
+                                                                           server_time_ms=int(time.time() * 1000))))
         first = await context.read()
         if first is grpc.aio.EOF:
             return

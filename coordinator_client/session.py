@@ -32,6 +32,9 @@ log = logs.get("coordinator")
 PROTOCOL_VERSION = 1
 HANDSHAKE_TIMEOUT_S = 15.0
 MIN_NONCE_BYTES = 16  # a shorter challenge could be replayed or precomputed: the node does not sign it
+# The heartbeat interval a Welcome may set, as the node's own setting allows: each heartbeat builds a whole
+# status on the event loop, so 1 ms would be a thousand of them a second.
+HEARTBEAT_RANGE_S = (0.1, 300.0)
 HANDSHAKE_FRAMES = ("challenge", "welcome", "reject")  # out of order once the session is up
 
 CONNECT_METHOD = "/provider.v1.Coordinator/Connect"
@@ -166,8 +169,10 @@ class CoordinatorSession:
 
     async def _handshake(self, call) -> float:
         first = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
-        if first is grpc.aio.EOF or first is None or first.WhichOneof("frame") != "challenge":
-            raise SessionRejected("the coordinator did not start with a Challenge")
+        if first is grpc.aio.EOF or first is None or isinstance(first, Garbled) \
+                or first.WhichOneof("frame") != "challenge":
+            raise SessionRejected("the coordinator did not start with a Challenge"
+                                  + (" (its first frame did not decode)" if isinstance(first, Garbled) else ""))
         if len(first.challenge.nonce) < MIN_NONCE_BYTES:
             raise SessionRejected(f"the coordinator's nonce is {len(first.challenge.nonce)} bytes; the node signs only "
                                   f"challenges of at least {MIN_NONCE_BYTES} random bytes")
@@ -188,7 +193,10 @@ class CoordinatorSession:
         self.stats.sessions += 1
         self.jobs.draining = False  # a Drain holds for the session it came on
         self.welcomed.set()
-        interval = w.heartbeat_interval_ms / 1000 or self.settings.heartbeat_interval_s
+        asked = w.heartbeat_interval_ms / 1000 or self.settings.heartbeat_interval_s
+        interval = min(max(asked, HEARTBEAT_RANGE_S[0]), HEARTBEAT_RANGE_S[1])
+        if interval != asked:
+            log.warning("coordinator_heartbeat_clamped", asked_s=asked, used_s=interval)
         log.info("coordinator_welcomed", session_id=self.session_id, epoch=w.session_epoch,
                  node_id=self.identity.node_id, heartbeat_s=interval, coordinator_version=w.coordinator_version,
                  protocol_version=w.protocol_version or 1)

@@ -1,6 +1,7 @@
-"""Every coordinator job gets exactly one outcome, whichever way its serving ends: the session abandoned during
-its pin check, or a failure while its result is built (issue 20, finding 2). Against the reference
-coordinator on loopback; the slow first hash and the failing signer are injected faults, named as such."""
+"""The wire's small defects (issue 20): every coordinator job gets exactly one outcome, whichever way its serving
+ends (the session abandoned during its pin check, a failure while its result is built); a Welcome's heartbeat
+interval is clamped; handshake garbage gets a typed refusal. Against the reference coordinator on loopback; the
+slow first hash and the failing signer are injected faults, named as such."""
 
 import asyncio
 import time
@@ -69,3 +70,36 @@ def test_a_result_that_fails_to_build_still_ends_the_job_once_and_stops_it(fixtu
             assert (await _one_outcome(coord, "after")).job_done.finish_reason == "length"
 
     run(main())
+
+
+def test_a_welcome_s_heartbeat_interval_is_clamped(fixtures_dir, tmp_path):
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=1)  # a thousand status builds a second, unclamped
+        await coord.start()
+        async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, node, session):
+            s = await coord.wait_for_node()
+            await asyncio.sleep(1.0)
+            beats = len(s.heartbeats)
+            assert beats <= 12, beats  # at most one each 0.1 s (and the first at once)
+
+    run(main())
+
+
+def test_garbage_for_a_challenge_is_a_typed_refusal_and_the_node_reconnects(fixtures_dir, tmp_path):
+    from structlog.testing import capture_logs
+
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=200)
+        coord.next_challenge = b"\xff\xff\xff garbage \x00"
+        await coord.start()
+        async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, node, session):
+            s = await coord.wait_for_node(timeout=30)
+            coord.dispatch(s, job("after", "g", max_tokens=2))
+            assert (await _one_outcome(coord, "after")).job_done.finish_reason == "length"
+            assert session.stats.connects >= 2 and session.stats.sessions == 1
+
+    with capture_logs() as logged:
+        run(main())
+    refusals = [e for e in logged if e["event"] == "coordinator_rejected"]
+    assert refusals and "did not decode" in refusals[0]["reason"], logged
+    assert not [e for e in logged if e["event"] == "coordinator_session_failed"]  # no traceback: a typed refusal
