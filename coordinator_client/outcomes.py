@@ -18,6 +18,7 @@ from .pb import provider_pb2 as pb
 from .sealing import JobKeys
 
 RESULT_DOMAIN = b"provider.v1.result\0"
+SIGNATURE_LAYOUT = 2  # 0 was the NUL-joined layout: a job id holding NUL made two results sign the same bytes
 MAX_UNACKED = 10_000
 MAX_FINISHED = 10_000  # outcomes kept to answer a repeated JobRequest (ids older than that count as new)
 MAX_FINISHED_BYTES = 64 << 20  # and at most this much of them, completions included
@@ -54,17 +55,38 @@ class Transcript:
         return out
 
 
+def request_digest(req: pb.JobRequest) -> bytes:
+    """The hash a result commits to: the request as the node opened it, serialized deterministically."""
+    return hashlib.sha256(req.SerializeToString(deterministic=True)).digest()
+
+
+class InvalidResult(ValueError):
+    """A JobDone whose signed fields cannot be what a node signs (another layout, a digest of the wrong size),
+    or that answers another request."""
+
+
 def result_bytes(done: pb.JobDone) -> bytes:
-    """What JobDone.signature signs."""
+    """What JobDone.signature signs: layout 2 (the proto, above `JobDone.signature`), every field
+    length-prefixed."""
     c, u = done.completion, done.usage
-    counts = (c.chunks, u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
     model = bytes.fromhex(done.model_sha256) if len(done.model_sha256) == 64 else bytes(32)
-    return (RESULT_DOMAIN + done.job_id.encode() + b"\0" + done.finish_reason.encode() + b"\0"
-            + c.token_ids_sha256 + b"".join(n.to_bytes(8, "big") for n in counts) + model)
+    fields = (done.job_id.encode(), done.finish_reason.encode(), c.token_ids_sha256, done.request_sha256, model)
+    counts = (c.chunks, u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    return (RESULT_DOMAIN + SIGNATURE_LAYOUT.to_bytes(4, "big")
+            + b"".join(len(f).to_bytes(4, "big") + f for f in fields)
+            + b"".join(n.to_bytes(8, "big") for n in counts))
 
 
-def verify_result(done: pb.JobDone, public_key: bytes) -> None:
-    """Raise InvalidSignature unless `done` is signed by `public_key` (the node's Registration.public_key)."""
+def verify_result(done: pb.JobDone, public_key: bytes, request: pb.JobRequest | None = None) -> None:
+    """Raise InvalidResult unless `done` is in the signing layout this code knows, with 32-byte digests, and
+    answers `request` (the JobRequest the coordinator sent, when given); InvalidSignature unless it is signed
+    by `public_key` (the node's Registration.public_key)."""
+    if done.signature_layout != SIGNATURE_LAYOUT:
+        raise InvalidResult(f"signature layout {done.signature_layout}; only {SIGNATURE_LAYOUT} is accepted")
+    if len(done.completion.token_ids_sha256) != 32 or len(done.request_sha256) != 32:
+        raise InvalidResult("token_ids_sha256 and request_sha256 must be 32 bytes")
+    if request is not None and request_digest(request) != done.request_sha256:
+        raise InvalidResult("the result answers another request than the one sent under its job id")
     Ed25519PublicKey.from_public_bytes(public_key).verify(done.signature, result_bytes(done))
 
 

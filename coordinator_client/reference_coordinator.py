@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from .identity import InvalidSignature, verify_hello
-from .outcomes import token_digest, verify_result
+from .outcomes import InvalidResult, token_digest, verify_result
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys, SealingError, seal_job
 
@@ -74,6 +74,7 @@ class ReferenceCoordinator:
         self.protocol_errors: list[pb.ProtocolError] = []
         self.bad_results: dict[str, str] = {}  # job id -> why its JobDone was refused (never acknowledged)
         self.next_reject: pb.Reject | None = None  # refuse the next Hello with this, to test the node's reaction
+        self.requests: dict[str, pb.JobRequest] = {}  # job id -> the request sent (a result must answer it)
         self.next_challenge: bytes | None = None  # send these bytes instead of the next Challenge (garbage tests)
         self._job_keys: dict[str, JobKeys] = {}  # sealed jobs' keys, to open what comes back
         self._outcome_waiters: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
@@ -122,6 +123,7 @@ class ReferenceCoordinator:
         session.outgoing.put_nowait(frame)
 
     def dispatch(self, session: NodeSession, request: pb.JobRequest) -> str:
+        self.requests[request.job_id] = request  # what its result must answer
         self.send(session, pb.CoordinatorFrame(job_request=request))
         return request.job_id
 
@@ -132,7 +134,9 @@ class ReferenceCoordinator:
         sealed, keys = seal_job(session.registration.sealing_key, request.job_id, request)
         outer.sealed.CopyFrom(sealed)
         self._job_keys[request.job_id] = keys
-        return self.dispatch(session, outer)
+        self.dispatch(session, outer)
+        self.requests[request.job_id] = request  # the node opens it to this: its result answers this one
+        return request.job_id
 
     async def outcome(self, job_id: str, timeout: float = 120) -> pb.ProviderFrame:
         await asyncio.wait_for(self._outcome_waiters[job_id].wait(), timeout)
@@ -169,9 +173,11 @@ class ReferenceCoordinator:
         """Why a JobDone cannot be accepted (bad signature, or a digest that does not match what arrived),
         or None. Chunks may be missing only if the outcome carries the whole completion."""
         try:
-            verify_result(done, session.registration.public_key)
+            verify_result(done, session.registration.public_key, self.requests.get(done.job_id))
         except InvalidSignature:
             return "the result's signature does not verify with the node's key"
+        except InvalidResult as e:
+            return f"the result is refused: {e}"
         c = done.completion
         if c.sealed or c.token_ids or c.text:
             return None if c.sealed or token_digest(c.token_ids) == c.token_ids_sha256 else \

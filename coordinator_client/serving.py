@@ -21,7 +21,7 @@ from provider.settings import Settings
 
 from . import convert
 from .identity import Identity
-from .outcomes import Outcomes, Transcript, result_bytes
+from .outcomes import SIGNATURE_LAYOUT, Outcomes, Transcript, request_digest, result_bytes
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys, SealingError, SealingKey
 
@@ -166,7 +166,8 @@ class CoordinatorJobs:
                                    token_ids=[i for t in tokens for i in t.token_ids],
                                    tool_calls=convert.tool_calls_to_pb([c for t in tokens for c in t.tool_calls]))
                 if last is not None:
-                    end(self._ending(last, transcript, model, keys, deadline_passed=bool(expired)))
+                    end(self._ending(last, transcript, model, keys, deadline_passed=bool(expired),
+                                     request_sha256=request_digest(req)))
         except asyncio.CancelledError:
             # The session was abandoned under this job (during its pin check, before its first step, or while
             # it ran): stop generating, report it on the next session.
@@ -190,7 +191,7 @@ class CoordinatorJobs:
                 await stream.aclose()  # a job whose serving failed stops generating; an ended one is untouched
 
     def _ending(self, end, transcript: Transcript, model: str, keys: JobKeys | None, *,
-                deadline_passed: bool) -> pb.ProviderFrame:
+                deadline_passed: bool, request_sha256: bytes) -> pb.ProviderFrame:
         completion = transcript.completion(end.job_id, keys)
         if isinstance(end, Done) and deadline_passed and end.finish_reason == "cancelled":
             frame = convert.error_frame(end.job_id, Cause.DEADLINE_EXCEEDED, "the job's deadline passed after "
@@ -201,6 +202,7 @@ class CoordinatorJobs:
             done = frame.job_done
             done.completion.CopyFrom(completion)
             done.model_sha256 = self.node.model_hash(model) if model else ""
+            done.signature_layout, done.request_sha256 = SIGNATURE_LAYOUT, request_sha256
             done.signature = self.identity.sign(result_bytes(done))
         elif isinstance(end, Error):
             frame = convert.event_error_frame(end)

@@ -103,3 +103,59 @@ def test_garbage_for_a_challenge_is_a_typed_refusal_and_the_node_reconnects(fixt
     refusals = [e for e in logged if e["event"] == "coordinator_rejected"]
     assert refusals and "did not decode" in refusals[0]["reason"], logged
     assert not [e for e in logged if e["event"] == "coordinator_session_failed"]  # no traceback: a typed refusal
+
+
+def test_no_two_results_sign_the_same_bytes():
+    """Finding 4: job ids may hold NUL; the old layout joined fields with NUL, so these two signed alike."""
+    from coordinator_client.outcomes import result_bytes
+
+    a = pb.JobDone(job_id="j\0length", finish_reason="stop", request_sha256=bytes(32))
+    b = pb.JobDone(job_id="j", finish_reason="length\0stop", request_sha256=bytes(32))
+    for done in (a, b):
+        done.completion.token_ids_sha256 = bytes(32)
+    assert result_bytes(a) != result_bytes(b)
+
+
+def test_a_result_in_another_layout_with_a_short_digest_or_for_another_request_is_refused(tmp_path):
+    from coordinator_client.identity import Identity
+    from coordinator_client.outcomes import InvalidResult, request_digest, result_bytes, verify_result
+
+    identity = Identity.load_or_create(tmp_path)
+    request = pb.JobRequest(job_id="j", model="m", prompt="The cache")
+    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=2, request_sha256=request_digest(request))
+    done.completion.token_ids_sha256 = bytes(32)
+    done.signature = identity.sign(result_bytes(done))
+    verify_result(done, identity.public_key, request)  # the real thing verifies
+    old = pb.JobDone()
+    old.CopyFrom(done)
+    old.signature_layout = 0
+    short = pb.JobDone()
+    short.CopyFrom(done)
+    short.completion.token_ids_sha256 = bytes(31)
+    short.signature = identity.sign(result_bytes(short))  # signed, but no node signs a 31-byte digest
+    other = pb.JobRequest(job_id="j", model="m", prompt="Another prompt")
+    for bad, against in ((old, request), (short, request), (done, other)):
+        try:
+            verify_result(bad, identity.public_key, against)
+        except InvalidResult:
+            continue
+        raise AssertionError(f"accepted: {bad.signature_layout}, {len(bad.completion.token_ids_sha256)}")
+
+
+def test_a_stored_result_sent_for_another_request_under_its_id_is_refused(fixtures_dir, tmp_path):
+    """The result commits to the request the node opened: a coordinator that reused a job id for another
+    request sees that the outcome it got back answers the first one."""
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("reused", "g", max_tokens=2, prompt="The cache"))
+            assert (await _one_outcome(coord, "reused")).job_done.signature_layout == 2
+            assert not coord.bad_results
+            coord.dispatch(s, job("reused", "g", max_tokens=2, prompt="Another prompt"))
+            deadline = time.monotonic() + 10
+            while "reused" not in coord.bad_results:
+                assert time.monotonic() < deadline, "the stored outcome was accepted for another request"
+                await asyncio.sleep(0.01)
+            assert "another request" in coord.bad_results["reused"]
+
+    run(main())

@@ -544,7 +544,7 @@ class Completion(_message.Message):
     def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class JobDone(_message.Message):
-    __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature")
+    __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature", "signature_layout", "request_sha256")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +552,8 @@ class JobDone(_message.Message):
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     finish_reason: str
     usage: Usage
@@ -559,7 +561,9 @@ class JobDone(_message.Message):
     completion: Completion
     model_sha256: str
     signature: bytes
-    def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ..., model_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    signature_layout: int
+    request_sha256: bytes
+    def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ..., model_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signature_layout: _Optional[int] = ..., request_sha256: _Optional[bytes] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("job_id", "cause", "message", "usage", "completion")
