@@ -49,6 +49,7 @@ class Transcript:
         text = "".join(self.text)
         if keys is not None:
             out.sealed = keys.seal_completion(job_id, text, self.token_ids, self.tool_calls)
+            out.seal_salt = keys.run_salt
         else:
             out.text, out.token_ids[:] = text, self.token_ids
             out.tool_calls.extend(self.tool_calls)

@@ -26,7 +26,7 @@ import grpc
 from .identity import InvalidSignature, verify_hello
 from .outcomes import InvalidResult, token_digest, verify_result
 from .pb import provider_pb2 as pb
-from .sealing import JobKeys, SealingError, seal_job
+from .sealing import JobKeys, SealingError, SenderKeys, seal_job
 
 MAX_SKEW_MS = 60_000
 VERSION = "reference-coordinator/1"
@@ -76,7 +76,8 @@ class ReferenceCoordinator:
         self.next_reject: pb.Reject | None = None  # refuse the next Hello with this, to test the node's reaction
         self.requests: dict[str, pb.JobRequest] = {}  # job id -> the request sent (a result must answer it)
         self.next_challenge: bytes | None = None  # send these bytes instead of the next Challenge (garbage tests)
-        self._job_keys: dict[str, JobKeys] = {}  # sealed jobs' keys, to open what comes back
+        self._job_keys: dict[str, SenderKeys] = {}  # sealed jobs' keys, to open what comes back
+        self._run_keys: dict[str, JobKeys] = {}  # and the keys of their current run (JobAccepted.seal_salt)
         self._outcome_waiters: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._session_changed = asyncio.Condition()
         self._issued_nonces: set[bytes] = set()
@@ -160,7 +161,7 @@ class ReferenceCoordinator:
             return "", []  # an error before the job ran
         c = outcome.completion
         if c.sealed:
-            c = self._job_keys[job_id].open_completion(job_id, c.sealed)
+            c = self._job_keys[job_id].for_run(c.seal_salt).open_completion(job_id, c.sealed)
         if c.token_ids or c.text:
             text, ids = c.text, list(c.token_ids)
         else:
@@ -272,6 +273,9 @@ class ReferenceCoordinator:
                 session.heartbeats.append(frame.heartbeat)
             elif kind == "job_accepted":
                 self.accepted[frame.job_accepted.job_id] = frame.job_accepted
+                sender = self._job_keys.get(frame.job_accepted.job_id)
+                if sender is not None and frame.job_accepted.seal_salt:
+                    self._run_keys[frame.job_accepted.job_id] = sender.for_run(frame.job_accepted.seal_salt)
             elif kind == "token_chunk":
                 self.chunks[frame.token_chunk.job_id].append(self._opened(frame.token_chunk))
                 self.chunk_arrivals[frame.token_chunk.job_id].append(time.perf_counter())
@@ -293,7 +297,7 @@ class ReferenceCoordinator:
         if not chunk.sealed:
             return chunk
         try:
-            body = self._job_keys[chunk.job_id].open_chunk(chunk.job_id, chunk.seq, chunk.sealed)
+            body = self._run_keys[chunk.job_id].open_chunk(chunk.job_id, chunk.seq, chunk.sealed)
         except (KeyError, SealingError):
             return chunk  # not ours to open: kept as it came
         return pb.TokenChunk(job_id=chunk.job_id, seq=chunk.seq, text=body.text, token_ids=body.token_ids,

@@ -8,6 +8,8 @@ accepted it is gone. Pure functions over bytes, plus `SealingKey` for the node's
 
 from __future__ import annotations
 
+import collections
+import secrets
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -23,6 +25,8 @@ REQUEST_INFO = b"provider.v1.seal request"
 RESPONSE_INFO = b"provider.v1.seal response"
 COMPLETION_COUNTER = 2**64 - 1
 KEY_BYTES = 32
+RUN_SALT_BYTES = 16  # drawn for every run of a sealed job: no (key, nonce) pair is ever used twice
+SENDER_KEYS_REMEMBERED = 65_536  # ~6 MB; a key seen among the last this many is refused
 
 
 class SealingError(Exception):
@@ -41,25 +45,30 @@ def aad(job_id: str, kind: str) -> bytes:
     return AAD_PREFIX + job_id.encode() + b"\0" + kind.encode()
 
 
-def derive_keys(shared: bytes, sender_key: bytes, sealing_key: bytes) -> tuple[bytes, bytes]:
-    """The raw request and response keys of one sealed job."""
+def derive_keys(shared: bytes, sender_key: bytes, sealing_key: bytes, job_id: str,
+                run_salt: bytes) -> tuple[bytes, bytes]:
+    """The raw request key of one sealed job and the response key of one run of it."""
     def hkdf(info: bytes) -> bytes:
         return HKDF(hashes.SHA256(), 32, sender_key + sealing_key, info).derive(shared)
 
-    return hkdf(REQUEST_INFO), hkdf(RESPONSE_INFO)
+    job = job_id.encode()
+    return hkdf(REQUEST_INFO + b"\0" + job), hkdf(RESPONSE_INFO + b"\0" + job + b"\0" + run_salt)
 
 
 @dataclass(frozen=True)
 class JobKeys:
-    """The two symmetric keys one sealed job uses: sender -> node (`request`), node -> sender (`response`)."""
+    """The keys of one run of a sealed job: sender -> node (`request`), node -> sender (`response`, fresh for
+    every run: its `run_salt` is drawn by the node when it opens the job and sent in the clear)."""
 
     request: ChaCha20Poly1305
     response: ChaCha20Poly1305
+    run_salt: bytes
 
     @classmethod
-    def derive(cls, shared: bytes, sender_key: bytes, sealing_key: bytes) -> "JobKeys":
-        request, response = derive_keys(shared, sender_key, sealing_key)
-        return cls(ChaCha20Poly1305(request), ChaCha20Poly1305(response))
+    def derive(cls, shared: bytes, sender_key: bytes, sealing_key: bytes, job_id: str,
+               run_salt: bytes) -> "JobKeys":
+        request, response = derive_keys(shared, sender_key, sealing_key, job_id, run_salt)
+        return cls(ChaCha20Poly1305(request), ChaCha20Poly1305(response), run_salt)
 
     def seal_chunk(self, job_id: str, seq: int, text: str, token_ids: list[int], tool_calls=()) -> bytes:
         body = pb.TokenChunk(text=text, token_ids=token_ids, tool_calls=tool_calls).SerializeToString()
@@ -69,7 +78,7 @@ class JobKeys:
         body = pb.Completion(text=text, token_ids=token_ids, tool_calls=tool_calls).SerializeToString()
         return self.response.encrypt(nonce(COMPLETION_COUNTER), body, aad(job_id, "completion"))
 
-    # The sender's side (the reference coordinator and tests use these).
+    # The sender's side (the reference coordinator and tests use these, through SenderKeys.for_run).
     def open_chunk(self, job_id: str, seq: int, sealed: bytes) -> pb.TokenChunk:
         return pb.TokenChunk.FromString(self._open(self.response, nonce(seq), sealed, aad(job_id, "chunk")))
 
@@ -85,34 +94,62 @@ class JobKeys:
             raise SealingError("the sealed bytes do not open with this job's key (tampered or wrong key)") from None
 
 
+@dataclass(frozen=True)
+class SenderKeys:
+    """The sender's side of one sealed job: what it needs to open the answers of each run of it."""
+
+    shared: bytes
+    sender_key: bytes
+    sealing_key: bytes
+    job_id: str
+
+    def for_run(self, run_salt: bytes) -> JobKeys:
+        """The keys of the run that announced `run_salt` (JobAccepted.seal_salt, Completion.seal_salt)."""
+        return JobKeys.derive(self.shared, self.sender_key, self.sealing_key, self.job_id, run_salt)
+
+
 def seal_job(sealing_key: bytes, job_id: str, body: pb.JobRequest,
-             sender: X25519PrivateKey | None = None) -> tuple[pb.Sealed, JobKeys]:
-    """The sender's side: seal `body` for the node whose Registration.sealing_key is `sealing_key`."""
+             sender: X25519PrivateKey | None = None) -> tuple[pb.Sealed, SenderKeys]:
+    """The sender's side: seal `body` for the node whose Registration.sealing_key is `sealing_key`. Use a
+    fresh `sender` for every job: the node refuses a sender key it has seen."""
     sender = sender or X25519PrivateKey.generate()
     sender_key = _raw(sender.public_key())
-    keys = JobKeys.derive(sender.exchange(X25519PublicKey.from_public_bytes(sealing_key)), sender_key, sealing_key)
-    ciphertext = keys.request.encrypt(nonce(0), body.SerializeToString(), aad(job_id, "job"))
+    keys = SenderKeys(sender.exchange(X25519PublicKey.from_public_bytes(sealing_key)), sender_key, sealing_key,
+                      job_id)
+    request = ChaCha20Poly1305(derive_keys(keys.shared, sender_key, sealing_key, job_id, b"")[0])
+    ciphertext = request.encrypt(nonce(0), body.SerializeToString(), aad(job_id, "job"))
     return pb.Sealed(sender_key=sender_key, ciphertext=ciphertext), keys
 
 
 class SealingKey:
     """The node's per-process X25519 key."""
 
-    def __init__(self, key: X25519PrivateKey | None = None):
+    def __init__(self, key: X25519PrivateKey | None = None, remember: int = SENDER_KEYS_REMEMBERED):
         self._key = key or X25519PrivateKey.generate()
         self.public_key = _raw(self._key.public_key())
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # sender keys, oldest first
+        self._remember = remember
 
-    def open_job(self, job_id: str, sealed: pb.Sealed) -> tuple[pb.JobRequest, JobKeys]:
-        """The plaintext JobRequest and the keys to seal the job's answers; SealingError if it does not open."""
+    def open_job(self, job_id: str, sealed: pb.Sealed, run_salt: bytes | None = None) -> tuple[pb.JobRequest, JobKeys]:
+        """The plaintext JobRequest and the keys of this run of it (a fresh `run_salt` unless given: golden
+        vectors give one); SealingError if it does not open, or its sender key was used before."""
         if len(sealed.sender_key) != KEY_BYTES:
             raise SealingError(f"sealed.sender_key must be {KEY_BYTES} bytes, got {len(sealed.sender_key)}")
+        if sealed.sender_key in self._seen:
+            raise SealingError("this sender key was used for another sealed job (or this one, already run); seal "
+                               "every job with a fresh ephemeral key")
         try:
             shared = self._key.exchange(X25519PublicKey.from_public_bytes(sealed.sender_key))
         except ValueError as e:  # a low-order point gives an all-zero secret, which cryptography refuses
             raise SealingError(f"sealed.sender_key is not a usable X25519 key: {e}") from None
-        keys = JobKeys.derive(shared, sealed.sender_key, self.public_key)
+        keys = JobKeys.derive(shared, sealed.sender_key, self.public_key, job_id,
+                              secrets.token_bytes(RUN_SALT_BYTES) if run_salt is None else run_salt)
         plaintext = keys._open(keys.request, nonce(0), sealed.ciphertext, aad(job_id, "job"))
         try:
-            return pb.JobRequest.FromString(plaintext), keys
+            body = pb.JobRequest.FromString(plaintext)
         except Exception:
             raise SealingError("the sealed body opened but is not a serialized JobRequest") from None
+        self._seen[sealed.sender_key] = None
+        if len(self._seen) > self._remember:  # bounded: past it, the run salt alone keeps every key fresh
+            self._seen.popitem(last=False)
+        return body, keys

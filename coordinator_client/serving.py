@@ -155,7 +155,8 @@ class CoordinatorJobs:
                 if isinstance(ev, Accepted):
                     model = ev.model
                     outbox.put_nowait(pb.ProviderFrame(job_accepted=pb.JobAccepted(
-                        job_id=job_id, model=ev.model, prompt_tokens=ev.prompt_tokens)))
+                        job_id=job_id, model=ev.model, prompt_tokens=ev.prompt_tokens,
+                        seal_salt=keys.run_salt if keys else b"")))
                     continue
                 tokens, last = (await stream.coalesce(ev, behind=lambda: not outbox.empty(),
                                                       window_s=self.coalesce_s)

@@ -185,8 +185,9 @@ def test_the_golden_sealing_vectors_open():
     shared = node.exchange(X25519PublicKey.from_public_bytes(h(v["sender_key"])))
     assert shared.hex() == v["shared_secret"]
     salt = h(v["sender_key"]) + h(v["sealing_key"])
-    request = _hkdf(shared, salt, b"provider.v1.seal request")
-    response = _hkdf(shared, salt, b"provider.v1.seal response")
+    job = v["job_id"].encode()
+    request = _hkdf(shared, salt, b"provider.v1.seal request\0" + job)
+    response = _hkdf(shared, salt, b"provider.v1.seal response\0" + job + b"\0" + h(v["run_salt"]))
     assert (request.hex(), response.hex()) == (v["request_key"], v["response_key"])
     prefix = b"provider.v1.seal\0" + v["job_id"].encode() + b"\0"
     plain = ChaCha20Poly1305(request).decrypt(bytes(12), h(v["job"]["ciphertext"]), prefix + b"job")
@@ -199,7 +200,8 @@ def test_the_golden_sealing_vectors_open():
     assert (completion.text, list(completion.token_ids)) == (v["completion"]["text"], v["completion"]["token_ids"])
     # The node's code opens the same bytes, and seals the answers to the same bytes.
     body, keys = SealingKey(node).open_job(v["job_id"], pb.Sealed(sender_key=h(v["sender_key"]),
-                                                                    ciphertext=h(v["job"]["ciphertext"])))
+                                                                    ciphertext=h(v["job"]["ciphertext"])),
+                                           run_salt=h(v["run_salt"]))
     assert body.SerializeToString().hex() == v["job"]["plaintext"]
     assert keys.seal_chunk(v["job_id"], v["chunk"]["seq"], chunk.text, list(chunk.token_ids)).hex() == \
         v["chunk"]["ciphertext"]

@@ -402,14 +402,16 @@ class Sealed(_message.Message):
     def __init__(self, sender_key: _Optional[bytes] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
 
 class JobAccepted(_message.Message):
-    __slots__ = ("job_id", "model", "prompt_tokens")
+    __slots__ = ("job_id", "model", "prompt_tokens", "seal_salt")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEAL_SALT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     prompt_tokens: int
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    seal_salt: bytes
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., seal_salt: _Optional[bytes] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("job_id", "seq", "text", "token_ids", "sealed", "tool_calls")
@@ -528,20 +530,22 @@ class Telemetry(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ..., constraint: _Optional[str] = ..., mask_ms_per_token: _Optional[float] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls")
+    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls", "seal_salt")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_SHA256_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    SEAL_SALT_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     token_ids_sha256: bytes
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sealed: bytes
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    seal_salt: bytes
+    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., seal_salt: _Optional[bytes] = ...) -> None: ...
 
 class JobDone(_message.Message):
     __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature", "signature_layout", "request_sha256")

@@ -22,6 +22,7 @@ OUT = Path(__file__).resolve().parents[2] / "tests" / "vectors" / "sealing.json"
 NODE_SECRET = bytes(range(1, 33))
 SENDER_SECRET = bytes(range(101, 133))
 JOB_ID = "job-golden-1"
+RUN_SALT = bytes(range(201, 217))  # the node draws one per run; fixed here
 
 
 def vectors() -> dict:
@@ -29,9 +30,10 @@ def vectors() -> dict:
     sender = X25519PrivateKey.from_private_bytes(SENDER_SECRET)
     body = pb.JobRequest(prompt="Hello, sealed world", max_tokens=8,
                          sampling=pb.SamplingParams(temperature=0.0))
-    sealed, keys = seal_job(node.public_key, JOB_ID, body, sender)
+    sealed, sender_keys = seal_job(node.public_key, JOB_ID, body, sender)
+    keys = sender_keys.for_run(RUN_SALT)
     shared = sender.exchange(X25519PublicKey.from_public_bytes(node.public_key))
-    request_key, response_key = derive_keys(shared, sealed.sender_key, node.public_key)
+    request_key, response_key = derive_keys(shared, sealed.sender_key, node.public_key, JOB_ID, RUN_SALT)
     chunk = {"seq": 3, "text": " tokens", "token_ids": [17, 4, 250]}
     completion = {"text": "Hello back", "token_ids": [9, 8, 7, 6]}
     return {
@@ -39,7 +41,7 @@ def vectors() -> dict:
         "node_secret": NODE_SECRET.hex(), "sealing_key": node.public_key.hex(),
         "sender_secret": SENDER_SECRET.hex(), "sender_key": sealed.sender_key.hex(),
         "shared_secret": shared.hex(), "request_key": request_key.hex(), "response_key": response_key.hex(),
-        "job_id": JOB_ID,
+        "job_id": JOB_ID, "run_salt": RUN_SALT.hex(),
         "job": {"plaintext": body.SerializeToString().hex(), "nonce": nonce(0).hex(),
                 "aad": aad(JOB_ID, "job").hex(), "ciphertext": sealed.ciphertext.hex()},
         "chunk": chunk | {"nonce": nonce(chunk["seq"]).hex(), "aad": aad(JOB_ID, "chunk").hex(),
