@@ -14,12 +14,17 @@ from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from provider import logs
+
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys
+
+log = logs.get("coordinator")
 
 RESULT_DOMAIN = b"provider.v1.result\0"
 SIGNATURE_LAYOUT = 2  # 0 was the NUL-joined layout: a job id holding NUL made two results sign the same bytes
 MAX_UNACKED = 10_000
+MAX_UNACKED_BYTES = 64 << 20  # a coordinator that never acks holds at most this much of them
 MAX_FINISHED = 10_000  # outcomes kept to answer a repeated JobRequest (ids older than that count as new)
 MAX_FINISHED_BYTES = 64 << 20  # and at most this much of them, completions included
 
@@ -110,16 +115,28 @@ class Outcomes:
 
     def __init__(self):
         self.unacked: dict[str, pb.ProviderFrame] = {}  # oldest first
+        self._unacked_sizes: dict[str, int] = {}
+        self.unacked_bytes = 0
+        self.dropped = 0  # outcomes dropped unacknowledged, oldest first
         self._finished: dict[str, tuple[pb.ProviderFrame, int]] = {}  # job id -> (outcome, its size)
         self._finished_bytes = 0
 
     def record(self, job_id: str, frame: pb.ProviderFrame) -> pb.ProviderFrame:
         """Keep the whole outcome; return the brief one to send now."""
-        if len(self.unacked) >= MAX_UNACKED:  # a coordinator that never acks must not grow us forever
-            self.unacked.pop(next(iter(self.unacked)))
-        self.unacked[job_id] = frame
-        self._forget(job_id)
         size = frame.ByteSize()
+        self._drop_unacked(job_id)
+        # A coordinator that never acks must not grow us forever: bounded in count and in bytes, oldest first.
+        while self.unacked and (len(self.unacked) >= MAX_UNACKED or self.unacked_bytes + size > MAX_UNACKED_BYTES):
+            oldest = next(iter(self.unacked))
+            self.dropped += 1
+            if self.dropped % 1000 == 1:  # a line per thousand: a flood must not flood the log too
+                log.warning("outcome_dropped_unacked", job_id=oldest[:128], dropped=self.dropped,
+                            unacked=len(self.unacked), unacked_bytes=self.unacked_bytes)
+            self._drop_unacked(oldest)
+        self.unacked[job_id] = frame
+        self._unacked_sizes[job_id] = size
+        self.unacked_bytes += size
+        self._forget(job_id)
         self._finished[job_id] = (frame, size)
         self._finished_bytes += size
         while len(self._finished) > MAX_FINISHED or self._finished_bytes > MAX_FINISHED_BYTES:
@@ -133,7 +150,11 @@ class Outcomes:
 
     def ack(self, job_ids) -> None:
         for job_id in job_ids:
-            self.unacked.pop(job_id, None)
+            self._drop_unacked(job_id)
+
+    def _drop_unacked(self, job_id: str) -> None:
+        if self.unacked.pop(job_id, None) is not None:
+            self.unacked_bytes -= self._unacked_sizes.pop(job_id)
 
     def finished(self, job_id: str) -> pb.ProviderFrame | None:
         kept = self._finished.get(job_id)

@@ -55,8 +55,9 @@ def _serialize(frame) -> bytes:
 
 class ReferenceCoordinator:
     def __init__(self, port: int = 0, heartbeat_interval_ms: int = 500, ack_outcomes: bool = True,
-                 nonce_bytes: int = 32):
+                 nonce_bytes: int = 32, read_frames: bool = True):
         self.port = port
+        self.read_frames = read_frames  # False: after the handshake it sends but never reads (flow-control tests)
         self.nonce_bytes = nonce_bytes  # tests set it below 16 to check that the node refuses to sign
         self.hellos = 0  # Hello frames received
         self.heartbeat_interval_ms = heartbeat_interval_ms
@@ -225,7 +226,7 @@ class ReferenceCoordinator:
         await context.write(pb.CoordinatorFrame(welcome=pb.Welcome(
             session_id=session.session_id, session_epoch=reg.session_epoch,
             heartbeat_interval_ms=self.heartbeat_interval_ms, coordinator_version=VERSION, protocol_version=1)))
-        reader = asyncio.create_task(self._read(context, session))
+        reader = asyncio.create_task(self._read(context, session) if self.read_frames else asyncio.Event().wait())
         ended = asyncio.create_task(session.ended.wait())
         get = None
         try:

@@ -99,6 +99,10 @@ class CoordinatorJobs:
 
     def on_request(self, req: pb.JobRequest, outbox: asyncio.Queue) -> None:
         self.stats.jobs_received += 1
+        if not 0 < len(req.job_id) <= convert.MAX_JOB_ID:  # answered under the id it came with, never recorded
+            outbox.put_nowait(convert.error_frame(req.job_id, Cause.INVALID_REQUEST,
+                                                  f"job_id must be 1 to {convert.MAX_JOB_ID} characters"))
+            return
         if req.job_id in self._running:
             log.info("coordinator_duplicate_job", job_id=req.job_id, state="running")
             return

@@ -23,6 +23,7 @@ from provider.settings import Settings
 from .backoff import Backoff
 from .channel import open_channel, plan_channel
 from .identity import Identity, next_session_epoch
+from .outbox import CoordinatorNotReading, Outbox
 from .pb import provider_pb2 as pb
 from .registration import heartbeat, registration
 from .sealing import SealingKey
@@ -35,6 +36,7 @@ MIN_NONCE_BYTES = 16  # a shorter challenge could be replayed or precomputed: th
 # The heartbeat interval a Welcome may set, as the node's own setting allows: each heartbeat builds a whole
 # status on the event loop, so 1 ms would be a thousand of them a second.
 HEARTBEAT_RANGE_S = (0.1, 300.0)
+OUTBOX_STALL_S = 10.0  # an outbox over its byte limit this long ends the session (CoordinatorNotReading)
 HANDSHAKE_FRAMES = ("challenge", "welcome", "reject")  # out of order once the session is up
 
 CONNECT_METHOD = "/provider.v1.Coordinator/Connect"
@@ -74,6 +76,7 @@ class SessionStats:
     outcomes_resent: int = 0
     garbled_frames: int = 0
     protocol_errors: int = 0  # ProtocolError frames sent
+    not_reading: int = 0  # sessions ended because the coordinator left the outbox over its limit
 
 
 class CoordinatorSession:
@@ -106,6 +109,9 @@ class CoordinatorSession:
                     self.rejected = str(e)
                     return
                 retry_after = e.retry_after_s
+            except CoordinatorNotReading as e:
+                self.stats.not_reading += 1
+                log.warning("coordinator_not_reading", reason=str(e))
             except grpc.aio.AioRpcError as e:
                 log.warning("coordinator_stream_lost", code=e.code().name)
             except (asyncio.TimeoutError, asyncio.InvalidStateError, OSError, ConnectionError) as e:
@@ -137,13 +143,12 @@ class CoordinatorSession:
             call = connect()
             interval = await self._handshake(call)
             welcomed_at = time.monotonic()
-            outbox: asyncio.Queue[pb.ProviderFrame] = asyncio.Queue()
-            for frame in self.jobs.outcomes.unacked.values():  # outcomes the last one may not have recorded, whole
-                self.stats.outcomes_resent += 1
-                outbox.put_nowait(frame)
+            outbox = Outbox(self.settings.coordinator_outbox_bytes, OUTBOX_STALL_S)
             tasks = [asyncio.create_task(self._writer(call, outbox), name="writer"),
                      asyncio.create_task(self._reader(call, outbox), name="reader"),
-                     asyncio.create_task(self._heartbeats(outbox, interval), name="heartbeat")]
+                     asyncio.create_task(self._heartbeats(outbox, interval), name="heartbeat"),
+                     asyncio.create_task(self._resend(outbox, list(self.jobs.outcomes.unacked.values())),
+                                         name="resend")]
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             if stopper in done:
@@ -212,8 +217,19 @@ class CoordinatorSession:
                 return
             await call.write(frame)
 
-    async def _reader(self, call, outbox: asyncio.Queue) -> None:
+    async def _resend(self, outbox: Outbox, frames: list[pb.ProviderFrame]) -> None:
+        """Outcomes the last session may not have recorded, whole, paced by the outbox's room."""
+        for frame in frames:
+            await outbox.room()
+            self.stats.outcomes_resent += 1
+            outbox.put_nowait(frame)
+        while True:  # then watch that the writer keeps up
+            outbox.check()
+            await asyncio.sleep(0.25)
+
+    async def _reader(self, call, outbox: Outbox) -> None:
         while True:
+            await outbox.room()  # backpressure: no new frame is read while the coordinator leaves ours unread
             frame = await call.read()
             if frame is grpc.aio.EOF:
                 log.info("coordinator_closed_stream")
@@ -251,9 +267,11 @@ class CoordinatorSession:
         outbox.put_nowait(pb.ProviderFrame(protocol_error=pb.ProtocolError(reason=reason, frame_bytes=size,
                                                                            frame_kind=kind)))
 
-    async def _heartbeats(self, outbox: asyncio.Queue, interval: float) -> None:
+    async def _heartbeats(self, outbox: Outbox, interval: float) -> None:
         while True:
-            outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(self.node.status(), draining=self.jobs.draining)))
+            if not outbox.over:  # an unread heartbeat says nothing; the next one will
+                outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(self.node.status(),
+                                                                       draining=self.jobs.draining)))
             await asyncio.sleep(interval)
 
     # --- draining ---------------------------------------------------------------------

@@ -159,3 +159,31 @@ def test_a_stored_result_sent_for_another_request_under_its_id_is_refused(fixtur
             assert "another request" in coord.bad_results["reused"]
 
     run(main())
+
+
+def test_unacked_outcomes_are_bounded_in_bytes_and_bad_ids_are_not_recorded(fixtures_dir, tmp_path):
+    """Finding 3: a coordinator that never acks holds the node to MAX_UNACKED_BYTES of outcomes (oldest dropped
+    first); a job id over the limit is answered but never stored."""
+    from coordinator_client.outcomes import MAX_UNACKED_BYTES, Outcomes
+
+    store = Outcomes()
+    big = "x" * (1 << 20)  # a 1 MiB completion each
+    for i in range(100):
+        frame = pb.ProviderFrame(job_error=pb.JobError(job_id=f"j{i}", message="m"))
+        frame.job_error.completion.text = big
+        store.record(f"j{i}", frame)
+    assert store.unacked_bytes <= MAX_UNACKED_BYTES and "j99" in store.unacked and "j0" not in store.unacked
+    assert store.dropped == 100 - len(store.unacked)
+    store.ack(list(store.unacked))
+    assert store.unacked_bytes == 0
+
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            long_id = "y" * 10_000
+            coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=long_id, model="g", prompt="x")))
+            frame = await _one_outcome(coord, long_id)
+            assert frame.job_error.cause == pb.ERROR_CAUSE_INVALID_REQUEST
+            assert long_id not in session.jobs.outcomes.unacked and session.jobs.outcomes.finished(long_id) is None
+
+    run(main())

@@ -1,0 +1,58 @@
+"""Issue 20, finding 3: a coordinator that sends jobs, pings and garbage for up to 60 s and never reads what the
+node sends. The node stops reading when its outbox passes its byte limit, ends the session with a typed reason
+once it stays over, and its memory stays bounded. The node is a real daemon (`provider start --coordinator`),
+so its RSS is its own; the limit is set low (2 MiB) so the test sees the end well within the minute."""
+
+import asyncio
+import threading
+import time
+
+import psutil
+import pytest
+
+from coordinator_client.pb import provider_pb2 as pb
+from coordinator_client.reference_coordinator import ReferenceCoordinator
+from tests.helpers import LocalServer
+
+RSS_BOUND_MB = 300  # growth allowed over the RSS of the serving daemon: measured +251 MiB (outbox 2 MiB; outcome
+# stores up to 64 MiB serialized each; the rest, gRPC transport buffers and allocator, not yet broken down)
+
+
+@pytest.mark.heavy
+def test_a_coordinator_that_never_reads_gets_a_typed_end_and_a_bounded_node(fixtures_dir, tmp_path):
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def call(coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    coord = ReferenceCoordinator(heartbeat_interval_ms=100, read_frames=False)
+    call(coord.start())
+    srv = LocalServer(fixtures_dir / "llama-tiny", tmp_path, "--coordinator", coord.url,
+                      env={"PROVIDER_COORDINATOR_OUTBOX_BYTES": str(2 << 20)})
+    try:
+        session = call(coord.wait_for_node(60))
+        proc = psutil.Process(srv.proc.pid)
+        start_rss = proc.memory_info().rss
+        peak, ended, i = start_rss, False, 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ended:
+            for _ in range(200):
+                i += 1
+                frame = (pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=f"f-{i}", model="llama-tiny",
+                                                                       prompt="The cache", max_tokens=16))
+                         if i % 10 == 0 else pb.CoordinatorFrame(ping=pb.Ping(id=i)) if i % 2 else
+                         b"\xff\xff garbage \x00" * 4)
+                loop.call_soon_threadsafe(coord.send, session, frame)
+            time.sleep(0.05)
+            peak = max(peak, proc.memory_info().rss)
+            ended = "coordinator_not_reading" in srv.logs()
+        growth = (peak - start_rss) / 2**20
+        print(f"node RSS {start_rss / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{growth:.0f} MiB) over "
+              f"{i} frames sent unread; session ended by the node: {ended}")
+        assert ended, "the node never ended the session of a coordinator that does not read"
+        assert growth < RSS_BOUND_MB, growth
+        assert srv.proc.poll() is None  # and it is still running, dialing again
+    finally:
+        srv.stop()
+        call(coord.kill())
