@@ -37,6 +37,10 @@ CAUSE_TO_PB = {
 assert set(CAUSE_TO_PB) == set(Cause), "every cause needs a wire value"
 
 
+def valid_job_id(job_id: str) -> bool:
+    return 0 < len(job_id) <= MAX_JOB_ID
+
+
 def _invalid(message: str) -> JobError:
     return JobError(Cause.INVALID_REQUEST, message)
 
@@ -44,7 +48,7 @@ def _invalid(message: str) -> JobError:
 def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_tokens: int) -> Job:
     """Validate a JobRequest and build the Job; a bad field raises JobError(INVALID_REQUEST) naming it.
     The value bounds are SamplingParams' and Job's, the same as the local API's."""
-    if not req.job_id or len(req.job_id) > MAX_JOB_ID:
+    if not valid_job_id(req.job_id):
         raise _invalid(f"job_id must be 1 to {MAX_JOB_ID} characters")
     which = req.WhichOneof("input")
     if which is None:

@@ -99,10 +99,6 @@ class CoordinatorJobs:
 
     def on_request(self, req: pb.JobRequest, outbox: asyncio.Queue) -> None:
         self.stats.jobs_received += 1
-        if not 0 < len(req.job_id) <= convert.MAX_JOB_ID:  # answered under the id it came with, never recorded
-            outbox.put_nowait(convert.error_frame(req.job_id, Cause.INVALID_REQUEST,
-                                                  f"job_id must be 1 to {convert.MAX_JOB_ID} characters"))
-            return
         if req.job_id in self._running:
             log.info("coordinator_duplicate_job", job_id=req.job_id, state="running")
             return
@@ -125,7 +121,11 @@ class CoordinatorJobs:
                 raise JobError(Cause.INVALID_REQUEST, "model_sha256 must be 64 lowercase hex digits (the hash the "
                                "node registered for the model)", "model_sha256")
         except JobError as e:
-            self._outcome(outbox, convert.error_frame(req.job_id, e.cause, e.message), req.job_id)
+            frame = convert.error_frame(req.job_id, e.cause, e.message)
+            if convert.valid_job_id(req.job_id):
+                self._outcome(outbox, frame, req.job_id)
+            else:  # answered under the id it came with, never stored: no coordinator can ack it
+                outbox.put_nowait(frame)
             return
         self._started[job.id] = time.perf_counter()
         task = asyncio.create_task(self._serve(job, req, keys, outbox))

@@ -8,6 +8,7 @@ capped here, before any grammar is compiled (provider.engine.grammar bounds the 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class ResponseFormat:
     def __post_init__(self) -> None:
         if self.type not in ("text", "json_object", "json_schema"):
             raise ConstraintError("response_format", "response_format.type must be text, json_object or "
-                                                     f"json_schema, got {_short(self.type)}")
+                                                     f"json_schema, got {short(self.type)}")
         if self.type == "json_schema":
             if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
                 raise ConstraintError("response_format", "response_format.json_schema.name must be 1 to 64 "
@@ -63,7 +64,7 @@ class Tool:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
             raise ConstraintError("tools", f"a tool's function.name must be 1 to 64 letters, digits, '_' or '-', "
-                                           f"got {_short(self.name)}")
+                                           f"got {short(self.name)}")
         if not isinstance(self.description, str) or len(self.description) > MAX_DESCRIPTION_CHARS:
             raise ConstraintError("tools", f"function.description of {self.name} must be a string of at most "
                                            f"{MAX_DESCRIPTION_CHARS} characters")
@@ -114,12 +115,12 @@ class OutputRules:
         if self.tool_choice.mode != "none" and not self.tools:
             raise ConstraintError("tool_choice", "tool_choice needs tools")
         if self.tool_choice.name is not None and self.tool_choice.name not in names:
-            raise ConstraintError("tool_choice", f"tool_choice names {_short(self.tool_choice.name)}, "
+            raise ConstraintError("tool_choice", f"tool_choice names {short(self.tool_choice.name)}, "
                                                  "which is not among the tools")
         if not isinstance(self.parallel_tool_calls, bool):
             raise ConstraintError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
 
-    @property
+    @functools.cached_property  # the edge and the prompt bound both ask; the dumps of 256 KiB is done once
     def tools_chars(self) -> int:
         """The tools' definitions in characters, as a prompt would carry them."""
         return sum(len(json.dumps(t.parameters)) + len(t.description) + len(t.name) for t in self.tools)
@@ -274,6 +275,7 @@ def check_message_tool_fields(i: int, m: dict) -> None:
         raise ConstraintError(f"messages[{i}].tool_call_id", "tool_call_id must be a string")
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """A value as an error message shows it: its repr, cut at 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

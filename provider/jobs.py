@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
-from .constraints import NO_RULES, OutputRules, check_message_tool_fields
+from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
 from .types import Cause, FinishReason, JobError, JobId, Policy
 from .telemetry import Telemetry
 
@@ -29,13 +29,8 @@ GREEDY_BELOW = 1e-3
 
 
 def _invalid(param: str, rule: str, value: Any = None) -> JobError:
-    shown = "" if value is None else f", got {_short(value)}"
+    shown = "" if value is None else f", got {short(value)}"
     return JobError(Cause.INVALID_REQUEST, f"{param} {rule}{shown}", param)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_int(param: str, value: Any, lo: int, hi: int | None = None) -> int:
@@ -131,7 +126,7 @@ class SamplingParams:
         for param, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
-                raise _invalid(param, f"has token id {_short(bad[0])}, outside this model's vocabulary of "
+                raise _invalid(param, f"has token id {short(bad[0])}, outside this model's vocabulary of "
                                       f"{vocab_size} (ids 0 to {vocab_size - 1})")
         return replace(self, top_k=0) if self.top_k >= vocab_size else self
 

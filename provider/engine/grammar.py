@@ -21,6 +21,9 @@ import os
 import threading
 import time
 
+import llguidance
+import llguidance.hf
+import llguidance.numpy as lln
 import mlx.core as mx
 import numpy as np
 
@@ -67,8 +70,6 @@ class Compiler:
     """Compiles grammars for one model, off the engine thread, each within a time and size bound."""
 
     def __init__(self, tokenizer, n_vocab: int):
-        import llguidance.hf
-
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=n_vocab,
                                                       eos_token=sorted(tokenizer.eos_token_ids))
         self.n_vocab = n_vocab
@@ -76,8 +77,6 @@ class Compiler:
 
     def matcher(self, lark: str, param: str):
         """A fresh LLMatcher for `lark`, or ConstraintError naming `param` (too large, too slow, invalid)."""
-        import llguidance
-
         if len(lark) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(param, f"{param}: the grammar it needs is over {MAX_GRAMMAR_CHARS} characters")
         # Each step is bounded too, on the engine thread where every row waits for it: lexer fuel and Earley
@@ -109,8 +108,6 @@ def _background() -> None:
 def _compile_and_step(tokenizer, lark: str, limits):
     """A matcher and its first mask: a grammar that compiles but cannot take a first step within its bounds
     (a recursion it must expand without end, say) is refused here, before the job is admitted."""
-    import llguidance
-
     m = llguidance.LLMatcher(tokenizer, lark, log_level=0, limits=limits)
     if not m.is_error():
         m.compute_bitmask()
@@ -125,9 +122,6 @@ class RowGrammar:
     """One row's matcher and its masks; engine thread only."""
 
     def __init__(self, matcher, n_vocab: int, width: int, end_ids: set[int], kind: str):
-        import llguidance.numpy as lln
-
-        self._lln = lln
         self.matcher = matcher
         self.kind = kind
         self.width = width  # the logits' width
@@ -162,7 +156,7 @@ class RowGrammar:
         elif self.matcher.is_stopped():
             out = self._ends  # a finished grammar allows only its end
         else:
-            self._lln.fill_next_token_bitmask(self.matcher, self._bits, 0)
+            lln.fill_next_token_bitmask(self.matcher, self._bits, 0)
             bits = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")
             out = np.zeros(self.width, dtype=bool)
             n = min(self.width, bits.size)
@@ -175,8 +169,7 @@ class RowGrammar:
         return out
 
     def mask(self, logits: mx.array, allowed: np.ndarray | None = None) -> mx.array:
-        allowed = self.allowed() if allowed is None else allowed
-        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return masked(logits, mx.array(self.allowed() if allowed is None else allowed))
 
     def consume(self, tokens: list[int]) -> None:
         for t in tokens:
@@ -243,5 +236,5 @@ class GrammarProcessor:
 
 
 def masked(logits: mx.array, masks: mx.array) -> mx.array:
-    """Logits [k+1, V] under per-position masks [k+1, V]."""
+    """Logits under a mask of the same width ([V], or per position [k+1, V]): what it forbids is -inf."""
     return mx.where(masks, logits, mx.array(-mx.inf, dtype=logits.dtype))
