@@ -53,7 +53,7 @@ class MemoryStatus:
     mlx_peak_bytes: int
     models_bytes: int = 0  # resident models' weights, activations and drafters
     jobs_kv_bytes: int = 0  # KV the running jobs' batches will hold at their longest (padded rows included)
-    prefix_cache_bytes: int = 0  # KV kept for prefix reuse (dropped first when room is needed)
+    prefix_cache_bytes: int = 0  # KV kept for prefix reuse and its token index (dropped first when room is needed)
     unaccounted_bytes: int = 0  # what MLX holds beyond reserved_bytes; admission counts it as used
 
 

@@ -5,6 +5,12 @@ to the shared prefix when its caches can be trimmed). This adds what the node ne
 bound the engine can shrink at any time (the memory budget counts these bytes and drops them before any
 model is evicted), and a lookup that always leaves at least one prompt token to compute, since the first
 generated token needs the logits of the last prompt token.
+
+The index is counted too. The trie keeps a dict per stored token, and the LRU order a list of each entry's
+tokens: about 260 bytes of Python heap a token (measured with tracemalloc in the tests). With a small model
+that is as much as the KV itself, and prompts of distinct tokens are the cheapest thing a client can send,
+so `nbytes` is the KV plus `INDEX_BYTES_PER_TOKEN` for every token the entries' keys hold (prefixes they
+share counted again: a bound, not an estimate).
 """
 
 from __future__ import annotations
@@ -18,16 +24,50 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache, 
 # prompts last (they are what the next request of every chat reuses).
 COMPLETION, USER, SYSTEM = "assistant", "user", "system"
 
+INDEX_BYTES_PER_TOKEN = 320
+
+
+class _CountedOrder(LRUPromptCache.CacheOrder):
+    """mlx-lm's LRU order, counting the tokens of the keys it holds (every entry passes through it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = 0
+
+    def push(self, model, tokens, cache_type="assistant"):
+        super().push(model, tokens, cache_type)
+        self.tokens += len(tokens)
+
+    def remove(self, model, tokens):
+        before = len(self)
+        super().remove(model, tokens)
+        if len(self) < before:
+            self.tokens -= len(tokens)
+
+    def pop(self):
+        model, tokens = super().pop()
+        self.tokens -= len(tokens)
+        return model, tokens
+
 
 class PrefixCache:
     def __init__(self, model_id: str, max_bytes: int):
         self.model_id = model_id
         self.max_bytes = max_bytes
         self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max(0, max_bytes))
+        self._order = self._lru._lru = _CountedOrder()
 
     @property
     def nbytes(self) -> int:
+        return self.kv_bytes + self.index_bytes
+
+    @property
+    def kv_bytes(self) -> int:
         return self._lru.nbytes
+
+    @property
+    def index_bytes(self) -> int:
+        return self._order.tokens * INDEX_BYTES_PER_TOKEN
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -53,11 +93,13 @@ class PrefixCache:
             return
         owned(cache)
         self._lru.insert_cache(self.model_id, list(tokens), cache, cache_type=kind)
+        self.trim_to(self.max_bytes)  # mlx-lm bounded the KV alone
 
     def trim_to(self, max_bytes: int) -> int:
         """Drop least recently used entries until at most `max_bytes` remain; return the bytes freed."""
         before = self.nbytes
-        self._lru.trim_to(n_bytes=max(0, max_bytes))
+        while self.nbytes > max(0, max_bytes) and len(self._lru):
+            self._lru.trim_to(n_sequences=len(self._lru) - 1)
         return before - self.nbytes
 
     def clear(self) -> int:

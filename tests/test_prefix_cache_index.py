@@ -1,0 +1,75 @@
+"""The prefix cache's index (mlx-lm's token trie and LRU order) is Python heap a client grows with every distinct
+prompt; the cache's byte bound counts it, so prompts of distinct tokens over tiny KV cannot grow it past the
+bound (issue 20: everything a coordinator can make the node hold is bounded in bytes)."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from provider.engine.prefix_cache import INDEX_BYTES_PER_TOKEN, PrefixCache
+
+VOCAB = 262_144  # Gemma's: token ids past the small-int cache, as a real model's are
+
+
+def _tiny_kv(n_tokens: int) -> list[KVCache]:
+    """One layer, one head of width 1: a few bytes of KV a token, so the index dominates."""
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, n_tokens, 1), mx.float16), mx.zeros((1, 1, n_tokens, 1), mx.float16))
+    return [c]
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(length)] for _ in range(n)]
+
+
+def test_the_index_costs_no_more_a_token_than_is_counted():
+    cache = PrefixCache("m", max_bytes=1 << 40)
+    prompts, kvs = _prompts(400, 200), [_tiny_kv(200) for _ in range(400)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for p, kv in zip(prompts, kvs):
+            cache.store(p, kv)
+        heap = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    tokens = 400 * 200
+    print(f"index heap {heap / tokens:.0f} bytes/token (counted {INDEX_BYTES_PER_TOKEN})")
+    assert len(cache) == 400
+    assert cache.index_bytes == tokens * INDEX_BYTES_PER_TOKEN
+    assert heap / tokens <= INDEX_BYTES_PER_TOKEN
+
+
+def test_distinct_prompts_over_tiny_kv_stay_within_the_bound():
+    bound = 2 << 20
+    cache = PrefixCache("m", max_bytes=bound)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for p in _prompts(1_000, 100, seed=1):  # 100,000 tokens: ~26 MB of index were it not counted
+            cache.store(p, _tiny_kv(100))
+            assert cache.nbytes <= bound
+        heap = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < len(cache) < 1_000  # the oldest went
+    assert cache.index_bytes > cache.kv_bytes  # what the bound was spent on
+    assert heap <= bound * 1.25, heap
+
+
+def test_trimming_and_prefix_replacement_keep_the_count_true():
+    cache = PrefixCache("m", max_bytes=1 << 30)
+    p = _prompts(1, 300, seed=2)[0]
+    cache.store(p[:100], _tiny_kv(100))
+    cache.store(p, _tiny_kv(300))  # a trimmable entry replaces its stored prefixes
+    assert len(cache) == 1 and cache.index_bytes == 300 * INDEX_BYTES_PER_TOKEN
+    cache.store(p, _tiny_kv(300))  # the same key again: replaced, not counted twice
+    assert cache.index_bytes == 300 * INDEX_BYTES_PER_TOKEN
+    hit, covered = cache.lookup(p[:200] + [1, 2, 3])
+    assert hit is not None and covered == 200
+    assert cache.trim_to(0) > 0 and len(cache) == 0 and cache.nbytes == 0
