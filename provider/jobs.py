@@ -22,6 +22,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # as OpenAI's API
 MAX_SEED = 1 << 63
 MAX_TOP_K = (1 << 32) - 1  # the proto's uint32
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's API
+MAX_PROMPT_IDS = 1 << 20  # token ids in one prompt (a context is far shorter; this bounds the parsing)
 # A temperature below this samples as greedy (0). At 1e-3 a token trailing the best by 0.02 in logit is already
 # e^-20 (2e-9) as likely, and below it 1/T overflows half-precision logits (every token NaN) long before it
 # could change the argmax; so the node takes the argmax instead of pretending to sample.
@@ -82,6 +84,10 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Log-probabilities (provider.engine.logprobs): None, none; n, each generated token's and its n best
+    # alternatives'. prompt_logprobs: the prompt's tokens' too (then max_tokens may be 0: score only).
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     @property
     def has_logits_processors(self) -> bool:
@@ -90,7 +96,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Assume every value is hostile: wrong types, huge or non-finite numbers, odd containers.
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        check_int("max_tokens", self.max_tokens, 1)
+        if not isinstance(self.prompt_logprobs, bool):
+            raise _invalid("echo", "must be a boolean", self.prompt_logprobs)
+        check_int("max_tokens", self.max_tokens, 0 if self.prompt_logprobs else 1)
+        if self.logprobs is not None:
+            check_int("top_logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         set_("temperature", check_number("temperature", self.temperature, 0.0, 2.0))
         set_("top_p", check_number("top_p", self.top_p, 0.0, 1.0, low_open=True))
         check_int("top_k", self.top_k, 0, MAX_TOP_K)  # `fitted` turns k >= the vocabulary into "no top-k"
@@ -134,15 +144,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def top_logprobs(self) -> int:
+        return self.logprobs or 0
 
-def resolve_max_tokens(value: Any, default: int, limit: int) -> int:
-    """A request's max_tokens (None: the node's default) within the node's limit."""
-    return default if value is None else check_int("max_tokens", value, 1, limit)
+
+def resolve_max_tokens(value: Any, default: int, limit: int, least: int = 1) -> int:
+    """A request's max_tokens (None: the node's default) within the node's limit (`least` 0: a scoring request)."""
+    return default if value is None else check_int("max_tokens", value, least, limit)
 
 
 @dataclass(frozen=True)
 class Job:
-    """One generation request. Exactly one of `prompt` (raw text) or `messages` (chat) is set."""
+    """One generation request. Exactly one of `prompt` (raw text), `prompt_ids` (token ids) or `messages`
+    (chat) is set."""
 
     id: JobId
     model: str  # as requested; Node.run replaces it with the served ModelId
@@ -151,14 +166,21 @@ class Job:
     messages: tuple[dict[str, Any], ...] | None = None
     speculation: Policy = Policy.AUTO
     rules: OutputRules = NO_RULES  # response_format, tools, tool_choice
+    prompt_ids: tuple[int, ...] | None = None
+    share_prompt: bool = False  # keep the prompt's KV for reuse once read (the first of n choices)
 
     def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise JobError(Cause.INVALID_REQUEST, "a job needs exactly one of prompt or messages")
+        if sum(p is not None for p in (self.prompt, self.messages, self.prompt_ids)) != 1:
+            raise JobError(Cause.INVALID_REQUEST, "a job needs exactly one of prompt, prompt_ids or messages")
         if self.prompt is not None:
             check_text("prompt", self.prompt)
-            if self.rules.calls_tools:
-                raise _invalid("tools", "need chat messages (a raw prompt has no chat template to render them)")
+        if self.prompt_ids is not None:
+            if not isinstance(self.prompt_ids, tuple) or not 0 < len(self.prompt_ids) <= MAX_PROMPT_IDS:
+                raise _invalid("prompt", f"token ids must be a non-empty array of at most {MAX_PROMPT_IDS}")
+            for t in self.prompt_ids:
+                check_int("prompt", t, 0)
+        if self.messages is None and self.rules.calls_tools:
+            raise _invalid("tools", "need chat messages (a raw prompt has no chat template to render them)")
         for i, m in enumerate(self.messages or ()):
             role = m.get("role")
             if not isinstance(role, str) or role not in ROLES:
@@ -174,6 +196,8 @@ class Job:
     @property
     def prompt_chars(self) -> int:
         """Characters of text the prompt carries (a template only adds to them; offered tools are written into it)."""
+        if self.prompt_ids is not None:
+            return 0  # counted in tokens when prepared
         text = len(self.prompt) if self.prompt is not None else sum(len(m["content"]) for m in self.messages)
         return text + (self.rules.tools_chars if self.rules.calls_tools else 0)
 
@@ -193,12 +217,27 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model (before any sampling transform), and its best alternatives
+    (id, text, logprob, raw bytes), best first. `raw`: the token's exact bytes (a piece of a multi-byte
+    character is its own bytes; its `text` shows U+FFFD)."""
+
+    token: int
+    text: str
+    logprob: float | None  # None for a prompt's first token: nothing before it scores it
+    top: tuple[tuple[int, str, float, bytes], ...] = ()
+    raw: bytes = b""
+
+
+@dataclass(frozen=True)
 class Tokens:
     job_id: JobId
     seq: int  # 0, 1, 2, ... per job, no gaps
     text: str  # content: the output minus any tool calls
     token_ids: tuple[int, ...]
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed with these tokens
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the job asked (and the end token's, with no id)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # a scored prompt's, on the job's first chunk
 
 
 @dataclass(frozen=True)
@@ -226,6 +265,7 @@ class Done:
     finish_reason: FinishReason
     usage: Usage
     telemetry: Telemetry
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token, when it was scored
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_fa
 from .models import store
 from .models.catalog import Catalog
 from .models.residency import Residency
-from .prompts import PromptPreparer
+from .prompts import PromptPreparer, encode_prompt
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
 from .metrics import Metrics
@@ -211,6 +211,40 @@ class Node:
             counters=stats.counters(),
             platform=self._platform, last_tick=engine.last_tick,
             queue=stats.queue())
+
+    async def tokenize(self, job: Job, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """The token ids a job's prompt encodes to (templated, as a completion would see them; a raw prompt
+        without BOS if not `add_special_tokens`), and its model's context length."""
+        job = dataclasses.replace(job, model=self.resolve_model(job.model))
+        m = await asyncio.to_thread(self.prompts.tokenizer, job.model)
+
+        def encode() -> list[int]:
+            with m.lock:
+                if job.prompt is not None and not add_special_tokens:
+                    return list(m.tokenizer.encode(job.prompt, add_special_tokens=False))
+                return encode_prompt(job, m.tokenizer)
+
+        return await asyncio.to_thread(encode), m.context_length
+
+    async def tokenizer_info(self, model: str) -> dict:
+        """What a harness needs of the tokenizer to use /tokenize in its place (vLLM's /tokenizer_info)."""
+        tok = (await asyncio.to_thread(self.prompts.tokenizer, self.resolve_model(model))).tokenizer
+        return {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+                "chat_template": getattr(tok, "chat_template", None), "model_max_length": None}
+
+    async def detokenize(self, model: str, ids: list[int]) -> str:
+        """`ids` as text under `model`'s tokenizer; JobError for an id outside its vocabulary."""
+        m = await asyncio.to_thread(self.prompts.tokenizer, self.resolve_model(model))
+        beyond = next((t for t in ids if t >= m.vocab_size), None)
+        if beyond is not None:
+            raise JobError(Cause.INVALID_REQUEST, f"token id {beyond} is outside the vocabulary of "
+                                                  f"{m.vocab_size} (ids 0 to {m.vocab_size - 1})", "tokens")
+
+        def decode() -> str:
+            with m.lock:
+                return m.tokenizer.decode(ids)
+
+        return await asyncio.to_thread(decode)
 
     def run(self, job: Job) -> JobStream:
         """Submit a job; its prompt is checked against its model and tokenized off the engine thread."""

@@ -130,7 +130,7 @@ class PromptPreparer:
     def _prepare(self, job: Job) -> Prepared:
         m = self.tokenizer(job.model)
         sampling = job.sampling.fitted(m.vocab_size)
-        where = "prompt" if job.prompt is not None else "messages"
+        where = "messages" if job.messages is not None else "prompt"
         if job.prompt_chars > m.max_prompt_chars:
             raise JobError(
                 Cause.CONTEXT_LENGTH_EXCEEDED,
@@ -141,15 +141,21 @@ class PromptPreparer:
             messages, tools = m.tool_format.prompt_messages(list(job.messages), job.rules) if job.messages \
                 else (None, None)
             ids = encode_prompt(job, m.tokenizer, messages, tools)
-            shared = system_prefix_length(messages, tools, m.tokenizer, ids)
+            # The first of n choices keeps its whole prompt's KV for the others (all but the last token, which
+            # each computes to take its first token); otherwise the leading system messages, for other chats.
+            shared = len(ids) - 1 if job.share_prompt and len(ids) > 1 else \
+                system_prefix_length(messages, tools, m.tokenizer, ids)
         beyond = next((t for t in ids if t >= m.vocab_size), None)
+        if beyond is not None and job.prompt_ids is not None:
+            raise JobError(Cause.INVALID_REQUEST, f"prompt has token id {beyond}, outside {job.model}'s vocabulary "
+                                                  f"of {m.vocab_size} (ids 0 to {m.vocab_size - 1})", "prompt")
         if beyond is not None:  # an embedding lookup past the table's rows crashes native code
             raise JobError(
                 Cause.INVALID_REQUEST,
                 f"the prompt encodes to token id {beyond} ({m.tokenizer.convert_ids_to_tokens(beyond)!r}), which "
                 f"{job.model} has no embedding for (its {m.vocab_size} rows end at {m.vocab_size - 1}): its "
                 "tokenizer knows tokens its weights do not; remove that text", where)
-        if len(ids) >= m.context_length:  # at least one token of room to generate
+        if len(ids) >= m.context_length + (sampling.max_tokens == 0):  # room to generate, unless it only scores
             raise JobError(
                 Cause.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt is {len(ids)} tokens but {job.model} has a context of {m.context_length}; "
@@ -180,7 +186,10 @@ def system_prefix_length(messages: list[dict] | None, tools: list | None, tok: A
 
 def encode_prompt(job: Job, tok: Any, messages: list[dict] | None = None, tools: list | None = None) -> list[int]:
     """The job's prompt as token ids: its chat `messages` (as its tool format renders them; the job's own by
-    default) through the model's template, with `tools` for templates that render them, or its raw prompt."""
+    default) through the model's template, with `tools` for templates that render them, or its raw prompt
+    (text, or token ids as given)."""
+    if job.prompt_ids is not None:
+        return list(job.prompt_ids)
     try:
         if job.messages is not None:
             if not tok.has_chat_template:

@@ -32,6 +32,8 @@ class SamplingFacts(Protocol):
     @property
     def has_logits_processors(self) -> bool: ...
 
+    prompt_logprobs: bool
+
 
 GREEDY, SPECULATIVE_SAMPLING = "greedy", "speculative_sampling"  # how drafts are judged (engine.acceptance)
 PROFIT_MARGIN = 1.05  # auto speculates only when the expected gain clears measurement noise
@@ -228,6 +230,8 @@ def ineligibility(sampling: SamplingFacts) -> SpecReason | None:
     with them decodes plain."""
     if sampling.has_logits_processors:
         return SpecReason.INELIGIBLE_LOGITS_PROCESSORS
+    if getattr(sampling, "prompt_logprobs", False):  # its prompt is scored where the plain batch reads it
+        return SpecReason.INELIGIBLE_PROMPT_LOGPROBS
     return None
 
 

@@ -38,6 +38,7 @@ class SpecReason(enum.StrEnum):
     NOT_PROFITABLE = "not_profitable"  # auto: on this machine, at the acceptance seen, no k beats plain decoding
     INELIGIBLE_LOGITS_PROCESSORS = "ineligible_request:logits_processors"  # logit_bias or penalties
     INELIGIBLE_SEED = "ineligible_request:seed"  # auto keeps a seeded sampled job on one (plain) path
+    INELIGIBLE_PROMPT_LOGPROBS = "ineligible_request:prompt_logprobs"  # a scored prompt (echo) decodes plain
     NOT_STARTED = "not_started"  # the job ended before it ran
 
 

@@ -135,10 +135,10 @@ def test_a_row_whose_output_fails_mid_step_fails_alone_and_loses_no_other_row(fi
         gate.wait(TIMEOUT_S)  # held while the two jobs queue, so that they join the batch in one step
         return real_step(self)
 
-    def token(self, t):
+    def token(self, t, logprob=None):
         if self.job.id == "bad":  # injected: this row's detokenizer raises
             raise KeyError(t)
-        return real_token(self, t)
+        return real_token(self, t, logprob)
 
     async def main():
         monkeypatch.setattr(PlainBatch, "step", gated_step)

@@ -43,7 +43,11 @@ def test_text_content_parts_are_joined():
         ({"messages": MSG, "stop": [1, 2]}, "stop"),
         ({"messages": MSG, "stop": ["a"] * 17}, "stop"),
         ({"messages": MSG, "seed": 1.5}, "seed"),
-        ({"messages": MSG, "n": 2}, "n"),
+        ({"messages": MSG, "n": 17}, "n"),
+        ({"messages": MSG, "n": True}, "n"),
+        ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": MSG, "logprobs": 3}, "logprobs"),
         ({"messages": MSG, "stream": "yes"}, "stream"),
         ({"messages": MSG, "model": 7}, "model"),
         ({"messages": MSG, "speculation": "maybe"}, "speculation"),
@@ -57,15 +61,43 @@ def test_bad_chat_fields(body, param):
     assert e.value.body()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("prompt", [None, "", 5, ["a", "b"], [1, 2]])
+@pytest.mark.parametrize("prompt", [None, "", 5, [], [[]], ["a", ""], ["a", 5], [[1, "a"]], [True],
+                                    [-1], [[0, -3]], ["x"] * 65, {"a": 1}])
 def test_bad_prompts(prompt):
     with pytest.raises(RequestError) as e:
         parse_completion({"prompt": prompt}, "j", LIMITS)
     assert e.value.param == "prompt"
 
 
-def test_single_prompt_list_is_accepted():
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": ["a"] * 8, "n": 9}, "n"),
+])
+def test_bad_completion_fields(body, param):
+    with pytest.raises(RequestError) as e:
+        parse_completion(body, "j", LIMITS)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_prompt_forms_and_n_give_a_job_per_choice():
     assert parse_completion({"prompt": ["abc"]}, "j", LIMITS).job.prompt == "abc"
+    r = parse_completion({"prompt": [[1, 2], [3]], "n": 2, "seed": 9, "echo": True, "logprobs": 1}, "j", LIMITS)
+    assert [j.id for j in r.jobs] == ["j-0", "j-1", "j-2", "j-3"]
+    assert [j.prompt_ids for j in r.jobs] == [(1, 2), (1, 2), (3,), (3,)]
+    assert [j.sampling.seed for j in r.jobs] == [9, 10, 9, 10]  # seed + the choice's index within its prompt
+    assert [j.share_prompt for j in r.jobs] == [True, False, True, False]
+    assert [j.sampling.prompt_logprobs for j in r.jobs] == [True, False, True, False]  # scored once per prompt
+    assert r.echo and r.logprobs and all(j.sampling.logprobs == 1 for j in r.jobs)
+    single = parse_completion({"prompt": [5, 6, 7], "max_tokens": 0, "echo": True}, "j", LIMITS)
+    assert single.job.id == "j" and single.job.prompt_ids == (5, 6, 7) and single.job.sampling.prompt_logprobs
+    chat = parse_chat({"messages": MSG, "logprobs": True, "top_logprobs": 4, "n": 3}, "c", LIMITS)
+    assert len(chat.jobs) == 3 and chat.job.sampling.logprobs == 4 and not chat.job.sampling.prompt_logprobs
 
 
 def test_logits_processor_fields_are_parsed():

@@ -12,7 +12,7 @@ import time
 
 import mlx.core as mx
 
-from ..jobs import Done, Event, Job, Tokens, Usage
+from ..jobs import Done, Event, Job, TokenLogprob, Tokens, Usage
 from ..telemetry import SpecTelemetry, Telemetry
 from ..types import FinishReason, SpecMode
 from ..models.tool_format import ToolFormat
@@ -36,6 +36,7 @@ class JobOutput:
         self.spec_off_reason = spec_off_reason
         self.spec_choice = spec_choice  # auto's numbers when it judged speculation not profitable
         self.spec_stats = None  # a speculating job's SpecTelemetry
+        self.prompt_logprobs: tuple | None = None  # a scored prompt's, for its Done
         self._seq = 0
         self._detok = tokenizer.detokenizer
         self._stops = StopMatcher(job.sampling.stop)
@@ -50,19 +51,21 @@ class JobOutput:
     def end_ids(self) -> set[int]:
         return self._eos
 
-    def token(self, token: int) -> list[Event]:
-        """Take one generated token; return its events (a final `Done` when the job ends)."""
+    def token(self, token: int, logprob: TokenLogprob | None = None) -> list[Event]:
+        """Take one generated token (with its logprob, when the job asked); return its events (a final `Done`
+        when the job ends)."""
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
         self.t_last = now
-        if token in self._eos:
-            return self.finish(FinishReason.STOP)
+        if token in self._eos:  # not content; its logprob still goes out (as vLLM's), with no text and no id
+            tail = [self._emit("", (), (), (logprob,))] if logprob is not None else []
+            return tail + self.finish(FinishReason.STOP)
         self.completion_tokens += 1
         self.emitted_ids.append(token)
         self._detok.add_token(token)
         text, hit_stop = self._stops.feed(self._detok.last_segment)
-        events: list[Event] = [self._chunk(text, (token,))]
+        events: list[Event] = [self._chunk(text, (token,), (logprob,) if logprob is not None else ())]
         if hit_stop:
             return events + self.finish(FinishReason.STOP, flush=False)
         if self.completion_tokens >= self.max_tokens:
@@ -87,17 +90,17 @@ class JobOutput:
             if self._calls.calls and reason == FinishReason.STOP:
                 reason = FinishReason.TOOL_CALLS
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
-        events.append(Done(self.job.id, reason, usage, self.telemetry(reason)))
+        events.append(Done(self.job.id, reason, usage, self.telemetry(reason), self.prompt_logprobs))
         return events
 
-    def _chunk(self, text: str, ids: tuple[int, ...]) -> Tokens:
+    def _chunk(self, text: str, ids: tuple[int, ...], logprobs: tuple = ()) -> Tokens:
         calls = ()
         if self._calls is not None:
             text, calls = self._calls.feed(text)
-        return self._emit(text, ids, calls)
+        return self._emit(text, ids, calls, logprobs)
 
-    def _emit(self, text: str, ids: tuple[int, ...], calls: tuple) -> Tokens:
-        ev = Tokens(self.job.id, self._seq, text, ids, calls)
+    def _emit(self, text: str, ids: tuple[int, ...], calls: tuple, logprobs: tuple = ()) -> Tokens:
+        ev = Tokens(self.job.id, self._seq, text, ids, calls, logprobs, self.prompt_logprobs if not self._seq else None)
         self._seq += 1
         return ev
 

@@ -6,12 +6,20 @@ windows, rows joining and leaving between steps, per-row samplers and logits pro
 what it does not do:
 - text stop strings, seen only by the detokenized text (JobOutput), end a row from here;
 - a sampler or logits processor that raises fails its own row, not the forward every row shares;
-- the KV of finished rows, and of shared system prompts as soon as they are read, goes to the prefix cache.
+- the KV of finished rows, and of shared system prompts as soon as they are read, goes to the prefix cache;
+- logprobs: a row that reports them records its raw logits as its first logits processor (mlx-lm's own
+  logprobs are after the processors, in the model's dtype), and every such row's are read in one pick per
+  step, in float32;
+- a scored prompt (echo with logprobs) is read a chunk per step by a PromptScorer, beside the batch, keeping
+  every position's logprobs; the row then joins the batch from the scorer's caches, as from a prefix hit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -20,6 +28,7 @@ from .. import logs
 from ..jobs import Event, Sink
 from ..models.loader import LoadedModel
 from ..types import FinishReason
+from .logprobs import LogprobRequest, PromptScorer, log_softmax, pick, read, texts_for
 from .output import JobOutput
 from .prefix_cache import COMPLETION, SYSTEM, PrefixCache
 
@@ -34,6 +43,10 @@ class Row:
     shared_prefix: int  # prompt tokens of a system prefix to keep once read (0: none)
     fault: BaseException | None = None  # its sampler, logits processor or output raised: it fails alone
     generator_done: bool = False  # the generator removed the row itself (EOS or its max_tokens)
+    logprobs: LogprobRequest | None = None
+    raw: deque = field(default_factory=deque)  # raw logits recorded by its tap, oldest first (one per token)
+    scorer: PromptScorer | None = None  # its prompt is being scored, before it joins the generator
+    joining: dict | None = None  # how it joins the generator once scored
 
 
 class PlainBatch:
@@ -50,12 +63,14 @@ class PlainBatch:
         self._chunk_beside_decoding = max(16, prefill_step_size // 4)
         self._rows: dict[int, Row] = {}
         self._by_job: dict[str, int] = {}
+        self._scoring: dict[str, Row] = {}  # by job id: rows whose prompts are being scored, in arrival order
+        self._scoring_failed: list[Row] = []  # out of the batch already; `faults` reports them
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._scoring)
 
     def job_ids(self) -> list[str]:
-        return list(self._by_job)
+        return [*self._by_job, *self._scoring]
 
     def add(self, output: JobOutput, sink: Sink, prompt: list[int], *, cache, sampler, processors,
             shared_prefix: int, cached: int | None = None) -> None:
@@ -63,12 +78,25 @@ class PlainBatch:
         the job's cached_prompt_tokens; a job that decoded elsewhere first continues with its tokens so far
         as the prompt)."""
         cached = output.cached_prompt_tokens if cached is None else cached
+        row = Row(-1, output, sink, 0, logprobs=LogprobRequest.of(output, self.lm))
+        if row.logprobs is not None:  # first: the logits before any processor changes them
+            processors = [_tap(row), *(processors or ())]
+        if output.job.sampling.prompt_logprobs and output.t_first is None:
+            row.scorer = PromptScorer(self.lm.model, prompt, output.job.sampling.top_logprobs,
+                                      texts_for(self.lm.tokenizer), self.lm.decodable)
+            row.joining = dict(prompt=prompt, sampler=sampler, processors=processors, shared_prefix=shared_prefix)
+            self._scoring[output.job.id] = row
+            return
+        self._insert(row, prompt, cache, cached, sampler, processors, shared_prefix)
+
+    def _insert(self, row: Row, prompt: list[int], cache, cached: int, sampler, processors,
+                shared_prefix: int) -> None:
+        output = row.output
         rest = prompt[cached:]
-        row = Row(-1, output, sink, 0)
         # Two segments when a system prefix remains to compute: the generator stops at its end, and its KV is
         # kept then, before the rest of the prompt is read.
         split = shared_prefix - cached
-        segments = [rest[:split], rest[split:]] if 0 < split < len(rest) - 1 else [rest]
+        segments = [rest[:split], rest[split:]] if 0 < split < len(rest) else [rest]
         row.uid = self._gen.insert_segments(
             [segments], max_tokens=[output.max_tokens - output.completion_tokens], caches=[cache], all_tokens=[prompt[:cached]],
             samplers=[None if sampler is None else _guarded_sampler(sampler, row)],
@@ -82,9 +110,10 @@ class PlainBatch:
         """One generator step; the events of every row that produced something."""
         decoding = any(row.output.t_first is not None for row in self._rows.values())
         self._gen.prefill_step_size = self._chunk_beside_decoding if decoding else self._chunk_alone
+        out = self._score(self._gen.prefill_step_size)
         prompt_responses, gen_responses = self._gen.next()
         self._keep_system_prefixes(prompt_responses)
-        out: list[tuple[Row, list[Event]]] = []
+        logprobs = self._logprobs(gen_responses)
         dropped, ended = [], []  # rows the generator removed itself; rows a stop string ended
         for r in gen_responses:
             row = self._rows.get(r.uid)
@@ -92,7 +121,7 @@ class PlainBatch:
                 continue  # a faulted row is reported by `faults`
             row.generator_done = r.finish_reason is not None
             try:
-                events = row.output.token(r.token)
+                events = row.output.token(r.token, logprobs.get(r.uid))
                 if row.generator_done and not row.output.finished:  # its own length rule ended it first
                     events += row.output.finish(FinishReason.LENGTH)
             except Exception as e:  # this row's output (its detokenizer, its stop strings) fails it alone
@@ -114,9 +143,9 @@ class PlainBatch:
                     self._store(tokens, cache)
         return out
 
-    def _store(self, tokens, cache) -> None:
+    def _store(self, tokens, cache, kind: str = COMPLETION) -> None:
         try:
-            self.prefix.store(tokens, cache, COMPLETION)
+            self.prefix.store(tokens, cache, kind)
         except Exception:  # keeping a prefix is an optimisation: its failure costs no job
             log.exception("prefix_store_failed", model=self.model_id)
 
@@ -129,9 +158,13 @@ class PlainBatch:
                 self._gen.remove(live)
             for row in bad:
                 self._forget(row)
+        bad += self._scoring_failed
+        self._scoring_failed = []
         return [(row, row.fault) for row in bad]
 
     def cancel(self, job_id: str) -> Row | None:
+        if job_id in self._scoring:
+            return self._scoring.pop(job_id)
         uid = self._by_job.get(job_id)
         if uid is None:
             return None
@@ -141,12 +174,13 @@ class PlainBatch:
         return row
 
     def rows(self) -> list[Row]:
-        return list(self._rows.values())
+        return [*self._rows.values(), *self._scoring.values()]
 
     def close(self) -> list[Row]:
         """Drop every row (their jobs are the caller's to end) and the generator's caches."""
-        rows = list(self._rows.values())
+        rows = self.rows()
         self._rows.clear()
+        self._scoring.clear()
         self._by_job.clear()
         self._gen.close()
         return rows
@@ -154,6 +188,48 @@ class PlainBatch:
     def _forget(self, row: Row) -> None:
         self._rows.pop(row.uid, None)
         self._by_job.pop(row.output.job.id, None)
+
+    def _score(self, chunk: int) -> list[tuple[Row, list[Event]]]:
+        """One chunk of the oldest scored prompt; once read, the row joins the generator (or, asked for no
+        tokens, ends with its prompt's logprobs)."""
+        row = next(iter(self._scoring.values()), None)
+        if row is None:
+            return []
+        try:
+            row.scorer.step(chunk)
+            if not row.scorer.done:
+                return []
+            del self._scoring[row.output.job.id]
+            scorer, joining = row.scorer, row.joining
+            row.scorer = row.joining = None
+            row.output.prompt_logprobs = tuple(scorer.logprobs)
+            if row.output.max_tokens <= 0:
+                return [(row, row.output.finish(FinishReason.LENGTH))]
+            prompt = joining["prompt"]
+            if joining["shared_prefix"] >= len(prompt) - 1:  # its choices to come reuse the prompt's KV
+                self._store(prompt[:-1], copy.deepcopy(scorer.cache), SYSTEM)
+            self._insert(row, prompt, scorer.cache, len(prompt) - 1, joining["sampler"], joining["processors"], 0)
+        except Exception as e:  # this prompt's scoring fails its own job
+            self._scoring.pop(row.output.job.id, None)
+            row.fault = e
+            self._scoring_failed.append(row)
+        return []
+
+    def _logprobs(self, gen_responses) -> dict:
+        """Each reporting row's TokenLogprob for the token it gives this step, by uid: one pick over them all."""
+        rows = [(r, row) for r in gen_responses if (row := self._rows.get(r.uid)) is not None
+                and row.logprobs is not None and row.fault is None and row.raw]
+        if not rows:
+            return {}
+        raw = mx.concatenate([row.raw.popleft() for _, row in rows], axis=0)
+        tokens = [r.token for r, _ in rows]
+        top = max(row.logprobs.top for _, row in rows)
+        picked = pick(log_softmax(raw), mx.array(tokens), top, self.lm.decodable)
+        mx.eval([a for a in picked if a is not None])
+        out = {}
+        for (r, row), lp in zip(rows, read(tokens, picked, rows[0][1].logprobs.texts)):
+            out[r.uid] = dataclasses.replace(lp, top=lp.top[:row.logprobs.top])
+        return out
 
     def _keep_system_prefixes(self, prompt_responses) -> None:
         done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
@@ -178,6 +254,16 @@ def _guarded_sampler(sampler, row: Row):
             return mx.argmax(logprobs, axis=-1)
 
     return sample
+
+
+def _tap(row: Row):
+    """A logits processor that keeps the row's logits as the model gave them, for its logprobs."""
+
+    def tap(tokens: mx.array, logits: mx.array) -> mx.array:
+        row.raw.append(logits)
+        return logits
+
+    return tap
 
 
 def _guarded_processor(processor, row: Row):

@@ -114,7 +114,8 @@ class Running:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
             prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes)
-        cache, cached = prefix.lookup(prompt)
+        # A scored prompt is read whole (every position's logits are wanted), so it takes nothing from the cache.
+        cache, cached = (None, 0) if job.sampling.prompt_logprobs else prefix.lookup(prompt)
         if cached:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += cached

@@ -22,6 +22,7 @@ from .acceptance import choice_for
 from .output import JobOutput
 from .prefix_cache import COMPLETION, PrefixCache
 from .drafters import drafter_for
+from .logprobs import LogprobRequest
 from .spec_rounds import SpecRow, Speculator
 from ..telemetry import SpecTelemetry
 
@@ -61,7 +62,7 @@ class SpecBatch:
         output.spec_stats = stats
         choice = choice_for(output.job.sampling, self._decodable)
         spec = self._speculator.new_row(prompt, stats=stats, choice=choice, caches=cache, cached=cached,
-                                        grammar=output.grammar)
+                                        grammar=output.grammar, logprobs=LogprobRequest.of(output, self.lm))
         self._rows[output.job.id] = Row(output, sink, spec, auto=plan.choice is not None)
 
     def step(self) -> list[tuple[Row, list[Event]]]:
@@ -90,9 +91,10 @@ class SpecBatch:
         if row.spec.grammar is not None and row.spec.grammar.error is not None:
             row.fault = row.spec.grammar.error  # its grammar stopped: these tokens are not its grammar's
             return []
+        logprobs = row.spec.emitted_logprobs or [None] * len(tokens)
         try:
-            for token in tokens:
-                events += row.output.token(token)
+            for token, logprob in zip(tokens, logprobs):
+                events += row.output.token(token, logprob)
                 if row.output.finished:
                     ended.append(row)
                     break

@@ -31,6 +31,7 @@ from ..models.gemma4_target import Target
 from ..telemetry import SpecTelemetry
 from .acceptance import GreedyChoice
 from .grammar import masked
+from .logprobs import log_softmax, pick, read
 
 
 @dataclass
@@ -49,6 +50,8 @@ class SpecRow:
     draft: Any = None  # the drafter's own state for this row (a draft model's caches and pending tokens)
     tokens: list[int] = field(default_factory=list)  # what the caches hold K/V for, in order
     grammar: Any = None  # a constrained row's grammar.RowGrammar: drafts and verdicts drawn under its masks
+    logprobs: Any = None  # a row that reports logprobs: its LogprobRequest (top, texts, limit)
+    emitted_logprobs: list = field(default_factory=list)  # the TokenLogprobs of the tokens the last call gave
 
     @property
     def committed(self) -> int:
@@ -71,6 +74,24 @@ class SpecRow:
 
 def _under_grammar(row: SpecRow, logits: mx.array) -> mx.array:
     return logits if row.grammar is None else row.grammar.mask(logits)
+
+
+def _picked(row: SpecRow, logits: mx.array, tokens: mx.array) -> tuple | None:
+    """Lazy logprobs of `tokens` at the positions of `logits` (raw: before the row's grammar or sampling)."""
+    if row.logprobs is None:
+        return None
+    return pick(log_softmax(logits), tokens, row.logprobs.top, row.logprobs.limit)
+
+
+def _arrays(scored: list) -> list:
+    return [a for picked in scored if picked is not None for a in picked if a is not None]
+
+
+def _emitted_logprobs(row: SpecRow, picked: tuple | None, tokens: list[int]) -> None:
+    if picked is not None:
+        n = len(tokens)
+        row.emitted_logprobs = read(tokens, tuple(a[:n] if a is not None else None for a in picked),
+                                    row.logprobs.texts)
 
 
 def rollback(caches: list, n: int) -> None:
@@ -119,12 +140,12 @@ class Speculator:
         self.drafter = drafter
 
     def new_row(self, prompt: list[int], *, stats: SpecTelemetry, choice=None, caches: list | None = None,
-                cached: int = 0, grammar=None) -> SpecRow:
+                cached: int = 0, grammar=None, logprobs=None) -> SpecRow:
         """A row for `prompt`; `caches` may already hold the K/V of its first `cached` tokens."""
         choice = choice or GreedyChoice()
         stats.sampling_scheme = choice.scheme
         row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model),
-                      grammar=grammar)
+                      grammar=grammar, logprobs=logprobs)
         row.read = cached
         row.tokens = list(prompt[:cached])
         self.drafter.begin(row)  # a cached prefix the drafter reads as the prompt is read, a chunk per step
@@ -159,8 +180,10 @@ class Speculator:
         caches = merged([r.caches for r in rows])
         logits, hidden = self.target.forward(mx.array([[r.prompt[-1]] for r in rows]), caches)
         firsts = [r.choice.first(_under_grammar(r, logits[i:i + 1, -1, :])) for i, r in enumerate(rows)]
-        mx.eval(firsts, hidden if hidden is not None else [])
+        scored = [_picked(r, logits[i:i + 1, -1, :], first) for i, (r, first) in enumerate(zip(rows, firsts))]
+        mx.eval(firsts, hidden if hidden is not None else [], _arrays(scored))
         for i, (row, own, first) in enumerate(zip(rows, split(caches, len(rows)), firsts)):
+            _emitted_logprobs(row, scored[i], [first.item()])
             row.caches = own
             row.last, row.read = first.item(), len(row.prompt)
             if row.grammar is not None:
@@ -189,12 +212,16 @@ class Speculator:
                                     drafts[i], qs[i]) for i, r in enumerate(rows)]
         steered = [mx.concatenate(r.grammar.steered).sum() if r.grammar is not None and r.grammar.steered
                    else mx.array(0) for r in rows]
-        mx.eval(verdicts, steered)  # the round's one read-back
+        # The target's own logprobs of what each row emits: its accepted drafts, then the token after them.
+        scored = [_picked(r, logits[i], mx.where(mx.arange(k + 1) == n, after, mx.concatenate([drafts[i], after])))
+                  for i, (r, (n, after, _)) in enumerate(zip(rows, verdicts))]
+        mx.eval(verdicts, steered, _arrays(scored))  # the round's one read-back
         t2 = time.perf_counter()
         out = []
         drafted = drafts.tolist()
         for i, (row, own, (accepted, after, extras)) in enumerate(zip(rows, split(caches, len(rows)), verdicts)):
             n, bonus = accepted.item(), after.item()
+            _emitted_logprobs(row, scored[i], [*drafted[i][:n], bonus])
             rollback(own, k - n)
             row.caches = own
             row.tokens += [row.last, *drafted[i][:n]]

@@ -1,16 +1,20 @@
-"""OpenAI request bodies -> Job, and Events -> OpenAI response bodies. Pure: no I/O, no MLX."""
+"""OpenAI request bodies -> Jobs (one per choice), and job failures -> OpenAI errors. Pure: no I/O, no MLX.
+The response bodies are in openai_responses."""
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..constraints import OutputRules, ResponseFormat, Tool, ToolChoice
-from ..jobs import MAX_STOP_STRINGS, Done, Job, JobError, SamplingParams, ToolCall, resolve_max_tokens
+from ..jobs import (MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Job, JobError, SamplingParams,
+                    resolve_max_tokens)
 from ..types import Cause
-from ..status import NodeStatus
+
+
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 64  # prompts x n: the jobs one request may start
 
 
 class RequestError(ValueError):
@@ -58,9 +62,18 @@ class Limits:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    job: Job
+    """One request: a job per choice, by index (prompt p's n choices are p*n .. p*n + n-1)."""
+
+    jobs: tuple[Job, ...]
     stream: bool
     include_usage: bool
+    n: int = 1
+    echo: bool = False
+    logprobs: bool = False  # the response shows logprobs (chat: logprobs true; completions: an integer)
+
+    @property
+    def job(self) -> Job:
+        return self.jobs[0]
 
 
 def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
@@ -69,19 +82,50 @@ def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
-    return _finish(body, job_id, limits, messages=parsed)
+    wants = _bool(body, "logprobs", False)
+    top = _given(body, "top_logprobs", None)
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if top is not None and not wants:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    return _finish(body, job_id, limits, [{"messages": parsed}], logprobs=(top or 0) if wants else None)
 
 
 def parse_completion(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
     body = _object(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise RequestError("prompt must be a string (batches of prompts are not supported)", "prompt")
-    if not prompt:
-        raise RequestError("prompt must not be empty", "prompt")
-    return _finish(body, job_id, limits, prompt=prompt)
+    logprobs = _given(body, "logprobs", None)
+    if logprobs is False:
+        logprobs = None
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (how many alternatives to "
+                           "show per token)", "logprobs")
+    return _finish(body, job_id, limits, prompts_of(body.get("prompt")), logprobs=logprobs,
+                   echo=_bool(body, "echo", False))
+
+
+def prompts_of(prompt: Any) -> list[dict[str, Any]]:
+    """A string, an array of strings, an array of token ids, or an array of token-id arrays: one prompt each."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+                                   and not isinstance(prompt[0], bool)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestError("prompt must be a string, an array of strings, an array of token ids or an array of "
+                           "token-id arrays", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError(f"prompt may hold at most {MAX_PROMPTS} prompts", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise RequestError("prompt must not be empty", "prompt")
+            out.append({"prompt": p})
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append({"prompt_ids": tuple(p)})  # each id is checked by Job, then against the model's vocabulary
+        else:
+            raise RequestError("prompt must be a string, an array of strings, an array of token ids or an array "
+                               "of token-id arrays (none empty)", "prompt")
+    return out
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -115,14 +159,16 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) -> ParsedRequest:
+def _finish(body: dict[str, Any], job_id: str, limits: Limits, prompts: list[dict[str, Any]], *,
+            logprobs: int | None = None, echo: bool = False) -> ParsedRequest:
     model = body.get("model", "")
     if not isinstance(model, str):
         raise RequestError("model must be a string", "model")
-    if body.get("n", 1) != 1:
-        raise RequestError("only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise RequestError("logprobs are not supported", "logprobs")
+    n = _given(body, "n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be an integer from 1 to {MAX_N}", "n")
+    if len(prompts) * n > MAX_CHOICES:
+        raise RequestError(f"prompts x n must be at most {MAX_CHOICES} choices", "n")
     for key in ("functions", "function_call"):
         if body.get(key) is not None:
             raise RequestError(f"{key} is OpenAI's deprecated form; send tools and tool_choice", key)
@@ -131,11 +177,24 @@ def _finish(body: dict[str, Any], job_id: str, limits: Limits, **prompt: Any) ->
     if not isinstance(options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
     try:
-        job = Job(id=job_id, model=model, sampling=_sampling(body, limits), rules=output_rules(body),
-                  speculation=_given(body, "speculation", "auto"), **prompt)
+        sampling = _sampling(body, limits, least=0 if echo else 1)
+        scored = echo and logprobs is not None
+        # echo with max_tokens 0 only reads the prompt: a scoring job (its logprobs shown only when asked)
+        sampling = replace(sampling, logprobs=logprobs, prompt_logprobs=scored or sampling.max_tokens == 0)
+        rules, speculation = output_rules(body), _given(body, "speculation", "auto")
+        jobs = []
+        for p, prompt in enumerate(prompts):
+            for c in range(n):
+                # Choice c of a prompt: seed + c (so its choice 0 is what the same request with n=1 gives); the
+                # first keeps the prompt's KV for the others, and only it scores the prompt.
+                own = replace(sampling, seed=None if sampling.seed is None else sampling.seed + c,
+                              prompt_logprobs=(scored and c == 0) or sampling.max_tokens == 0)
+                jobs.append(Job(id=job_id if len(prompts) * n == 1 else f"{job_id}-{p * n + c}", model=model,
+                                sampling=own, rules=rules, speculation=speculation, share_prompt=n > 1 and c == 0,
+                                **prompt))
     except JobError as e:  # the shared bounds (jobs.py, constraints.py), reported against the field at fault
         raise RequestError(e.message, e.param) from None
-    return ParsedRequest(job, stream, _bool(options, "include_usage", False))
+    return ParsedRequest(tuple(jobs), stream, _bool(options, "include_usage", False), n, echo, logprobs is not None)
 
 
 def output_rules(body: dict[str, Any]) -> OutputRules:
@@ -179,7 +238,7 @@ def _response_format(value: Any) -> ResponseFormat | None:
     return ResponseFormat("json_schema", _given(spec, "schema", {}), spec.get("name"))
 
 
-def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
+def _sampling(body: dict[str, Any], limits: Limits, least: int = 1) -> SamplingParams:
     """Wire shapes only (JSON arrays and maps into tuples); SamplingParams checks every value."""
     stop = _given(body, "stop", [])
     if isinstance(stop, str):
@@ -198,9 +257,11 @@ def _sampling(body: dict[str, Any], limits: Limits) -> SamplingParams:
     if not all(k.isascii() and k.isdigit() for k in bias):
         raise RequestError("logit_bias must map token ids (decimal strings) to numbers", "logit_bias")
     logit_bias = tuple(sorted((int(k), v) for k, v in bias.items()))
+    max_tokens = resolve_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")),
+                                    limits.default_max_tokens, limits.max_tokens_limit, least)
     return SamplingParams(
-        max_tokens=resolve_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")),
-                                      limits.default_max_tokens, limits.max_tokens_limit),
+        max_tokens=max_tokens,
+        prompt_logprobs=max_tokens == 0,  # (only echo allows 0) a job that reads its prompt and ends
         temperature=_given(body, "temperature", 1.0),
         top_p=_given(body, "top_p", 1.0),
         top_k=_given(body, "top_k", 0),
@@ -228,92 +289,40 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-# --- responses ------------------------------------------------------------------
+def parse_tokenize(body: Any, job_id: str) -> tuple[Job, bool]:
+    """POST /tokenize (vLLM's shape): {model, prompt, add_special_tokens} or {model, messages}, as a job that is
+    only encoded, and whether to add special tokens (BOS) to a raw prompt."""
+    body = _object(body)
+    model = _given(body, "model", "")
+    if not isinstance(model, str):
+        raise RequestError("model must be a string", "model")
+    if body.get("add_generation_prompt") not in (None, True):
+        raise RequestError("only add_generation_prompt true is served (the ids a chat completion would see)",
+                           "add_generation_prompt")
+    if "messages" in body:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
+        prompt: dict[str, Any] = {"messages": tuple(_message(m, i) for i, m in enumerate(messages))}
+    else:
+        prompt = prompts_of(body.get("prompt"))
+        if len(prompt) != 1 or "prompt" not in prompt[0]:
+            raise RequestError("prompt must be a string", "prompt")
+        prompt = prompt[0]
+    try:
+        return Job(id=job_id, model=model, sampling=SamplingParams(max_tokens=1), **prompt), \
+            _bool(body, "add_special_tokens", True)
+    except JobError as e:
+        raise RequestError(e.message, e.param) from None
 
 
-def _envelope(job_id: str, model: str, obj: str, created: int) -> dict[str, Any]:
-    return {"id": job_id, "object": obj, "created": created, "model": model}
-
-
-def chat_response(job_id: str, model: str, text: str, done: Done, created: int,
-                  calls: list[ToolCall] = ()) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None,
-                               "refusal": None}
-    if calls:
-        message["tool_calls"] = [tool_call_dict(c) for c in calls]
-    return _envelope(job_id, model, "chat.completion", created) | {
-        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}],
-        "usage": done.usage.as_dict(),
-        "telemetry": done.telemetry.as_dict(),
-    }
-
-
-def completion_response(job_id: str, model: str, text: str, done: Done, created: int) -> dict[str, Any]:
-    return _envelope(job_id, model, "text_completion", created) | {
-        "choices": [{"index": 0, "text": text, "finish_reason": done.finish_reason, "logprobs": None}],
-        "usage": done.usage.as_dict(),
-        "telemetry": done.telemetry.as_dict(),
-    }
-
-
-def tool_call_dict(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[list[dict[str, Any]]]:
-    """Each call as OpenAI streams one: a delta with its index, id and name, then one with its arguments."""
-    out = []
-    for i, c in enumerate(calls, first_index):
-        out.append([{"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}])
-        out.append([{"index": i, "function": {"arguments": c.arguments}}])
-    return out
-
-
-def chat_chunk(job_id: str, model: str, created: int, *, text: str | None = None, role: bool = False,
-               finish_reason: str | None = None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
-    delta: dict[str, Any] = {}
-    if role:
-        delta["role"] = "assistant"
-    if text is not None:
-        delta["content"] = text
-    if tool_calls:
-        delta["tool_calls"] = tool_calls
-    return _envelope(job_id, model, "chat.completion.chunk", created) | {
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-    }
-
-
-def completion_chunk(job_id: str, model: str, created: int, *, text: str = "",
-                     finish_reason: str | None = None) -> dict[str, Any]:
-    return _envelope(job_id, model, "text_completion", created) | {
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
-    }
-
-
-def usage_chunk(job_id: str, model: str, created: int, obj: str, done: Done) -> dict[str, Any]:
-    """The last chunk before [DONE]: no choices, usage and telemetry (as with include_usage)."""
-    return _envelope(job_id, model, obj, created) | {
-        "choices": [], "usage": done.usage.as_dict(), "telemetry": done.telemetry.as_dict()
-    }
-
-
-def health_body(st: NodeStatus) -> dict[str, Any]:
-    return {
-        "status": st.health,
-        "default_model": st.default_model,
-        "models": [m.id for m in st.models],
-        "resident_models": st.resident,
-        "resident": [{k: v for k, v in dataclasses.asdict(m).items() if k != "facts"}
-                     for m in st.models if m.state != "available"],
-        "memory": dataclasses.asdict(st.memory),
-        "active_jobs": st.active_jobs,
-        "queued_jobs": st.queued_jobs,
-        "queue": dataclasses.asdict(st.queue),
-        "counters": dataclasses.asdict(st.counters),
-    }
-
-
-def now() -> int:
-    return int(time.time())
-
-
+def parse_detokenize(body: Any) -> tuple[str, list[int]]:
+    """POST /detokenize (vLLM's shape): {model, tokens}."""
+    body = _object(body)
+    model, tokens = _given(body, "model", ""), body.get("tokens")
+    if not isinstance(model, str):
+        raise RequestError("model must be a string", "model")
+    if not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise RequestError(f"tokens must be an array of at most {MAX_PROMPT_IDS} non-negative token ids", "tokens")
+    return model, tokens

@@ -4,26 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import secrets
 import time
-import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from aiohttp import web
 
 from .. import logs, paths
-from ..jobs import Accepted, Done, Error, Tokens, Usage
-from ..types import Cause
-from ..node import JobStream, Node
+from ..jobs import JobError
+from ..node import Node
 from . import openai_api as api
+from . import openai_responses as out
+from .bodies import parse_json, read_body
+from .completions import JOB_ID, USAGE, Completions
 
 log = logs.get("local")
 TOKEN_FILE = "local-api-token"
-# What the access line reports of a request that ran a job.
-JOB_ID = web.RequestKey("job_id", str)
-USAGE = web.RequestKey("usage", Usage)
 
 
 def load_or_mint_token(state_dir: Path | None = None) -> tuple[str, Path]:
@@ -50,12 +47,16 @@ class LocalAPI:
         self.token = token
         s = node.settings
         self.limits = api.Limits(s.max_tokens_limit, s.default_max_tokens)
+        self.serving = Completions(node, self.limits)
         self.app = web.Application(client_max_size=s.max_body_bytes,
                                    middlewares=[self._access, self._errors, self._preflight, self._auth])
         self.app.on_response_prepare.append(self._cors_headers)
         self.app.add_routes([
-            web.post("/v1/chat/completions", self.chat),
-            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.serving.chat),
+            web.post("/v1/completions", self.serving.completions),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/tokenizer_info", self.tokenizer_info),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
@@ -113,6 +114,8 @@ class LocalAPI:
             return await handler(request)
         except api.RequestError as e:
             return _error(e)
+        except JobError as e:  # the node refused what the request named (a model, a token id)
+            return _error(api.error_for(e.cause, e.message, e.param))
         except web.HTTPRequestEntityTooLarge:
             limit = self.node.settings.max_body_bytes
             return _error(api.RequestError(f"request body exceeds {limit} bytes", status=413, code="body_too_large"))
@@ -139,7 +142,7 @@ class LocalAPI:
         st = self.node.status()
         if st.health == "unhealthy":  # the supervisor restarts the process; until then, say so
             return web.json_response({"status": "unhealthy", "reason": st.failure}, status=503)
-        return web.json_response(api.health_body(st))
+        return web.json_response(out.health_body(st))
 
     async def metrics(self, request: web.Request) -> web.Response:
         # Prometheus text format (0.0.4); behind the bearer token unless metrics_public.
@@ -147,143 +150,32 @@ class LocalAPI:
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
-        created = api.now()
+        created = out.now()
         data = [{"id": m, "object": "model", "created": created, "owned_by": "provider"} for m in self.node.model_ids()]
         return web.json_response({"object": "list", "data": data})
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, api.parse_chat, "chatcmpl", chat=True)
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's shape: {model, prompt} or {model, messages}; {count, max_model_len, tokens}."""
+        body = parse_json(await read_body(request, self.node.settings.max_body_bytes))
+        job, special = api.parse_tokenize(body, self.node.new_job_id("tok"))
+        ids, context = await self.node.tokenize(job, special)
+        return web.json_response({"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": None})
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, api.parse_completion, "cmpl", chat=False)
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's shape, for ?model= (the default model when absent)."""
+        return web.json_response(await self.node.tokenizer_info(request.query.get("model", "")))
 
-    async def _serve(self, request: web.Request, parse: Callable, prefix: str, chat: bool) -> web.StreamResponse:
-        if (request.charset or "utf-8").lower() not in ("utf-8", "utf8"):
-            raise api.RequestError(f"charset {request.charset!r} is not supported; send JSON as UTF-8", status=415,
-                                   code="unsupported_media_type")
-        body = _parse_json(await _read_body(request, self.node.settings.max_body_bytes))
-        req = parse(body, self.node.new_job_id(prefix), self.limits)
-        job = req.job
-        request[JOB_ID] = job.id
-        async with self.node.run(job) as stream:
-            first = await anext(stream)
-            if isinstance(first, Error):
-                raise api.error_for(first.cause, first.message, first.param)
-            if not isinstance(first, Accepted):  # ended before it started: only a cancel does that
-                raise api.error_for(Cause.DRAINING, "the job was cancelled before it started; retry")
-            if req.stream:
-                return await self._stream(request, stream, job.id, first.model, chat, req.include_usage)
-            return await self._collect(request, stream, job.id, first.model, chat)
-
-    async def _collect(self, request: web.Request, stream: JobStream, job_id: str, model: str,
-                       chat: bool) -> web.Response:
-        parts: list[str] = []
-        calls = []
-        async for ev in stream:
-            if isinstance(ev, Tokens):
-                parts.append(ev.text)
-                calls += ev.tool_calls
-            elif isinstance(ev, Error):
-                raise api.error_for(ev.cause, ev.message, ev.param)
-            elif isinstance(ev, Done):
-                request[USAGE] = ev.usage
-                if chat:
-                    return web.json_response(api.chat_response(job_id, model, "".join(parts), ev, api.now(), calls))
-                return web.json_response(api.completion_response(job_id, model, "".join(parts), ev, api.now()))
-        raise api.RequestError("the job ended without a result", status=500, type_="server_error")
-
-    async def _stream(self, request: web.Request, stream: JobStream, job_id: str, model: str, chat: bool,
-                      include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        created = api.now()
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        async def send(payload: dict[str, Any] | str) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
-
-        if chat:
-            await send(api.chat_chunk(job_id, model, created, role=True, text=""))
-        calls_sent = 0
-        async for ev in stream:
-            # Coalesce whatever else is already waiting, so a slow client never falls behind per token.
-            batch, end = await stream.coalesce(ev) if isinstance(ev, Tokens) else ([], ev)
-            text = "".join(e.text for e in batch)
-            if text:
-                chunk = (api.chat_chunk(job_id, model, created, text=text) if chat
-                         else api.completion_chunk(job_id, model, created, text=text))
-                await send(chunk)
-            calls = [c for e in batch for c in e.tool_calls]
-            for delta in api.tool_call_deltas(calls, calls_sent):
-                await send(api.chat_chunk(job_id, model, created, tool_calls=delta))
-            calls_sent += len(calls)
-            if isinstance(end, Error):
-                await send(api.error_for(end.cause, end.message, end.param).body())
-            elif isinstance(end, Done):
-                request[USAGE] = end.usage
-                final = (api.chat_chunk(job_id, model, created, finish_reason=end.finish_reason) if chat
-                         else api.completion_chunk(job_id, model, created, finish_reason=end.finish_reason))
-                # usage + telemetry ride on the finishing chunk for every client, and on an
-                # extra choices-less chunk for clients that asked for include_usage.
-                final |= {"usage": end.usage.as_dict(), "telemetry": end.telemetry.as_dict()}
-                await send(final)
-                if include_usage:
-                    await send(api.usage_chunk(job_id, model, created, obj, end))
-        await send("[DONE]")
-        await resp.write_eof()
-        return resp
-
-
-# wbits for zlib: gzip, zlib-wrapped deflate (RFC 9110), and the raw deflate some clients send instead.
-_DECODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
-              "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The body, decoded here rather than in aiohttp's parser (whose errors on a bad body escape the
-    handler as plain-text 400s, or hang the request), and never inflated past the body limit."""
-    raw = await request.read()  # at most client_max_size bytes, as sent
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding not in _DECODINGS:
-        raise api.RequestError(f"Content-Encoding {encoding!r} is not supported; send gzip, deflate or none",
-                               status=415, code="unsupported_media_type")
-    for wbits in _DECODINGS[encoding]:
-        inflater = zlib.decompressobj(wbits)
-        try:
-            body = inflater.decompress(raw, limit + 1)
-        except zlib.error:
-            continue
-        if len(body) > limit:
-            raise api.RequestError(f"request body exceeds {limit} bytes once decompressed", status=413,
-                                   code="body_too_large")
-        if inflater.eof and not inflater.unused_data:
-            return body
-    raise api.RequestError(f"the request body is not valid {encoding} data; check its Content-Encoding")
-
-
-def _parse_json(raw: bytes) -> Any:
-    """JSON is UTF-8 (RFC 8259). NaN and Infinity, which json.loads accepts by default, are refused; so is
-    nesting deep enough to exhaust the stack."""
-    def bad_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=bad_constant)
-    except UnicodeDecodeError as e:
-        raise api.RequestError(f"the request body is not UTF-8 (byte {e.start}); send JSON as UTF-8") from None
-    except RecursionError:
-        raise api.RequestError("the request body is nested too deeply") from None
-    except ValueError as e:
-        raise api.RequestError(f"the request body is not valid JSON: {e}") from None
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's shape: {model, tokens}; {prompt}."""
+        body = parse_json(await read_body(request, self.node.settings.max_body_bytes))
+        model, ids = api.parse_detokenize(body)
+        return web.json_response({"prompt": await self.node.detokenize(model, ids)})
 
 
 async def start_local_api(node: Node, bind: str, port: int, token: str | None) -> tuple[web.AppRunner, str]:
     """Start listening; return the runner (call `cleanup()` after the node stopped) and the base URL."""
     runner = web.AppRunner(LocalAPI(node, token).app, handler_cancellation=True, shutdown_timeout=5.0,
-                           access_log=None, auto_decompress=False)  # see _read_body
+                           access_log=None, auto_decompress=False)  # see bodies.read_body
     await runner.setup()
     site = web.TCPSite(runner, bind, port)
     await site.start()
