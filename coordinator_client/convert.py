@@ -53,11 +53,13 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     which = req.WhichOneof("input")
     if which is None:
         raise _invalid("the job has neither chat messages nor a prompt")
-    prompt = messages = None
+    prompt = messages = prompt_ids = None
     if which == "prompt":
         if not req.prompt:
             raise _invalid("prompt is empty")
         prompt = req.prompt
+    elif which == "prompt_ids":
+        prompt_ids = tuple(req.prompt_ids.ids)  # Job bounds the count; the vocabulary is checked when prepared
     else:
         if not req.chat.messages:
             raise _invalid("chat.messages is empty")
@@ -67,14 +69,18 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     s = req.sampling
     present = {name: getattr(s, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")
                if s.HasField(name)}
+    if req.prompt_logprobs and not req.HasField("logprobs"):
+        raise _invalid("prompt_logprobs needs logprobs (how many alternatives per token, 0 to 20)")
     sampling = SamplingParams(
         max_tokens=resolve_max_tokens(req.max_tokens or None, default_max_tokens, max_tokens_limit),
         stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids),
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+        prompt_logprobs=req.prompt_logprobs,
         **present,
     )
     return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
-               speculation=POLICY[req.speculation], rules=output_rules(req))
+               prompt_ids=prompt_ids, speculation=POLICY[req.speculation], rules=output_rules(req))
 
 
 def _message(m: pb.ChatMessage) -> dict:
@@ -114,16 +120,29 @@ def _schema(param: str, text: str) -> dict:
         raise ConstraintError(param, f"{param}: the schema is not valid JSON") from None
 
 
-def chunk_frame(job_id: str, seq: int, batch: list[Tokens], keys: JobKeys | None = None) -> pb.ProviderFrame:
-    """One TokenChunk for coalesced token events; sealed back to the sender for a sealed job."""
-    ids = [t for ev in batch for t in ev.token_ids]
-    text = "".join(ev.text for ev in batch)
-    calls = tool_calls_to_pb([c for ev in batch for c in ev.tool_calls])
+def chunk_body(batch: list[Tokens]) -> pb.TokenChunk:
+    """What coalesced token events say: text, token ids, tool calls, logprobs (a scored prompt's on the first)."""
+    prompt = next((ev.prompt_logprobs for ev in batch if ev.prompt_logprobs), ())
+    return pb.TokenChunk(text="".join(ev.text for ev in batch), token_ids=[t for ev in batch for t in ev.token_ids],
+                         tool_calls=tool_calls_to_pb([c for ev in batch for c in ev.tool_calls]),
+                         logprobs=logprobs_to_pb([lp for ev in batch for lp in ev.logprobs]),
+                         prompt_logprobs=logprobs_to_pb(prompt))
+
+
+def chunk_frame(job_id: str, seq: int, body: pb.TokenChunk, keys: JobKeys | None = None) -> pb.ProviderFrame:
+    """One TokenChunk; its body sealed back to the sender for a sealed job."""
     if keys is not None:
         return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq,
-                                                          sealed=keys.seal_chunk(job_id, seq, text, ids, calls)))
-    return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq, text=text, token_ids=ids,
-                                                      tool_calls=calls))
+                                                          sealed=keys.seal_chunk(job_id, seq, body)))
+    chunk = pb.TokenChunk(job_id=job_id, seq=seq)
+    chunk.MergeFrom(body)
+    return pb.ProviderFrame(token_chunk=chunk)
+
+
+def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token=lp.token, text=lp.text, logprob=lp.logprob, raw=lp.raw,
+                            top=[pb.TopLogprob(token=t, text=text, logprob=v, raw=raw) for t, text, v, raw in lp.top])
+            for lp in lps]
 
 
 def tool_calls_to_pb(calls: list[ToolCall]) -> list[pb.ToolCall]:

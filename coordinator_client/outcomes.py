@@ -41,23 +41,28 @@ class Transcript:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     tool_calls: list[pb.ToolCall] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
-    def add(self, *, text: str = "", token_ids=(), tool_calls=()) -> None:
+    def add(self, body: pb.TokenChunk) -> None:
+        """One chunk's body (as it was sent, before any sealing)."""
         self.chunks += 1
-        self.text.append(text)
-        self.token_ids.extend(token_ids)
-        self.tool_calls.extend(tool_calls)
+        self.text.append(body.text)
+        self.token_ids.extend(body.token_ids)
+        self.tool_calls.extend(body.tool_calls)
+        self.logprobs.extend(body.logprobs)
+        self.prompt_logprobs.extend(body.prompt_logprobs)
 
     def completion(self, job_id: str, keys: JobKeys | None = None) -> pb.Completion:
         """The whole completion, sealed back to the sender for a sealed job."""
         out = pb.Completion(chunks=self.chunks, token_ids_sha256=token_digest(self.token_ids))
-        text = "".join(self.text)
+        body = pb.Completion(text="".join(self.text), token_ids=self.token_ids, tool_calls=self.tool_calls,
+                             logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
         if keys is not None:
-            out.sealed = keys.seal_completion(job_id, text, self.token_ids, self.tool_calls)
+            out.sealed = keys.seal_completion(job_id, body)
             out.seal_salt = keys.run_salt
         else:
-            out.text, out.token_ids[:] = text, self.token_ids
-            out.tool_calls.extend(self.tool_calls)
+            out.MergeFrom(body)
         return out
 
 
@@ -104,8 +109,8 @@ def brief(frame: pb.ProviderFrame) -> pb.ProviderFrame:
     if kind in ("job_done", "job_error") and getattr(out, kind).HasField("completion"):
         c = getattr(out, kind).completion
         c.text, c.sealed = "", b""
-        del c.token_ids[:]
-        del c.tool_calls[:]
+        for repeated in (c.token_ids, c.tool_calls, c.logprobs, c.prompt_logprobs):
+            del repeated[:]
     return out
 
 

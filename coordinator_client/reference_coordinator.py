@@ -301,8 +301,8 @@ class ReferenceCoordinator:
             body = self._run_keys[chunk.job_id].open_chunk(chunk.job_id, chunk.seq, chunk.sealed)
         except (KeyError, SealingError):
             return chunk  # not ours to open: kept as it came
-        return pb.TokenChunk(job_id=chunk.job_id, seq=chunk.seq, text=body.text, token_ids=body.token_ids,
-                             tool_calls=body.tool_calls)
+        body.job_id, body.seq = chunk.job_id, chunk.seq
+        return body
 
 
 async def _main(port: int) -> None:

@@ -70,13 +70,12 @@ class JobKeys:
         request, response = derive_keys(shared, sender_key, sealing_key, job_id, run_salt)
         return cls(ChaCha20Poly1305(request), ChaCha20Poly1305(response), run_salt)
 
-    def seal_chunk(self, job_id: str, seq: int, text: str, token_ids: list[int], tool_calls=()) -> bytes:
-        body = pb.TokenChunk(text=text, token_ids=token_ids, tool_calls=tool_calls).SerializeToString()
-        return self.response.encrypt(nonce(seq), body, aad(job_id, "chunk"))
+    def seal_chunk(self, job_id: str, seq: int, body: pb.TokenChunk) -> bytes:
+        """A chunk's body (its text, token ids, tool calls and logprobs; nothing else set) sealed as chunk `seq`."""
+        return self.response.encrypt(nonce(seq), body.SerializeToString(), aad(job_id, "chunk"))
 
-    def seal_completion(self, job_id: str, text: str, token_ids: list[int], tool_calls=()) -> bytes:
-        body = pb.Completion(text=text, token_ids=token_ids, tool_calls=tool_calls).SerializeToString()
-        return self.response.encrypt(nonce(COMPLETION_COUNTER), body, aad(job_id, "completion"))
+    def seal_completion(self, job_id: str, body: pb.Completion) -> bytes:
+        return self.response.encrypt(nonce(COMPLETION_COUNTER), body.SerializeToString(), aad(job_id, "completion"))
 
     # The sender's side (the reference coordinator and tests use these, through SenderKeys.for_run).
     def open_chunk(self, job_id: str, seq: int, sealed: bytes) -> pb.TokenChunk:

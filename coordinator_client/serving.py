@@ -166,10 +166,9 @@ class CoordinatorJobs:
                                                       window_s=self.coalesce_s)
                                 if isinstance(ev, Tokens) else ([], ev))
                 if tokens:
-                    outbox.put_nowait(convert.chunk_frame(job_id, transcript.chunks, tokens, keys))
-                    transcript.add(text="".join(t.text for t in tokens),
-                                   token_ids=[i for t in tokens for i in t.token_ids],
-                                   tool_calls=convert.tool_calls_to_pb([c for t in tokens for c in t.tool_calls]))
+                    body = convert.chunk_body(tokens)
+                    outbox.put_nowait(convert.chunk_frame(job_id, transcript.chunks, body, keys))
+                    transcript.add(body)
                 if last is not None:
                     end(self._ending(last, transcript, model, keys, deadline_passed=bool(expired),
                                      request_sha256=request_digest(req)))

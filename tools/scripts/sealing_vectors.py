@@ -45,11 +45,11 @@ def vectors() -> dict:
         "job": {"plaintext": body.SerializeToString().hex(), "nonce": nonce(0).hex(),
                 "aad": aad(JOB_ID, "job").hex(), "ciphertext": sealed.ciphertext.hex()},
         "chunk": chunk | {"nonce": nonce(chunk["seq"]).hex(), "aad": aad(JOB_ID, "chunk").hex(),
-                          "ciphertext": keys.seal_chunk(JOB_ID, chunk["seq"], chunk["text"],
-                                                        chunk["token_ids"]).hex()},
+                          "ciphertext": keys.seal_chunk(JOB_ID, chunk["seq"], pb.TokenChunk(
+                              text=chunk["text"], token_ids=chunk["token_ids"])).hex()},
         "completion": completion | {"nonce": nonce(COMPLETION_COUNTER).hex(), "aad": aad(JOB_ID, "completion").hex(),
-                                    "ciphertext": keys.seal_completion(JOB_ID, completion["text"],
-                                                                       completion["token_ids"]).hex()},
+                                    "ciphertext": keys.seal_completion(JOB_ID, pb.Completion(
+                                        text=completion["text"], token_ids=completion["token_ids"])).hex()},
     }
 
 
