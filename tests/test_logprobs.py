@@ -19,6 +19,7 @@ from tests.helpers import collect, make_node, run
 
 PROMPTS = ["The cache batch token prompt", "A model stream window", "prefix memory budget node server request"]
 TOL = 2e-3
+CHAT = ({"role": "user", "content": "Tell me about the cache"},)
 
 
 def _reference(model, ids: list[int]) -> mx.array:
@@ -26,11 +27,13 @@ def _reference(model, ids: list[int]) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _check_generated(model, tok, prompt: str, events, top: int) -> int:
-    """Every emitted token's logprob and alternatives against the reference; returns how many were checked."""
+def _check_generated(model, tok, prompt, events, top: int) -> int:
+    """Every emitted token's logprob and alternatives against the reference; returns how many were checked.
+    `prompt`: raw text, or chat messages (templated as the node templates them)."""
     ids = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
     lps = [lp for e in events if isinstance(e, Tokens) for lp in e.logprobs]
-    prompt_ids = tok.encode(prompt)
+    prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else \
+        list(tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
     ref = _reference(model, prompt_ids + ids)
     assert [lp.token for lp in lps[:len(ids)]] == ids
     for i, lp in enumerate(lps[:len(ids)]):
@@ -58,12 +61,14 @@ def test_plain_rows_report_the_models_own_logprobs(fixtures_dir, temperature):
                     sampling=SamplingParams(max_tokens=12, temperature=temperature, seed=7 + i, logprobs=3,
                                             logit_bias=((443, 5.0),) if i == 2 else ()))
                 for i, p in enumerate(PROMPTS)]
+        jobs.append(Job(id="chat", model="m", messages=CHAT,
+                        sampling=SamplingParams(max_tokens=12, temperature=temperature, seed=1, logprobs=3)))
         results = await asyncio.gather(*(collect(node, j) for j in jobs))
         await node.stop()
         return results
 
     results = run(main())
-    for prompt, (ids, _, end, events) in zip(PROMPTS, results):
+    for prompt, (ids, _, end, events) in zip([*PROMPTS, CHAT], results):
         assert isinstance(end, Done), end
         assert _check_generated(model, tok, prompt, events, 3) == len(ids) > 0
         if temperature == 0.0:  # greedy: each token is the top alternative

@@ -25,8 +25,8 @@ ROLES = ["system", "user", "assistant", "developer", "tool", "", "wizard", "USER
 MODEL_FIELDS = ["logit_bias", "stop_token_ids", "top_k", "prompt", "messages", "response_format", "tools"]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "stop_token_ids", "logit_bias", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "stream", "stream_options", "n", "logprobs", "tools", "response_format",
-          "tool_choice", "parallel_tool_calls", "speculation", "user"]
+          "frequency_penalty", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "tools",
+          "response_format", "tool_choice", "parallel_tool_calls", "speculation", "user"]
 
 numbers = st.one_of(st.integers(-3, 3), st.integers(-(2**70), 2**70), st.sampled_from(HUGE),
                     st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(ODD_FLOATS),
@@ -98,7 +98,13 @@ tool_choices = st.one_of(st.sampled_from(["none", "auto", "required", "any", ""]
 def _field(name: str) -> st.SearchStrategy:
     plausible = {
         "model": st.sampled_from(["", "llama-tiny", "nope", "../../etc", "llama-tiny\x00"]),
-        "prompt": texts,
+        # Text, token ids (one prompt or many) around the vocabulary's end, batches of strings.
+        "prompt": st.one_of(texts, st.lists(token_ids, min_size=1, max_size=6),
+                            st.lists(st.lists(token_ids, max_size=4), max_size=4), st.lists(texts, max_size=70)),
+        "n": st.one_of(st.integers(-1, 20), st.sampled_from(HUGE)),
+        "logprobs": st.one_of(st.booleans(), st.integers(-1, 25), st.sampled_from(HUGE)),
+        "top_logprobs": st.one_of(st.integers(-1, 25), st.sampled_from(HUGE)),
+        "echo": st.booleans(),
         "messages": messages,
         "max_tokens": st.one_of(st.integers(-2, 20), st.sampled_from(HUGE)),
         "top_k": st.one_of(st.integers(-2, 1000), st.sampled_from(HUGE)),
@@ -194,7 +200,7 @@ uint32s = st.one_of(st.integers(0, 20), st.integers(0, 2**32 - 1))
 
 
 PROTO_FIELDS = ["model", "input", "temperature", "top_p", "min_p", "top_k", "seed", "max_tokens", "stop",
-                "stop_token_ids", "speculation", "deadline_ms", "response_format", "tools", "tool_choice"]
+                "stop_token_ids", "speculation", "deadline_ms", "response_format", "tools", "tool_choice", "logprobs"]
 schema_texts = st.one_of(st.sampled_from([json.dumps(s) for s in HOSTILE_SCHEMAS if s is not None]), proto_texts,
                          st.just("{" * 100_000))
 
@@ -229,12 +235,18 @@ def job_requests(draw, model: str) -> pb.JobRequest:
             req.tools.add(name=draw(st.one_of(st.just("f"), proto_texts)), parameters_json=draw(schema_texts))
     if hostile in ("tool_choice", "all"):
         req.tool_choice = draw(st.one_of(st.sampled_from(["none", "auto", "required", "f", "g"]), proto_texts))
+    if hostile in ("logprobs", "all"):
+        if draw(st.booleans()):
+            req.logprobs = draw(st.one_of(st.integers(0, 25), uint32s))
+        req.prompt_logprobs = draw(st.booleans())
     if hostile in ("tools", "tool_choice") and draw(st.booleans()):
         req.chat.messages.add(role="user", content="The cache")  # tools need a chat
     elif hostile not in ("input", "all"):
         req.prompt = "The cache"
     elif draw(st.booleans()):
         req.prompt = draw(proto_texts)
+    elif draw(st.booleans()):  # token ids around the vocabulary's end, or none
+        req.prompt_ids.ids.extend(draw(st.lists(st.one_of(st.sampled_from(BOUNDARY_IDS[:-1]), uint32s), max_size=6)))
     else:
         for role, content in draw(st.lists(st.tuples(st.one_of(st.sampled_from(ROLES), proto_texts), proto_texts),
                                            max_size=4)):
