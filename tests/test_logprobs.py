@@ -144,3 +144,25 @@ def test_prompt_ids_outside_the_vocabulary_are_refused_at_the_edge(fixtures_dir)
     assert bad[2].cause == "invalid_request" and bad[2].param == "prompt"
     assert isinstance(good[2], Done)
     assert edge[2].cause == "invalid_request" and "512" in edge[2].message
+
+
+def test_a_large_vocabulary_scores_in_chunks_its_scratch_bound_holds(fixtures_dir):
+    """Scoring computes logits at every prompt position (a plain prefill never does): with a large vocabulary a
+    chunk is cut so they stay within SCORE_SCRATCH_BYTES, and the result does not change."""
+    from provider.engine.logprobs import SCORE_SCRATCH_BYTES, PromptScorer, score_chunk, texts_for
+
+    model, tok = load(str(fixtures_dir / "llama-tiny"))
+    ids = tok.encode(" ".join(PROMPTS * 4))
+    assert score_chunk(512, 1 << 18) == 16 and score_chunk(512, 512) == 512 and score_chunk(8, 1 << 40) == 1
+    assert 16 * (1 << 18) * 16 <= SCORE_SCRATCH_BYTES
+    whole = PromptScorer(model, ids, 2, texts_for(tok), n_vocab=512)
+    cut = PromptScorer(model, ids, 2, texts_for(tok), n_vocab=1 << 18)  # as if the vocabulary were Gemma's
+    whole.step(512)
+    steps = 0
+    while not cut.done:
+        cut.step(512)
+        steps += 1
+    assert whole.done and steps == -(-(len(ids) - 1) // 16)
+    assert [lp.token for lp in cut.logprobs] == ids
+    for a, b in zip(whole.logprobs[1:], cut.logprobs[1:]):
+        assert abs(a.logprob - b.logprob) < TOL and [t for t, *_ in a.top] == [t for t, *_ in b.top]

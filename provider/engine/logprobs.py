@@ -20,6 +20,17 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 
 from ..jobs import TokenLogprob
 
+# What scoring a chunk of prompt may hold beyond the forward's own scratch: its logits for every position (a
+# plain prefill never computes them), their float32 log-softmax and the top-k indices, about 16 bytes a
+# position and vocabulary entry. A chunk is cut to fit this, and the engine books it while a prompt is scored.
+SCORE_SCRATCH_BYTES = 64 << 20
+SCORE_BYTES_PER_LOGIT = 16
+
+
+def score_chunk(chunk: int, n_vocab: int) -> int:
+    """Prompt positions one scoring forward may read: `chunk`, fewer where the vocabulary is large."""
+    return max(1, min(chunk, SCORE_SCRATCH_BYTES // max(1, n_vocab * SCORE_BYTES_PER_LOGIT)))
+
 
 def log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
@@ -114,10 +125,12 @@ class PromptScorer:
     prompt token has none. Once `done`, its caches hold every prompt token but the last, as a prefix-cache
     hit's would, so the row decodes on from there."""
 
-    def __init__(self, model, prompt: list[int], top: int, texts: TokenTexts, limit: int | None = None):
+    def __init__(self, model, prompt: list[int], top: int, texts: TokenTexts, limit: int | None = None,
+                 n_vocab: int = 0):
         from mlx_lm.models.cache import make_prompt_cache
 
         self.prompt = prompt
+        self.n_vocab = n_vocab  # the logits' width: it bounds a chunk (score_chunk)
         self.cache = make_prompt_cache(model)
         self.read = 0  # prompt tokens in the caches
         self.logprobs = [texts.scored(prompt[0], None)]  # nothing before it scores it
@@ -128,8 +141,9 @@ class PromptScorer:
         return self.read >= len(self.prompt) - 1
 
     def step(self, chunk: int) -> None:
-        """Read up to `chunk` more tokens (all but the prompt's last)."""
-        start, end = self.read, min(self.read + chunk, len(self.prompt) - 1)
+        """Read up to `chunk` more tokens (all but the prompt's last), fewer if their logits would not fit."""
+        start = self.read
+        end = min(start + score_chunk(chunk, self.n_vocab), len(self.prompt) - 1)
         if end <= start:
             return
         logits = self._model(mx.array(self.prompt[start:end])[None], cache=self.cache)[0]

@@ -83,7 +83,7 @@ class PlainBatch:
             processors = [_tap(row), *(processors or ())]
         if output.job.sampling.prompt_logprobs and output.t_first is None:
             row.scorer = PromptScorer(self.lm.model, prompt, output.job.sampling.top_logprobs,
-                                      texts_for(self.lm.tokenizer), self.lm.decodable)
+                                      texts_for(self.lm.tokenizer), self.lm.decodable, self.lm.logits_width)
             row.joining = dict(prompt=prompt, sampler=sampler, processors=processors, shared_prefix=shared_prefix)
             self._scoring[output.job.id] = row
             return

@@ -21,6 +21,7 @@ from ..status import QueueStatus
 from ..models.tool_format import ToolFormat
 from ..prompts import CompiledGrammar
 from .grammar import GrammarProcessor, RowGrammar
+from .logprobs import SCORE_SCRATCH_BYTES
 from .plain_batch import PlainBatch
 from .output import JobOutput
 from . import sampling
@@ -37,6 +38,7 @@ class Layout:
 
     finals: list[int] = field(default_factory=list)
     reading: list[int] = field(default_factory=list)
+    scoring: bool = False  # a prompt is being scored: its logits' scratch (logprobs.SCORE_SCRATCH_BYTES) is held
 
 
 log = logs.get("engine")
@@ -73,13 +75,14 @@ class Running:
         rows = self._batches.get(model_id) or self._speculating.get(model_id)
         return self._bytes(rows.lm, *self._layout(model_id)) if rows is not None else 0
 
-    def booking_with(self, lm: LoadedModel, prompt: int, final: int) -> int:
-        """The same with one more job (`prompt` tokens, `final` at the end), wherever it will decode: in the
-        plain batch, in the plain batch with the speculating rows demoted to it, or speculating (the largest:
-        that is decided after admission)."""
+    def booking_with(self, lm: LoadedModel, prompt: int, final: int, scored: bool = False) -> int:
+        """The same with one more job (`prompt` tokens, `final` at the end; `scored`, its prompt's logprobs
+        wanted), wherever it will decode: in the plain batch, in the plain batch with the speculating rows
+        demoted to it, or speculating (the largest: that is decided after admission)."""
         plain, spec = self._layout(lm.id)
-        joined = Layout(plain.finals + [final], plain.reading + [prompt])
-        layouts = [(joined, spec), (Layout(joined.finals + spec.finals, joined.reading + spec.reading), Layout())]
+        joined = Layout(plain.finals + [final], plain.reading + [prompt], plain.scoring or scored)
+        layouts = [(joined, spec), (Layout(joined.finals + spec.finals, joined.reading + spec.reading,
+                                           joined.scoring), Layout())]
         if lm.drafter is not None:
             layouts.append((plain, Layout(spec.finals + [final], spec.reading + [prompt])))
         return max(self._bytes(lm, p, s) for p, s in layouts)
@@ -104,7 +107,7 @@ class Running:
         # the model's own footprint already holds one chunk of one row's scratch.
         scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, self._prefill_step_size, PREFILL_ROWS),
                       prefill_transient_bytes(spec.reading, lm.act_shape, self._prefill_step_size, 1))
-        return kv + max(0, scratch - lm.act_reserve)
+        return kv + max(0, scratch - lm.act_reserve) + (SCORE_SCRATCH_BYTES if plain.scoring else 0)
 
     # --- starting -----------------------------------------------------------------
 
@@ -248,7 +251,8 @@ class Running:
 
 def _layout(rows: list, reading) -> Layout:
     return Layout([r.output.prompt_tokens + r.output.max_tokens for r in rows],
-                  [r.output.prompt_tokens for r in rows if reading(r)])
+                  [r.output.prompt_tokens for r in rows if reading(r)],
+                  any(getattr(r, "scorer", None) is not None for r in rows))
 
 
 def _failed(job_id: str, e: BaseException) -> Error:

@@ -249,7 +249,8 @@ class Engine:
         max_tokens = min(prepared.job.sampling.max_tokens, lm.context_length - len(prepared.prompt))
         # Booked for the batch it joins, as that batch will be (rows x its longest row), not for the job alone.
         admission = self.models.admit_batch(
-            lm.id, self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens))
+            lm.id, self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens,
+                                              scored=prepared.job.sampling.prompt_logprobs))
         if admission.decision != ADMIT:
             self.models.release(lm.id)
             if admission.decision == WAIT:
