@@ -4,8 +4,8 @@ profile (each stream sends its next request as soon as its last one ends) with s
 guidellm runs from a venv of its own (created on first use in --venv: `pip install guidellm==0.8.1`, about
 6 GB with its CUDA torch; never a node dependency). Both servers serve the same checkpoint with the same
 prefill step (the bundled model unless --model) and are measured alternately, the first one swapped every
-round; each (prompt length, concurrency) cell gets --requests requests per round after guidellm's warmup. It
-prints, per cell, the medians over rounds of output tok/s, TTFT p50/p95 and ITL p50/p95 for both, and the
+round; each (prompt length, concurrency) cell gets --requests requests per round. It
+warms both servers first (a short request each); prints, per cell, the medians over rounds of output tok/s, TTFT p50/p95 and ITL p50/p95 for both, and the
 ratios node / server (tok/s: higher is better; TTFT: lower is better).
 
     python tools/bench/bench_guidellm.py [--model PATH] [--prompt-tokens 128 512 2048] [--concurrency 1 4 8 16]
@@ -52,7 +52,7 @@ def measure(exe: Path, url: str, model: str, api_key: str, tokenizer: Path, prom
            "--override", "profile.streams", ",".join(map(str, concurrency)),
            "--constraint", f"kind=max_requests,count={requests}",
            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--warmup", "2",
+           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
            "--output", f"kind=json,path={out}", "--disable-progress"]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "2"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -96,6 +96,9 @@ def main() -> int:
             node_id = httpx.get(node.url + "/v1/models", headers={"Authorization": f"Bearer {node.token}"}).json()
             sides = {"node": (node.url, node_id["data"][0]["id"], node.token),
                      "server": (f"http://127.0.0.1:{port}", str(model), "")}
+            for url, name, key in sides.values():
+                httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key or 0}"}, timeout=120,
+                           json={"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
             for r in range(a.rounds):
                 order = ["node", "server"] if r % 2 == 0 else ["server", "node"]
                 for p in a.prompt_tokens:
