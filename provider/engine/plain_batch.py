@@ -16,7 +16,6 @@ what it does not do:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,15 +23,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from .. import logs
 from ..jobs import Event, Sink
 from ..models.loader import LoadedModel
 from ..types import FinishReason
 from .logprobs import LogprobRequest, PromptScorer, log_softmax, pick, read, texts_for
 from .output import JobOutput
-from .prefix_cache import COMPLETION, SYSTEM, PrefixCache
-
-log = logs.get("engine")
+from .prefix_cache import SYSTEM, PrefixCache
 
 
 @dataclass
@@ -133,21 +129,15 @@ class PlainBatch:
         # The step committed: only now do ended rows leave, so a failure above loses none of them.
         for row, r in dropped:
             self._forget(row)
-            self._store(r.all_tokens, r.prompt_cache)
+            self.prefix.store(r.all_tokens, r.prompt_cache)
         if ended:
             caches = self._gen.remove([r.uid for _, r in ended], return_prompt_caches=True)
             for row, r in ended:
                 self._forget(row)
                 cache, tokens = caches.get(r.uid, (None, None))
                 if cache:
-                    self._store(tokens, cache)
+                    self.prefix.store(tokens, cache)
         return out
-
-    def _store(self, tokens, cache, kind: str = COMPLETION) -> None:
-        try:
-            self.prefix.store(tokens, cache, kind)
-        except Exception:  # keeping a prefix is an optimisation: its failure costs no job
-            log.exception("prefix_store_failed", model=self.model_id)
 
     def faults(self) -> list[tuple[Row, BaseException]]:
         """Rows whose sampler, logits processor or output raised in the last step; removed from the batch."""
@@ -207,7 +197,7 @@ class PlainBatch:
                 return [(row, row.output.finish(FinishReason.LENGTH))]
             prompt = joining["prompt"]
             if joining["shared_prefix"] >= len(prompt) - 1:  # its choices to come reuse the prompt's KV
-                self._store(prompt[:-1], copy.deepcopy(scorer.cache), SYSTEM)
+                self.prefix.share(prompt[:-1], scorer.cache)
             self._insert(row, prompt, scorer.cache, len(prompt) - 1, joining["sampler"], joining["processors"], 0)
         except Exception as e:  # this prompt's scoring fails its own job
             self._scoring.pop(row.output.job.id, None)

@@ -15,10 +15,15 @@ share counted again: a bound, not an estimate).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from .. import logs
+
+log = logs.get("engine")
 
 # Kinds, evicted in this order when the cache is over its bound: finished completions first, shared system
 # prompts last (they are what the next request of every chat reuses).
@@ -89,11 +94,20 @@ class PrefixCache:
         return (cache, cached) if cached > 0 else (None, 0)
 
     def store(self, tokens: list[int], cache: list[Any], kind: str = COMPLETION) -> None:
+        """Keep `cache` (the KV of `tokens`) for reuse. Never raises: keeping a prefix is an optimisation, and
+        its failure costs no job."""
         if self.max_bytes <= 0 or not tokens or not cache:
             return
-        owned(cache)
-        self._lru.insert_cache(self.model_id, list(tokens), cache, cache_type=kind)
-        self.trim_to(self.max_bytes)  # mlx-lm bounded the KV alone
+        try:
+            owned(cache)
+            self._lru.insert_cache(self.model_id, list(tokens), cache, cache_type=kind)
+            self.trim_to(self.max_bytes)  # mlx-lm bounded the KV alone
+        except Exception:
+            log.exception("prefix_store_failed", model=self.model_id)
+
+    def share(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keep a copy of the caches of a row still using them (a prompt just read, for the choices to come)."""
+        self.store(tokens, copy.deepcopy(cache), SYSTEM)
 
     def trim_to(self, max_bytes: int) -> int:
         """Drop least recently used entries until at most `max_bytes` remain; return the bytes freed."""

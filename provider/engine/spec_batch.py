@@ -13,23 +13,18 @@ with their caches (`demote`), and continue there exactly.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
-from .. import logs
 from ..jobs import Event, Sink
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from .acceptance import choice_for
 from .output import JobOutput
-from .prefix_cache import COMPLETION, SYSTEM, PrefixCache
+from .prefix_cache import COMPLETION, PrefixCache
 from .drafters import drafter_for
 from .logprobs import LogprobRequest
 from .spec_rounds import SpecRow, Speculator
 from ..telemetry import SpecTelemetry
-
-
-log = logs.get("engine")
 
 
 @dataclass
@@ -79,8 +74,8 @@ class SpecBatch:
             self._speculator.read(reading.spec, self._chunk_beside_decoding if decoding else self._chunk_alone)
         starting = [row for row in self._rows.values() if row.spec.reading and row.spec.read_all_but_last]
         for row in starting:
-            if row.output.job.share_prompt:  # the first of n choices: the others take its prompt's KV
-                self._share_prompt(row)
+            if row.output.job.share_prompt:  # the first of n choices: the others take its prompt's KV, which
+                self.prefix.share(row.spec.prompt[:-1], row.spec.caches)  # is all of it but the last token now
         if starting:  # their last prompt tokens in one forward, which gives each its first token
             for row, first in zip(starting, self._speculator.begin([row.spec for row in starting])):
                 out.append((row, self._emit(row, [first], ended)))
@@ -93,13 +88,6 @@ class SpecBatch:
         for row in ended:  # the step committed: only now do ended rows leave, so a failure above loses none
             self._end(row)
         return out
-
-    def _share_prompt(self, row: Row) -> None:
-        """Keep a copy of the row's caches, which now hold all of its prompt but the last token."""
-        try:
-            self.prefix.store(row.spec.prompt[:-1], copy.deepcopy(row.spec.caches), SYSTEM)
-        except Exception:  # keeping a prefix is an optimisation: its failure costs no job
-            log.exception("prefix_store_failed", model=self.model_id)
 
     def _emit(self, row: Row, tokens: list[int], ended: list[Row]) -> list[Event]:
         events: list[Event] = []
