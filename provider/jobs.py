@@ -134,10 +134,7 @@ class SamplingParams:
         """These params against the model they will reach: every token id inside its vocabulary (native code
         indexes with them and crashes rather than raising), and top_k >= the vocabulary meaning no top-k."""
         for param, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise _invalid(param, f"has token id {short(bad[0])}, outside this model's vocabulary of "
-                                      f"{vocab_size} (ids 0 to {vocab_size - 1})")
+            check_vocabulary(param, ids, vocab_size)
         return replace(self, top_k=0) if self.top_k >= vocab_size else self
 
     @property
@@ -147,6 +144,14 @@ class SamplingParams:
     @property
     def top_logprobs(self) -> int:
         return self.logprobs or 0
+
+
+def check_vocabulary(param: str, ids, vocab_size: int) -> None:
+    """Every id inside the model's vocabulary: native code indexes with them and crashes rather than raising."""
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise _invalid(param, f"has token id {short(bad)}, outside this model's vocabulary of {vocab_size} "
+                              f"(ids 0 to {vocab_size - 1})")
 
 
 def resolve_max_tokens(value: Any, default: int, limit: int, least: int = 1) -> int:

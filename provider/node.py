@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 from . import logs
 from .engine import profile
 from .engine.scheduler import Engine
-from .jobs import TERMINAL, Event, Job, JobError, Tokens
+from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
 from .types import Cause, ModelId
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
 from .models import store
@@ -235,10 +235,7 @@ class Node:
     async def detokenize(self, model: str, ids: list[int]) -> str:
         """`ids` as text under `model`'s tokenizer; JobError for an id outside its vocabulary."""
         m = await asyncio.to_thread(self.prompts.tokenizer, self.resolve_model(model))
-        beyond = next((t for t in ids if t >= m.vocab_size), None)
-        if beyond is not None:
-            raise JobError(Cause.INVALID_REQUEST, f"token id {beyond} is outside the vocabulary of "
-                                                  f"{m.vocab_size} (ids 0 to {m.vocab_size - 1})", "tokens")
+        check_vocabulary("tokens", ids, m.vocab_size)
 
         def decode() -> str:
             with m.lock:

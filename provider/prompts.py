@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import logs
 from .engine.grammar import Compiler, lark_for
-from .jobs import Job, JobError
+from .jobs import Job, JobError, check_vocabulary
 from .models.tool_format import ToolFormat, tool_format_for
 from .types import Cause
 
@@ -145,10 +145,9 @@ class PromptPreparer:
             # each computes to take its first token); otherwise the leading system messages, for other chats.
             shared = len(ids) - 1 if job.share_prompt and len(ids) > 1 else \
                 system_prefix_length(messages, tools, m.tokenizer, ids)
+        if job.prompt_ids is not None:
+            check_vocabulary("prompt", ids, m.vocab_size)
         beyond = next((t for t in ids if t >= m.vocab_size), None)
-        if beyond is not None and job.prompt_ids is not None:
-            raise JobError(Cause.INVALID_REQUEST, f"prompt has token id {beyond}, outside {job.model}'s vocabulary "
-                                                  f"of {m.vocab_size} (ids 0 to {m.vocab_size - 1})", "prompt")
         if beyond is not None:  # an embedding lookup past the table's rows crashes native code
             raise JobError(
                 Cause.INVALID_REQUEST,

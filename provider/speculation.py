@@ -230,7 +230,7 @@ def ineligibility(sampling: SamplingFacts) -> SpecReason | None:
     with them decodes plain."""
     if sampling.has_logits_processors:
         return SpecReason.INELIGIBLE_LOGITS_PROCESSORS
-    if getattr(sampling, "prompt_logprobs", False):  # its prompt is scored where the plain batch reads it
+    if sampling.prompt_logprobs:  # its prompt is scored where the plain batch reads it
         return SpecReason.INELIGIBLE_PROMPT_LOGPROBS
     return None
 

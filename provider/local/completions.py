@@ -150,9 +150,7 @@ class _Reply:
         if self.echoes is None or index in self._echoed:
             return None
         self._echoed.add(index)
-        text = self.echoes[index // self.req.n]
-        chunk = self.chunk(index, text, self._prompt_lps(index) if self.req.logprobs else [])
-        return chunk
+        return self.chunk(index, self.echoes[index // self.req.n], self._prompt_lps(index) if self.req.logprobs else [])
 
     def chunk(self, index: int, text: str, lps: list[TokenLogprob]) -> dict[str, Any]:
         logprobs = lps if self.req.logprobs else None

@@ -83,9 +83,7 @@ def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
         raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
     wants = _bool(body, "logprobs", False)
-    top = _given(body, "top_logprobs", None)
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise RequestError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+    top = _given(body, "top_logprobs", None)  # its bounds are SamplingParams' (which names top_logprobs)
     if top is not None and not wants:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     return _finish(body, job_id, limits, [{"messages": parsed}], logprobs=(top or 0) if wants else None)
