@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 
 from . import logs
 from .engine import profile
+from .engine.prefill_plan import step_tokens
 from .engine.scheduler import Engine
 from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
 from .types import Cause, ModelId
@@ -115,9 +116,14 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         max_resident=settings.max_resident_models,
         idle_timeout=settings.idle_timeout_s,
         kv_reserve_tokens=settings.kv_reserve_tokens,
-        prefill_step=settings.prefill_step_size,
+        prefill_step=node_step_tokens(settings),
         speculation=SpeculationConfig.of(settings),
     )
+
+
+def node_step_tokens(settings: Settings) -> int:
+    """Tokens per engine step (prefill_plan): the configured prefill_step_size, or the device's default."""
+    return step_tokens(settings.prefill_step_size, system_facts().backend)
 
 
 class Node:
@@ -130,7 +136,7 @@ class Node:
             models,
             max_concurrent=settings.max_concurrent_jobs,
             max_queued=settings.max_queued_jobs,
-            prefill_step_size=settings.prefill_step_size,
+            step_tokens=node_step_tokens(settings),
             prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)),
         )
         self.catalog = models.catalog

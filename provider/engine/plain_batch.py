@@ -1,5 +1,6 @@
 """One model's running jobs, advanced together: each `step()` is one batched decode forward over every
-decoding row plus at most one prefill chunk of the rows still reading their prompts.
+decoding row plus at most one prefill forward over the prompts being read, within the step's token budget
+(provider.engine.prefill_plan decides whose prompt and how much).
 
 The batching is mlx-lm's `BatchGenerator` (batch KV caches with left padding, rotating caches for sliding
 windows, rows joining and leaving between steps, per-row samplers and logits processors). Around it, for
@@ -28,7 +29,10 @@ from ..models.loader import LoadedModel
 from ..types import FinishReason
 from .logprobs import LogprobRequest, PromptScorer, log_softmax, pick, read, texts_for
 from .output import JobOutput
+from .prefill_plan import plan_prefill
 from .prefix_cache import SYSTEM, PrefixCache
+
+QUEUED, READING, DECODING = "queued", "reading", "decoding"  # a row's stage in the generator
 
 
 @dataclass
@@ -43,20 +47,20 @@ class Row:
     raw: deque = field(default_factory=deque)  # raw logits recorded by its tap, oldest first (one per token)
     scorer: PromptScorer | None = None  # its prompt is being scored, before it joins the generator
     joining: dict | None = None  # how it joins the generator once scored
+    stage: str = QUEUED
+    left: int = 0  # prompt tokens still to read (the last one is read by its first decode)
 
 
 class PlainBatch:
-    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, prefill_step_size: int, max_rows: int,
+    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, step_tokens: int, max_rows: int,
                  prefill_rows: int = 8):
         self.model_id = lm.id
         self.lm = lm
         self.prefix = prefix
-        self._gen = BatchGenerator(lm.model, completion_batch_size=max_rows, prefill_batch_size=min(prefill_rows,
-                                   max_rows), prefill_step_size=prefill_step_size)
-        # While rows decode, prompts are read in quarter chunks: a stream then waits a quarter of a chunk for
-        # each prefill step, not a whole one; with nobody decoding, whole chunks read the prompt fastest.
-        self._chunk_alone = prefill_step_size
-        self._chunk_beside_decoding = max(16, prefill_step_size // 4)
+        self._budget = step_tokens
+        self._prefill_rows = min(prefill_rows, max_rows)
+        self._gen = BatchGenerator(lm.model, completion_batch_size=max_rows, prefill_batch_size=self._prefill_rows,
+                                   prefill_step_size=step_tokens)
         self._rows: dict[int, Row] = {}
         self._by_job: dict[str, int] = {}
         self._scoring: dict[str, Row] = {}  # by job id: rows whose prompts are being scored, in arrival order
@@ -99,15 +103,18 @@ class PlainBatch:
             logits_processors=[[_guarded_processor(p, row) for p in processors or ()]],
             stop_sequences=[StopSequences([[t] for t in sorted(output.end_ids)])])[0]
         row.shared_prefix = shared_prefix if len(segments) == 2 else 0
+        row.stage, row.left = QUEUED, len(rest) - 1
         self._rows[row.uid] = row
         self._by_job[output.job.id] = row.uid
 
     def step(self) -> list[tuple[Row, list[Event]]]:
         """One generator step; the events of every row that produced something."""
-        decoding = any(row.output.t_first is not None for row in self._rows.values())
-        self._gen.prefill_step_size = self._chunk_beside_decoding if decoding else self._chunk_alone
-        out = self._score(self._gen.prefill_step_size)
+        out = self._score(self._plan())
         prompt_responses, gen_responses = self._gen.next()
+        for r in prompt_responses:
+            if (row := self._rows.get(r.uid)) is not None:
+                done, total = r.progress
+                row.stage, row.left = (DECODING, 0) if r.end_of_prompt else (READING, max(0, total - done - 1))
         self._keep_system_prefixes(prompt_responses)
         logprobs = self._logprobs(gen_responses)
         dropped, ended = [], []  # rows the generator removed itself; rows a stop string ended
@@ -178,6 +185,18 @@ class PlainBatch:
     def _forget(self, row: Row) -> None:
         self._rows.pop(row.uid, None)
         self._by_job.pop(row.output.job.id, None)
+
+    def _plan(self) -> int:
+        """Set what the generator reads this step (prefill_plan); the tokens a scored prompt may read."""
+        by_stage: dict[str, list[int]] = {QUEUED: [], READING: [], DECODING: []}
+        for row in self._rows.values():  # in insertion order: the generator's queue is first come, first served
+            by_stage[row.stage].append(row.left)
+        scoring = next(iter(self._scoring.values()), None)
+        reading = by_stage[READING] + ([len(scoring.scorer.prompt) - 1 - scoring.scorer.read] if scoring else [])
+        plan = plan_prefill(reading, by_stage[QUEUED], len(by_stage[DECODING]), self._budget)
+        self._gen.prefill_batch_size = len(by_stage[READING]) + min(plan.join, self._prefill_rows)
+        self._gen.prefill_step_size = plan.chunk
+        return plan.chunk
 
     def _score(self, chunk: int) -> list[tuple[Row, list[Event]]]:
         """One chunk of the oldest scored prompt; once read, the row joins the generator (or, asked for no

@@ -45,8 +45,8 @@ log = logs.get("engine")
 
 
 class Running:
-    def __init__(self, stats: QueueStatus, *, prefill_step_size: int, max_rows: int, prefix_cache_bytes: int):
-        self._prefill_step_size = prefill_step_size
+    def __init__(self, stats: QueueStatus, *, step_tokens: int, max_rows: int, prefix_cache_bytes: int):
+        self._step_tokens = step_tokens
         self._max_rows = max_rows
         self._prefix_cache_bytes = prefix_cache_bytes
         self._batches: dict[str, PlainBatch] = {}  # by model id: the jobs that decode together
@@ -105,8 +105,8 @@ class Running:
             return kv
         # The plain batch reads up to PREFILL_ROWS prompts in one forward, the speculative batch one at a time;
         # the model's own footprint already holds one chunk of one row's scratch.
-        scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, self._prefill_step_size, PREFILL_ROWS),
-                      prefill_transient_bytes(spec.reading, lm.act_shape, self._prefill_step_size, 1))
+        scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, self._step_tokens, PREFILL_ROWS),
+                      prefill_transient_bytes(spec.reading, lm.act_shape, self._step_tokens, 1))
         return kv + max(0, scratch - lm.act_reserve) + (SCORE_SCRATCH_BYTES if plain.scoring else 0)
 
     # --- starting -----------------------------------------------------------------
@@ -134,7 +134,7 @@ class Running:
         if plan.on:
             spec = self._speculating.get(lm.id)
             if spec is None:
-                spec = self._speculating[lm.id] = SpecBatch(lm, prefix, prefill_step_size=self._prefill_step_size)
+                spec = self._speculating[lm.id] = SpecBatch(lm, prefix, step_tokens=self._step_tokens)
             spec.add(output, sink, prompt, plan, cache=cache, cached=cached)
         else:
             self._add_plain(lm, output, sink, prompt, cache, shared_prefix=shared_prefix)
@@ -158,7 +158,7 @@ class Running:
     def _plain_batch(self, lm: LoadedModel) -> PlainBatch:
         batch = self._batches.get(lm.id)
         if batch is None:
-            batch = self._batches[lm.id] = PlainBatch(lm, self._prefix[lm.id], prefill_step_size=self._prefill_step_size,
+            batch = self._batches[lm.id] = PlainBatch(lm, self._prefix[lm.id], step_tokens=self._step_tokens,
                                                       max_rows=self._max_rows, prefill_rows=PREFILL_ROWS)
         return batch
 

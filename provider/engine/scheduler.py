@@ -59,7 +59,7 @@ _WAKE = object()  # a prompt or a model became ready: look at the queue again
 
 
 class Engine:
-    def __init__(self, models: Residency, *, max_concurrent: int, max_queued: int, prefill_step_size: int,
+    def __init__(self, models: Residency, *, max_concurrent: int, max_queued: int, step_tokens: int,
                  prefix_cache_bytes: int = 0):
         self.models = models
         self._max_concurrent = max_concurrent
@@ -72,7 +72,7 @@ class Engine:
         self._booked_models: set[str] = set()
         self._last_step: dict[str, int] = {}
         self._floor: dict[str, int] = {}
-        self._running = Running(self.stats, prefill_step_size=prefill_step_size, max_rows=max_concurrent,
+        self._running = Running(self.stats, step_tokens=step_tokens, max_rows=max_concurrent,
                                 prefix_cache_bytes=prefix_cache_bytes)
         self._next_idle_check = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)

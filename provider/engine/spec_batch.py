@@ -20,6 +20,7 @@ from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from .acceptance import choice_for
 from .output import JobOutput
+from .prefill_plan import prefill_tokens
 from .prefix_cache import COMPLETION, PrefixCache
 from .drafters import drafter_for
 from .logprobs import LogprobRequest
@@ -37,15 +38,14 @@ class Row:
 
 
 class SpecBatch:
-    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, prefill_step_size: int):
+    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, step_tokens: int):
         self.model_id = lm.id
         self.lm = lm
         self._profile = lm.spec_profile
         self._decodable = lm.decodable
         self._speculator = Speculator(lm.model, drafter_for(lm))
         self.prefix = prefix
-        self._chunk_alone = prefill_step_size
-        self._chunk_beside_decoding = max(16, prefill_step_size // 4)  # as the plain batch reads beside decoding
+        self._budget = step_tokens  # shared with the decoding rows, as in the plain batch (prefill_plan)
         self._rows: dict[str, Row] = {}  # by job id, in arrival order
 
     def __len__(self) -> int:
@@ -71,7 +71,7 @@ class SpecBatch:
         decoding = [row for row in self._rows.values() if not row.spec.reading]
         reading = next((row for row in self._rows.values() if not row.spec.read_all_but_last), None)
         if reading is not None:
-            self._speculator.read(reading.spec, self._chunk_beside_decoding if decoding else self._chunk_alone)
+            self._speculator.read(reading.spec, prefill_tokens(self._budget, len(decoding)))
         starting = [row for row in self._rows.values() if row.spec.reading and row.spec.read_all_but_last]
         for row in starting:
             if row.output.job.share_prompt:  # the first of n choices: the others take its prompt's KV, which

@@ -2,8 +2,10 @@
 profile (each stream sends its next request as soon as its last one ends) with synthetic prompts.
 
 guidellm runs from a venv of its own (created on first use in --venv: `pip install guidellm==0.8.1`, about
-6 GB with its CUDA torch; never a node dependency). Both servers serve the same checkpoint with the same
-prefill step (the bundled model unless --model) and are measured alternately, the first one swapped every
+6 GB with its CUDA torch; never a node dependency). Both servers serve the same checkpoint (the bundled
+model unless --model), each at its own default prefill step unless told (--node-prefill-step: the node's step
+budget, 0 for its device default; --server-prefill-step: mlx_lm.server's, 2048 by default), and are measured
+alternately, the first one swapped every
 round; each (prompt length, concurrency) cell gets --requests requests per round. It
 warms both servers first (a short request each); prints, per cell, the medians over rounds of output tok/s, TTFT p50/p95 and ITL p50/p95 for both, and the
 ratios node / server (tok/s: higher is better; TTFT: lower is better).
@@ -79,7 +81,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=32, help="requests per cell and round, warmup included")
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--node-prefill-step", type=int, default=0)
+    ap.add_argument("--server-prefill-step", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "provider-guidellm-venv")
     a = ap.parse_args()
@@ -88,10 +91,10 @@ def main() -> int:
     runs: dict[tuple[str, int, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        node = LocalServer(model, home, env={"PROVIDER_PREFILL_STEP_SIZE": str(a.prefill_step),
+        node = LocalServer(model, home, env={"PROVIDER_PREFILL_STEP_SIZE": str(a.node_prefill_step),
                                              "PROVIDER_MAX_CONCURRENT_JOBS": str(max(a.concurrency))})
         port = free_port()
-        server = start_mlx_lm_server(model, port, a.prefill_step, home / "mlx_lm_server.log")
+        server = start_mlx_lm_server(model, port, a.server_prefill_step, home / "mlx_lm_server.log")
         try:
             node_id = httpx.get(node.url + "/v1/models", headers={"Authorization": f"Bearer {node.token}"}).json()
             sides = {"node": (node.url, node_id["data"][0]["id"], node.token),
@@ -113,7 +116,8 @@ def main() -> int:
             server.terminate()
             node.stop()
     print(f"model {model.name}; guidellm {GUIDELLM.split('==')[1]}, concurrent profile, {a.output_tokens} output "
-          f"tokens, {a.requests} requests a cell; medians of {a.rounds} alternating rounds; times in ms")
+          f"tokens, {a.requests} requests a cell; medians of {a.rounds} alternating rounds; prefill step node "
+          f"{a.node_prefill_step or 'default'}, server {a.server_prefill_step}; times in ms")
     print(f"{'prompt':>6} {'c':>3}  " + "  ".join(f"{k + ' node/server':>28}" for k in METRICS))
     for p in a.prompt_tokens:
         for c in a.concurrency:
