@@ -31,9 +31,12 @@ def step_tokens(configured: int, backend: str) -> int:
 
 
 def prefill_tokens(budget: int, decoding: int) -> int:
-    """Prompt tokens a step reads beside `decoding` rows: what they leave of the budget, never less than a
-    quarter of it (with many rows decoding, prompts still move)."""
-    return max(budget - decoding, budget // 4, 1)
+    """Prompt tokens a step reads: the whole budget alone; beside `decoding` rows, half of it less a token for
+    each of them (their stream waits for the step), never less than a quarter (with many rows decoding,
+    prompts still move)."""
+    if not decoding:
+        return budget
+    return max(budget // 2 - decoding, budget // 4, 1)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The node vs `mlx_lm.server` on the same model, same machine, same run: what a user would run instead.
 
-Both servers run at once on loopback with the same prefill step; each measurement alternates between them,
+Both servers run at once on loopback, the node at its own step budget (--node-prefill-step, 0: its device
+default) and mlx_lm.server at --server-prefill-step (256: the finer of its usual steps, which makes its stalls
+shortest); each measurement alternates between them,
 `--rounds` times, and the median of each side is printed.
 
 - throughput: aggregate completion tokens/s with c concurrent clients (default sampling, T = 1.0);
@@ -163,7 +165,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=16, help="requests per throughput run")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens per throughput request")
-    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--node-prefill-step", type=int, default=0)
+    ap.add_argument("--server-prefill-step", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -171,16 +174,17 @@ def main() -> int:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        node_proc = LocalServer(model, home, "--no-auth", env={"PROVIDER_PREFILL_STEP_SIZE": str(args.prefill_step)})
+        node_proc = LocalServer(model, home, "--no-auth", env={"PROVIDER_PREFILL_STEP_SIZE": str(args.node_prefill_step)})
         port = free_port()
-        server_proc = start_mlx_lm_server(model, port, args.prefill_step, home / "mlx_lm_server.log")
+        server_proc = start_mlx_lm_server(model, port, args.server_prefill_step, home / "mlx_lm_server.log")
         try:
             node_id = httpx.get(node_proc.url + "/v1/models").json()["data"][0]["id"]
             node = Server("node", node_proc.url, node_id, {})
             server = Server("mlx_lm.server", f"http://127.0.0.1:{port}", str(model), {})
             for s in (node, server):  # warm both up
                 s.complete("warm up", 4)
-            print(f"model {model.name}; prefill step {args.prefill_step}; {os.cpu_count()} cores")
+            print(f"model {model.name}; prefill step node {args.node_prefill_step or 'default'}, server "
+                  f"{args.server_prefill_step}; {os.cpu_count()} cores")
             print(f"{'measure':34} {'node':>10} {'mlx_lm.server':>14} {'node/server':>12}")
 
             def row(name, measure, fmt="{:.2f}"):
