@@ -11,11 +11,11 @@ def test_the_budget_is_the_configured_one_or_the_devices():
     assert step_tokens(3, "metal") == 16  # a forward of a few tokens would read a prompt forever
 
 
-def test_decoding_rows_take_their_share_of_the_budget_but_prompts_still_move():
+def test_beside_decoding_rows_a_step_reads_half_the_budget_and_more_as_they_grow():
     assert prefill_tokens(128, 0) == 128
-    assert prefill_tokens(128, 1) == 63
-    assert prefill_tokens(128, 8) == 56
-    assert prefill_tokens(128, 200) == 32
+    assert prefill_tokens(128, 1) == 68
+    assert prefill_tokens(128, 8) == 96
+    assert prefill_tokens(128, 200) == 128
 
 
 def test_arrivals_are_read_one_after_another_each_to_its_end():
@@ -26,13 +26,13 @@ def test_arrivals_are_read_one_after_another_each_to_its_end():
     # it is read: it gives its first token before the next prompt's forward delays it
     assert plan_prefill([0], [511, 511, 511], 0, 128) == PrefillPlan(0, 128)
     # then the next, beside the first one decoding
-    assert plan_prefill([], [511, 511, 511], 1, 128) == PrefillPlan(1, 63)
+    assert plan_prefill([], [511, 511, 511], 1, 128) == PrefillPlan(1, 68)
 
 
 def test_short_prompts_that_all_end_within_the_step_are_read_together():
     assert plan_prefill([], [30, 30, 30, 30, 500], 0, 128) == PrefillPlan(4, 32)
     assert plan_prefill([], [30, 60, 10], 0, 128) == PrefillPlan(2, 64)  # 3 x 60 padded would pass the budget
-    assert plan_prefill([], [0, 0, 0], 4, 128) == PrefillPlan(3, 20)  # prefix hits: nothing left to read
+    assert plan_prefill([], [0, 0, 0], 4, 128) == PrefillPlan(3, 26)  # prefix hits: nothing left to read
 
 
 def test_prompts_read_together_share_the_budget():
@@ -40,4 +40,4 @@ def test_prompts_read_together_share_the_budget():
 
 
 def test_nothing_queued_nothing_joins():
-    assert plan_prefill([], [], 5, 128) == PrefillPlan(0, 59)
+    assert plan_prefill([], [], 5, 128) == PrefillPlan(0, 84)

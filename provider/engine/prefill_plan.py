@@ -1,17 +1,21 @@
 """How much prompt a batch reads in one engine step, and whose: a pure decision over token counts.
 
-One token budget per step is shared by the rows that decode (a token each) and the prompts being read
-(vLLM's `max_num_batched_tokens`). On a CPU a forward's cost grows with its tokens, so the budget is also the
-step's length: the time a decoding stream waits for its next token while others prefill. Prompts are read
-first come, first served and each to its end before the next one starts (several at once only when they all
-end within the step): of four prompts arriving together, the first then gets its first token after a quarter
-of the reading, not after all of it, and nothing is read twice. A prompt whose reading just ended is let out
-for its first token before anything new is read, since that reading would delay its token by a whole step.
+Each step is one decode forward over the decoding rows and one forward over the prompts being read, within
+a token budget (vLLM's `max_num_batched_tokens`, adapted: here decode and prefill are separate forwards).
+Prompts are read first come, first served, each to its end before the next starts (several in one forward
+only when all of them end within the step): of four prompts arriving together the first gets its first
+token after a quarter of the reading, not after all of it. A prompt just read is let out for its first token
+before anything new is read, which would delay that token by a whole step.
 
-Measured on this project's 2-core CPU (the bundled Gemma 4 demo, `tools/bench/bench_guidellm.py`, see
-docs/benchmarks.md): reading a 512-token prompt in 128-token forwards takes 2.16 s, in one 512-token forward
-2.48 s (attention over a longer chunk costs more than the per-forward overhead it saves); so the CPU budget
-is 128. On a GPU a forward of a few hundred tokens costs little more than one of a few, so the budget is 512.
+Why these numbers (this project's 2-core CPU, the bundled model; docs/benchmarks.md):
+- a prompt forward's cost is linear in its tokens from 16 to 128 (about 3.8 ms a token), and a longer
+  chunk costs more a token (512 tokens in one forward 2.48 s, in 128-token forwards 2.16 s): so on a CPU
+  the budget is 128, alone and in total; on a GPU, where a forward of a few hundred tokens costs about as
+  much as one of a few, it is 512;
+- beside decoding rows a step reads half the budget, so a lone stream waits about 0.16 s while a long prompt
+  is read (`tools/bench/bench_vs_server.py`: a quarter of mlx_lm.server's wait at prefill step 256), and 4
+  more tokens for each decoding row up to the whole budget: every decode forward pays a fixed ~10 ms, and
+  with 16 rows decoding fewer, larger reads took 23% fewer steps and 3% more tokens a second.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ def step_tokens(configured: int, backend: str) -> int:
 
 
 def prefill_tokens(budget: int, decoding: int) -> int:
-    """Prompt tokens a step reads: the whole budget alone; beside `decoding` rows, half of it less a token for
-    each of them (their stream waits for the step), never less than a quarter (with many rows decoding,
-    prompts still move)."""
+    """Prompt tokens a step reads: the whole budget when nothing decodes; beside decoding rows, half of it,
+    and 4 more for each of them up to the whole budget. Half keeps a lone stream's wait short while another
+    prompt is read; with many rows decoding, each step's decode forward costs more (a fixed part every
+    forward pays), so fewer, larger reads waste less of it."""
     if not decoding:
         return budget
-    return max(budget // 2 - decoding, budget // 4, 1)
+    return min(budget, budget // 2 + 4 * decoding)
 
 
 @dataclass(frozen=True)

@@ -293,6 +293,21 @@ def make_llama_kv_heavy(out: Path) -> None:
     _save(out, config, _random_weights(config, seed=5))
 
 
+def make_llama_100m(out: Path) -> None:
+    """A ~100M-parameter Llama (768 wide, 12 layers, float32: MLX's CPU backend runs bf16 about 10x slower) for
+    load benchmarks, not for the suite. Its random head is sharpened and never picks an end token, so every
+    request runs to its max_tokens on any server."""
+    ids = build_tokenizer(_mkdir(out), 512, CHATML_TEMPLATE, "<eos>", add_bos=True)
+    config = _llama_config(ids, 512, 768, 12) | {"intermediate_size": 2816, "num_attention_heads": 12,
+                                                  "num_key_value_heads": 4, "head_dim": 64,
+                                                  "max_position_embeddings": 4096}
+    weights = _random_weights(config, seed=6)
+    head = weights["lm_head.weight"] * 5.0
+    head[mx.array(config["eos_token_id"])] = 0.0
+    weights["lm_head.weight"] = head
+    _save(out, config, weights)
+
+
 def make_qwen3_tiny(out: Path) -> None:
     ids = build_tokenizer(_mkdir(out), 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
     config = {

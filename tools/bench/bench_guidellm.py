@@ -2,16 +2,17 @@
 profile (each stream sends its next request as soon as its last one ends) with synthetic prompts.
 
 guidellm runs from a venv of its own (created on first use in --venv: `pip install guidellm==0.8.1`, about
-6 GB with its CUDA torch; never a node dependency). Both servers serve the same checkpoint (the bundled
-model unless --model), each at its own default prefill step unless told (--node-prefill-step: the node's step
-budget, 0 for its device default; --server-prefill-step: mlx_lm.server's, 2048 by default), and are measured
-alternately, the first one swapped every
-round; each (prompt length, concurrency) cell gets --requests requests per round. It
-warms both servers first (a short request each); prints, per cell, the medians over rounds of output tok/s, TTFT p50/p95 and ITL p50/p95 for both, and the
-ratios node / server (tok/s: higher is better; TTFT: lower is better).
+6 GB with its CUDA torch; never a node dependency). Both servers serve the same checkpoint: the bundled model,
+a directory, or `llama-100m` (a ~100M-parameter Llama the fixture factory builds here). Each runs at its own
+default prefill step unless told (--node-prefill-step: the node's step budget, 0 for its device default;
+--server-prefill-step: mlx_lm.server's, 2048 by default). They are measured alternately, the first one
+swapped every round; each (prompt length, concurrency) cell gets --requests requests per round, after a short
+warm-up request to each. Printed per cell: the medians over rounds of output tok/s, TTFT p50/p95 and ITL
+p50/p95 (guidellm's: a request's mean gap between tokens) for both, and the ratios node / server (tok/s:
+higher is better; the others: lower is better).
 
-    python tools/bench/bench_guidellm.py [--model PATH] [--prompt-tokens 128 512 2048] [--concurrency 1 4 8 16]
-                                         [--requests 32] [--output-tokens 32] [--rounds 3] [--venv DIR]
+    python tools/bench/bench_guidellm.py [--model PATH | llama-100m] [--prompt-tokens 128 512 2048]
+                                         [--concurrency 1 4 8 16] [--requests 32] [--output-tokens 32] [--rounds 3] [--venv DIR]
 """
 
 from __future__ import annotations
@@ -30,11 +31,22 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.models.default import ensure_default_model  # noqa: E402
+from provider.models.fixtures import make_llama_100m  # noqa: E402
 from tools.bench.bench_vs_server import free_port, start_mlx_lm_server  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 
 GUIDELLM = "guidellm==0.8.1"
 METRICS = ("tok/s", "ttft p50", "ttft p95", "itl p50", "itl p95")
+
+
+BUILT = {"llama-100m": make_llama_100m}  # --model NAME: built locally by the fixture factory
+
+
+def built_model(name: str) -> Path:
+    out = Path(tempfile.gettempdir()) / f"provider-bench-{name}"
+    if not (out / "model.safetensors").exists():
+        BUILT[name](out)
+    return out
 
 
 def guidellm_venv(venv: Path) -> Path:
@@ -87,7 +99,8 @@ def main() -> int:
     ap.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "provider-guidellm-venv")
     a = ap.parse_args()
     exe = guidellm_venv(a.venv)
-    model = (a.model or ensure_default_model()).resolve()
+    model = (built_model(a.model.name) if a.model and a.model.name in BUILT else a.model or ensure_default_model()
+             ).resolve()
     runs: dict[tuple[str, int, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
