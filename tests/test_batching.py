@@ -221,3 +221,39 @@ def test_jobs_whose_kv_does_not_fit_wait_and_one_that_never_fits_is_refused(fixt
         await node.stop()
 
     run(main())
+
+
+def test_prompts_arriving_together_are_read_one_after_another(fixtures_dir):
+    """First come, first served, each prompt to its end (engine.prefill_plan): the first of three long prompts
+    submitted at once decodes while the others are read, rather than all three being read side by side and
+    starting together. Counted in tokens, not timed."""
+    node = make_node({"l": fixtures_dir / "llama-tiny"}, max_concurrent_jobs=4, prefill_step_size=16,
+                     speculation="off")
+    no_eos = tuple((t, -100.0) for t in reference.load_cached(str(fixtures_dir / "llama-tiny"))[1].eos_token_ids)
+    params = SamplingParams(max_tokens=200, temperature=0.0, logit_bias=no_eos)
+
+    async def main():
+        log: list[tuple[str, int]] = []  # (job, its tokens so far) at each Tokens event, in arrival order
+
+        async def watch(job):
+            count = 0
+            async with node.run(job) as stream:
+                async for ev in stream:
+                    assert not isinstance(ev, Error), ev
+                    if isinstance(ev, Tokens):
+                        count += len(ev.token_ids)
+                        log.append((job.id, count))
+
+        await asyncio.gather(*(watch(Job(name, "l", params, prompt=_prompt(100, salt)))
+                               for salt, name in enumerate("abc")))
+        # whichever prompt was ready first is read first; the first to start decodes while the other two are read
+        firsts = sorted((next(i for i, (job, _) in enumerate(log) if job == name), name) for name in "abc")
+        (_, first), _, (last_at, _) = firsts
+        before_last = max(count for job, count in log[:last_at] if job == first)
+        tokenizer = reference.load_cached(str(fixtures_dir / "llama-tiny"))[1]
+        shortest = min(len(tokenizer.encode(_prompt(100, salt))) for salt in range(3))
+        # a token in every step that reads the other two prompts: 2 prompts of >= shortest // 16 steps each
+        assert before_last >= 2 * (shortest // 16) - 2, (before_last, shortest)
+        await node.stop()
+
+    run(main())
