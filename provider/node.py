@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 
 from . import logs
 from .engine import profile
-from .engine.prefill_plan import step_tokens
+from .engine.prefill_plan import longest_read, step_tokens
 from .engine.scheduler import Engine
 from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
 from .types import Cause, ModelId
@@ -116,7 +116,7 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         max_resident=settings.max_resident_models,
         idle_timeout=settings.idle_timeout_s,
         kv_reserve_tokens=settings.kv_reserve_tokens,
-        prefill_step=node_step_tokens(settings),
+        prefill_step=longest_read(node_step_tokens(settings)),
         speculation=SpeculationConfig.of(settings),
     )
 

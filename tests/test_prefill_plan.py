@@ -29,6 +29,12 @@ def test_arrivals_are_read_one_after_another_each_to_its_end():
     assert plan_prefill([], [511, 511, 511], 1, 128) == PrefillPlan(1, 68)
 
 
+def test_a_prompt_a_little_over_the_step_is_read_whole():
+    assert plan_prefill([], [150], 0, 128) == PrefillPlan(1, 150)  # a 22-token tail would be a forward of its own
+    assert plan_prefill([], [170], 0, 128) == PrefillPlan(1, 128)
+    assert plan_prefill([80], [], 1, 128) == PrefillPlan(0, 80)  # 68 a step beside one decoding row, 80 <= 85
+
+
 def test_short_prompts_that_all_end_within_the_step_are_read_together():
     assert plan_prefill([], [30, 30, 30, 30, 500], 0, 128) == PrefillPlan(4, 32)
     assert plan_prefill([], [30, 60, 10], 0, 128) == PrefillPlan(2, 64)  # 3 x 60 padded would pass the budget

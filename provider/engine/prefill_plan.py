@@ -55,7 +55,9 @@ def plan_prefill(reading: list[int], queued: list[int], decoding: int, budget: i
     `queued`: the same for the prompts waiting to be read, in arrival order; `decoding`: rows decoding."""
     tokens = prefill_tokens(budget, decoding)
     active = [left for left in reading if left > 0]
-    if active:  # finish what is being read first; the budget is split among those prompts
+    if len(active) == 1:  # finish what is being read first
+        return PrefillPlan(0, _whole_if_nearly(active[0], tokens))
+    if active:  # several, read together because they fit: they share the budget
         return PrefillPlan(0, max(1, tokens // len(active)))
     if len(active) < len(reading):  # a prompt just read: its first token before any new reading
         return PrefillPlan(0, tokens)
@@ -64,4 +66,17 @@ def plan_prefill(reading: list[int], queued: list[int], decoding: int, budget: i
         if k > 1 and k * max(queued[:k]) > tokens:
             break
         join = k
-    return PrefillPlan(join, tokens // join if join > 1 else tokens)
+    if join == 1:
+        return PrefillPlan(1, _whole_if_nearly(queued[0], tokens))
+    return PrefillPlan(join, tokens // join if join else tokens)
+
+
+def longest_read(budget: int) -> int:
+    """The most prompt tokens of one row a step reads (memory books its scratch for this)."""
+    return budget + budget // 4
+
+
+def _whole_if_nearly(left: int, tokens: int) -> int:
+    """A prompt within a quarter over the step's tokens is read whole: a forward of its own for the tail would
+    pay the fixed cost of a forward (~10 ms, the cost of ~3 tokens) for a few tokens."""
+    return left if left <= tokens + tokens // 4 else tokens

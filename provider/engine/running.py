@@ -23,6 +23,7 @@ from ..prompts import CompiledGrammar
 from .grammar import GrammarProcessor, RowGrammar
 from .logprobs import SCORE_SCRATCH_BYTES
 from .plain_batch import PlainBatch
+from .prefill_plan import longest_read
 from .output import JobOutput
 from . import sampling
 from .prefix_cache import PrefixCache
@@ -105,8 +106,9 @@ class Running:
             return kv
         # The plain batch reads up to PREFILL_ROWS prompts in one forward, the speculative batch one at a time;
         # the model's own footprint already holds one chunk of one row's scratch.
-        scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, self._step_tokens, PREFILL_ROWS),
-                      prefill_transient_bytes(spec.reading, lm.act_shape, self._step_tokens, 1))
+        chunk = longest_read(self._step_tokens)
+        scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, chunk, PREFILL_ROWS),
+                      prefill_transient_bytes(spec.reading, lm.act_shape, chunk, 1))
         return kv + max(0, scratch - lm.act_reserve) + (SCORE_SCRATCH_BYTES if plain.scoring else 0)
 
     # --- starting -----------------------------------------------------------------
