@@ -110,8 +110,8 @@ class Settings:
     max_queued_jobs: int = field(default=256, metadata=_range(0, 100_000))
     max_tokens_limit: int = field(default=32768, metadata=_range(1, 1 << 20))
     default_max_tokens: int = field(default=1024, metadata=_range(1, 1 << 20))
-    # Tokens one engine step reads, shared by decoding rows and prompts (engine.prefill_plan); 0: by device,
-    # 128 on a CPU, 512 on a GPU.
+    # Prompt tokens one engine step reads (half of it, plus 4 a row, beside decoding rows: engine.prefill_plan);
+    # 0: by device, 128 on a CPU, 512 on a GPU.
     prefill_step_size: int = field(default=0, metadata=_range(0, 1 << 16))
     # KV of recent prompts kept per model for prefix reuse (dropped first when the budget needs room); 0: off.
     prefix_cache_gb: float = field(default=1.0, metadata=_range(0, 4096))
