@@ -10,8 +10,7 @@ from .jobs import JobError
 from .models import capability, loader, manifest, store
 from .models.checkpoint import read_config
 from .models.footprint import estimate_footprint
-from .engine.prefill_plan import longest_read
-from .node import node_step_tokens
+from .node import longest_prefill_read
 from .settings import Settings
 
 MiB = 1 << 20
@@ -42,7 +41,7 @@ def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
         drafter = Path(m.drafter).expanduser() if m.drafter else None  # discovery already paired one
         caps = capability.with_drafter(caps, m.path, drafter, config)
         fp = estimate_footprint(m.path, config, kv_tokens=settings.kv_reserve_tokens,
-                                prefill_step=longest_read(node_step_tokens(settings)))
+                                prefill_step=longest_prefill_read(settings))
     except Exception as e:  # a broken checkpoint is reported, not fatal to the listing
         return row | {"status": f"unreadable: {getattr(e, 'message', e)}"}
     return row | {

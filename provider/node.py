@@ -116,7 +116,7 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         max_resident=settings.max_resident_models,
         idle_timeout=settings.idle_timeout_s,
         kv_reserve_tokens=settings.kv_reserve_tokens,
-        prefill_step=longest_read(node_step_tokens(settings)),
+        prefill_step=longest_prefill_read(settings),
         speculation=SpeculationConfig.of(settings),
     )
 
@@ -124,6 +124,11 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
 def node_step_tokens(settings: Settings) -> int:
     """Tokens per engine step (prefill_plan): the configured prefill_step_size, or the device's default."""
     return step_tokens(settings.prefill_step_size, system_facts().backend)
+
+
+def longest_prefill_read(settings: Settings) -> int:
+    """The most prompt tokens one row reads in a step: what a model's footprint holds prefill scratch for."""
+    return longest_read(node_step_tokens(settings))
 
 
 class Node:

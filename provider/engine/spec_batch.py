@@ -45,7 +45,7 @@ class SpecBatch:
         self._decodable = lm.decodable
         self._speculator = Speculator(lm.model, drafter_for(lm))
         self.prefix = prefix
-        self._budget = step_tokens  # shared with the decoding rows, as in the plain batch (prefill_plan)
+        self._budget = step_tokens  # a prompt is read beside decoding rows as in the plain batch (prefill_plan)
         self._rows: dict[str, Row] = {}  # by job id, in arrival order
 
     def __len__(self) -> int:
