@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from . import logs
 from .engine.grammar import Compiler, lark_for
+from .images import ImageProcessor, VisionPrompt
 from .jobs import Job, JobError, check_vocabulary
 from .models.tool_format import ToolFormat, tool_format_for
 from .types import Cause
@@ -42,6 +43,7 @@ class Prepared:
     shared_prefix: int = 0  # tokens of the leading system messages, a prefix other chats are likely to share
     grammar: CompiledGrammar | None = None  # for a job with output rules
     tool_format: ToolFormat | None = None  # the model's, for a job that may call tools
+    vision: VisionPrompt | None = None  # a job with images: their pixels, read by the model's tower
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class PromptTokenizer:
     lock: threading.Lock  # HF fast tokenizers are not safe to call from two threads at once
     tool_format: ToolFormat
     n_vocab: int  # the widest of the logits and the tokenizer: the grammar masks' width
+    images: ImageProcessor | None = None  # the model's image processor, when it takes images
+    images_refused: str = ""  # else why not
     _compiler: list = field(default_factory=list)  # built on first use (its tokenizer takes ~1 s on big vocabularies)
 
     @property
@@ -80,7 +84,7 @@ class PromptTokenizer:
 def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptTokenizer:
     from mlx_lm.utils import load_tokenizer
 
-    from .models.capability import vocab_size
+    from .models.capability import images_refused, vocab_size
     from .models.checkpoint import context_length
 
     try:  # the same call mlx_lm.load makes, so ids and templates match the loaded model's
@@ -91,8 +95,16 @@ def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptToke
                        f"cannot load the tokenizer of {model_id}: {type(e).__name__}: {e}") from None
     declared = vocab_size(config)
     sizes = [n for n in (declared, len(vocab)) if isinstance(n, int) and n > 0]
+    images, refused = None, images_refused(config)
+    if refused is None:
+        try:
+            images = ImageProcessor(path, config, tok)
+        except ImportError:
+            refused = "the node was installed without its vision extra (pip install 'provider-node[vision]')"
+        except Exception as e:  # a processor config this code cannot read: text is still served
+            refused = f"its image processor cannot be loaded ({type(e).__name__}: {e})"
     return PromptTokenizer(tok, min(sizes), context_length(config), max((len(t) for t in vocab), default=1) or 1,
-                           threading.Lock(), tool_format_for(tok), max(sizes))
+                           threading.Lock(), tool_format_for(tok), max(sizes), images, refused or "")
 
 
 class PromptPreparer:
@@ -137,10 +149,20 @@ class PromptPreparer:
                 f"the prompt is {job.prompt_chars} characters, more than {job.model}'s context of "
                 f"{m.context_length} tokens can hold (at most {m.max_prompt_chars} characters with its "
                 "tokenizer); shorten the prompt", where)
+        vision = None
+        if job.images:
+            if m.images is None:
+                raise JobError(Cause.INVALID_REQUEST, f"model {job.model} takes no images: {m.images_refused}",
+                               "messages")
+            prepared = [m.images.prepare(image) for image in job.images]  # decoded outside the tokenizer's lock
+            vision = VisionPrompt(tuple(prepared), m.images.image_token_id)
         with m.lock:
             messages, tools = m.tool_format.prompt_messages(list(job.messages), job.rules) if job.messages \
                 else (None, None)
-            ids = encode_prompt(job, m.tokenizer, messages, tools)
+            if vision is not None:
+                ids = encode_with_images(job, m.tokenizer, m.images, vision, messages, tools)
+            else:
+                ids = encode_prompt(job, m.tokenizer, messages, tools)
             # The first of n choices keeps its whole prompt's KV for the others (all but the last token, which
             # each computes to take its first token); otherwise the leading system messages, for other chats.
             shared = len(ids) - 1 if job.share_prompt and len(ids) > 1 else \
@@ -159,7 +181,7 @@ class PromptPreparer:
                 Cause.CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt is {len(ids)} tokens but {job.model} has a context of {m.context_length}; "
                 "shorten the prompt", where)
-        return Prepared(replace(job, sampling=sampling), tuple(ids), shared, m.grammar(job), m.tool_format)
+        return Prepared(replace(job, sampling=sampling), tuple(ids), shared, m.grammar(job), m.tool_format, vision)
 
 
 def system_prefix_length(messages: list[dict] | None, tools: list | None, tok: Any, ids: list[int]) -> int:
@@ -181,6 +203,23 @@ def system_prefix_length(messages: list[dict] | None, tools: list | None, tok: A
         return 0
     n = next((i for i, (a, b) in enumerate(zip(rendered, ids)) if a != b), min(len(rendered), len(ids)))
     return n if 0 < n < len(ids) - 1 else 0
+
+
+def encode_with_images(job: Job, tok: Any, processor: ImageProcessor, vision: VisionPrompt, messages: list[dict],
+                       tools: list | None) -> list[int]:
+    """A chat with images: templated as text (each image part becomes the template's placeholder), each
+    placeholder expanded to the image's soft tokens, then encoded as the template's own tokenization does."""
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools)
+    except Exception as e:
+        raise JobError(Cause.INVALID_REQUEST, f"the chat template of {job.model} rejected the messages: {e}",
+                       "messages") from None
+    ids = tok.encode(processor.expand(text, list(vision.images)), add_special_tokens=False)
+    expected = sum(image.soft_tokens for image in vision.images)
+    if sum(1 for t in ids if t == vision.image_token_id) != expected:  # else features would land off their tokens
+        raise JobError(Cause.INVALID_REQUEST, "the prompt's text holds image tokens of its own; remove them",
+                       "messages")
+    return list(ids)
 
 
 def encode_prompt(job: Job, tok: Any, messages: list[dict] | None = None, tools: list | None = None) -> list[int]:

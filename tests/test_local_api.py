@@ -112,7 +112,7 @@ GOOD = {"model": "gemma4-tiny", "messages": [{"role": "user", "content": "hi"}],
         ("/v1/chat/completions", json.dumps(GOOD | {"temperature": "warm"}), 400, "temperature"),
         ("/v1/completions", json.dumps({"model": "gemma4-tiny", "prompt": "word " * 3000}), 400,
          "context of 1024"),
-        ("/v1/completions", json.dumps({"prompt": "x" * (5 * 2**20)}), 413, "exceeds"),
+        ("/v1/completions", json.dumps({"prompt": "x" * (21 * 2**20)}), 413, "exceeds"),
         ("/v1/completions", json.dumps({"prompt": 12}), 400, "prompt must be"),
     ],
 )

@@ -73,3 +73,17 @@ def test_trimming_and_prefix_replacement_keep_the_count_true():
     hit, covered = cache.lookup(p[:200] + [1, 2, 3])
     assert hit is not None and covered == 200
     assert cache.trim_to(0) > 0 and len(cache) == 0 and cache.nbytes == 0
+
+
+def test_keys_never_hold_image_tokens_but_the_text_before_an_image_is_kept():
+    """Every image token has one id, so a key holding them would resume another image's prompt from this
+    one's KV: such keys are not stored; the text before the image still is, and is found."""
+    image = 8
+    cache = PrefixCache("m", max_bytes=1 << 30, unkeyable=frozenset({image}))
+    text = [1, 4, 99, 97, 274]
+    with_image = text + [9] + [image] * 64 + [10, 50, 5]
+    cache.store(with_image, _tiny_kv(len(with_image)))
+    assert len(cache) == 0 and cache.lookup(with_image) == (None, 0)
+    cache.store(text, _tiny_kv(len(text)))
+    kv, cached = cache.lookup(with_image)
+    assert len(cache) == 1 and cached == len(text) and kv is not None

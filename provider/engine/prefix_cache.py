@@ -56,9 +56,12 @@ class _CountedOrder(LRUPromptCache.CacheOrder):
 
 
 class PrefixCache:
-    def __init__(self, model_id: str, max_bytes: int):
+    def __init__(self, model_id: str, max_bytes: int, unkeyable: frozenset[int] = frozenset()):
         self.model_id = model_id
         self.max_bytes = max_bytes
+        # Token ids that never enter a key: every image token has one id, so a key holding them would match
+        # another image's prompt. A prompt's text before its first image is still kept and reused.
+        self.unkeyable = unkeyable
         self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max(0, max_bytes))
         self._order = self._lru._lru = _CountedOrder()
 
@@ -96,7 +99,7 @@ class PrefixCache:
     def store(self, tokens: list[int], cache: list[Any], kind: str = COMPLETION) -> None:
         """Keep `cache` (the KV of `tokens`) for reuse. Never raises: keeping a prefix is an optimisation, and
         its failure costs no job."""
-        if self.max_bytes <= 0 or not tokens or not cache:
+        if self.max_bytes <= 0 or not tokens or not cache or not self.unkeyable.isdisjoint(tokens):
             return
         try:
             owned(cache)

@@ -19,6 +19,8 @@ from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..status import QueueStatus
 from ..models.tool_format import ToolFormat
+from ..images import VisionPrompt
+from ..models.capability import media_token_ids
 from ..prompts import CompiledGrammar
 from .grammar import GrammarProcessor, RowGrammar
 from .logprobs import SCORE_SCRATCH_BYTES
@@ -28,6 +30,7 @@ from .output import JobOutput
 from . import sampling
 from .prefix_cache import PrefixCache
 from .spec_batch import SpecBatch
+from .vision_prefill import read_with_images
 
 Delivery = tuple[list[Event], Sink]
 PREFILL_ROWS = 8  # prompts the plain batch reads in one forward (mlx-lm's prefill_batch_size)
@@ -115,10 +118,10 @@ class Running:
 
     def start(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], *, max_tokens: int, arrived: float,
               plan: SpecPlan, shared_prefix: int, grammar: CompiledGrammar | None = None,
-              tool_format: ToolFormat | None = None) -> None:
+              tool_format: ToolFormat | None = None, vision: VisionPrompt | None = None) -> None:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
-            prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes)
+            prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes, media_token_ids(lm.config))
         # A scored prompt is read whole (every position's logits are wanted), so it takes nothing from the cache.
         cache, cached = (None, 0) if job.sampling.prompt_logprobs else prefix.lookup(prompt)
         if cached:
@@ -127,6 +130,13 @@ class Running:
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice,
                            tool_format=tool_format)
+        read = cached  # prompt tokens the row's caches hold when it joins a batch
+        if vision is not None:  # read now (its prefill time), images and all; it joins as after a prefix hit
+            if job.sampling.prompt_logprobs:
+                raise JobError(Cause.INVALID_REQUEST, "prompt logprobs are not given for prompts with images", "echo")
+            cache = read_with_images(lm, prompt, vision, cache, cached, self._step_tokens, keep_at=shared_prefix,
+                                     keep=lambda c: prefix.share(prompt[:shared_prefix], c))
+            read = len(prompt) - 1
         if grammar is not None:
             output.grammar = RowGrammar(grammar.matcher, grammar.n_vocab, lm.logits_width, output.end_ids,
                                         grammar.kind)
@@ -137,9 +147,9 @@ class Running:
             spec = self._speculating.get(lm.id)
             if spec is None:
                 spec = self._speculating[lm.id] = SpecBatch(lm, prefix, step_tokens=self._step_tokens)
-            spec.add(output, sink, prompt, plan, cache=cache, cached=cached)
+            spec.add(output, sink, prompt, plan, cache=cache, cached=read)
         else:
-            self._add_plain(lm, output, sink, prompt, cache, shared_prefix=shared_prefix)
+            self._add_plain(lm, output, sink, prompt, cache, cached=read, shared_prefix=shared_prefix)
 
     def _continue_plain(self, lm: LoadedModel, row, reason: str) -> None:
         prompt, cached = SpecBatch.continuation(row)

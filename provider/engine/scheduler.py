@@ -27,6 +27,7 @@ from .. import logs
 from ..jobs import Accepted, Done, Error, Event, Job, JobError, Sink, Usage
 from ..types import Cause, FinishReason
 from ..memory.admission import ADMIT, WAIT
+from ..memory.estimate import vision_scratch_bytes
 from ..models.loader import LoadedModel
 from ..models.residency import Residency
 from ..prompts import Prepared
@@ -248,9 +249,11 @@ class Engine:
             return Verdict.WAIT
         max_tokens = min(prepared.job.sampling.max_tokens, lm.context_length - len(prepared.prompt))
         # Booked for the batch it joins, as that batch will be (rows x its longest row), not for the job alone.
-        admission = self.models.admit_batch(
-            lm.id, self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens,
-                                              scored=prepared.job.sampling.prompt_logprobs))
+        booking = self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens,
+                                             scored=prepared.job.sampling.prompt_logprobs)
+        if prepared.vision is not None:  # read when it starts, one image at a time
+            booking += vision_scratch_bytes(lm.config, max(i.soft_tokens for i in prepared.vision.images))
+        admission = self.models.admit_batch(lm.id, booking)
         if admission.decision != ADMIT:
             self.models.release(lm.id)
             if admission.decision == WAIT:
@@ -272,7 +275,7 @@ class Engine:
             plan = job_plan(job, lm, self.models.speculation, sharing=self._running.on_model(lm.id))
             self._running.start(job, p.sink, lm, prompt, max_tokens=max_tokens, arrived=p.arrived, plan=plan,
                                 shared_prefix=prepared.shared_prefix, grammar=prepared.grammar,
-                                tool_format=prepared.tool_format)
+                                tool_format=prepared.tool_format, vision=prepared.vision)
         except Exception as e:
             self._running.cancel(job.id)  # whatever part of it a batch took
             self._fail(p, _as_job_error(e))

@@ -7,9 +7,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..constraints import OutputRules, ResponseFormat, Tool, ToolChoice
+from ..content import ImageInput
 from ..jobs import (MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Job, JobError, SamplingParams,
                     resolve_max_tokens)
 from ..types import Cause
+from .image_parts import content_parts
 
 
 MAX_N = 16  # choices per prompt
@@ -81,12 +83,17 @@ def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
-    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    images: list[ImageInput] = []
+    try:
+        parsed = tuple(_message(m, i, images) for i, m in enumerate(messages))
+    except JobError as e:
+        raise RequestError(e.message, e.param) from None
     wants = _bool(body, "logprobs", False)
     top = _given(body, "top_logprobs", None)  # its bounds are SamplingParams' (which names top_logprobs)
     if top is not None and not wants:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    return _finish(body, job_id, limits, [{"messages": parsed}], logprobs=(top or 0) if wants else None)
+    return _finish(body, job_id, limits, [{"messages": parsed, "images": tuple(images)}],
+                   logprobs=(top or 0) if wants else None)
 
 
 def parse_completion(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
@@ -132,24 +139,18 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _message(m: Any, i: int) -> dict[str, Any]:
-    """The wire shape of one message; its role and text are checked by `Job`."""
+def _message(m: Any, i: int, images: list[ImageInput]) -> dict[str, Any]:
+    """The wire shape of one message; its role and text are checked by `Job`, its images when prepared."""
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise RequestError(f"{param} must be an object with role and content", param)
     content = m.get("content")
-    if isinstance(content, list):  # content parts: only text is served here
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{param}.content[{j}] must be a text part; images and audio are not supported",
-                                   f"{param}.content")
-            texts.append(part["text"])
-        content = "".join(texts)
+    if isinstance(content, list):
+        content = content_parts(content, param, images)
     if content is None and m.get("role") == "assistant":
         content = ""
-    if not isinstance(content, str):
-        raise RequestError(f"{param}.content must be a string or an array of text parts", f"{param}.content")
+    if not isinstance(content, (str, list)):
+        raise RequestError(f"{param}.content must be a string or an array of content parts", f"{param}.content")
     out = {"role": m.get("role"), "content": content}
     for key in ("tool_calls", "tool_call_id", "name"):  # checked by Job (constraints.check_message_tool_fields)
         if m.get(key) is not None:

@@ -96,3 +96,15 @@ def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4) -> i
     """Peak scratch of one prefill chunk of one row: hidden states, MLP intermediates, attention scores, last
     logits."""
     return activation_shape(config, dtype_bytes).prefill_bytes(1, prefill_step, prefill_step)
+
+
+def vision_scratch_bytes(config: dict, soft_tokens: int, dtype_bytes: int = 4) -> int:
+    """One image through a Gemma 4 vision tower, at its peak: the one-hot position lookup (patches x 2 axes x
+    the position table) and one layer's attention scores (heads x patches^2), with a few hidden-sized
+    activations beside them. Images are encoded one at a time, so a job's scratch is its largest image's."""
+    vc = config.get("vision_config") or {}
+    patches = soft_tokens * vc.get("pooling_kernel_size", 3) ** 2
+    table = vc.get("position_embedding_size", 10240)
+    heads = vc.get("num_attention_heads", 12)
+    hidden = max(vc.get("hidden_size", 768), vc.get("intermediate_size", 3072))
+    return dtype_bytes * patches * (2 * table + heads * patches + 4 * hidden)

@@ -69,6 +69,27 @@ def has_mtp_tensors(names: list[str], config: dict) -> bool:
     return False
 
 
+def images_refused(config: dict) -> str | None:
+    """Why this checkpoint takes no images (None: it takes them through its own vision tower)."""
+    if not config.get("vision_config"):
+        return "it has no vision tower"
+    if config.get("model_type") != "gemma4":
+        return f"images are served for Gemma 4 checkpoints only (this is {config.get('model_type')!r})"
+    if text_config(config).get("use_bidirectional_attention") == "vision":
+        # 26B/31B attend bidirectionally inside an image block; mlx-lm's text model masks causally only.
+        return "its language model attends bidirectionally within an image, which the node does not serve yet"
+    for key in ("image_token_id", "boi_token_id", "eoi_token_id"):
+        if not isinstance(config.get(key), int):
+            return f"its config names no {key}"
+    return None
+
+
+def media_token_ids(config: dict) -> frozenset[int]:
+    """The ids a prompt repeats once per soft token of an image, a video frame or audio: one id for all."""
+    ids = (config.get(k) for k in ("image_token_id", "video_token_id", "audio_token_id"))
+    return frozenset(i for i in ids if isinstance(i, int)) if config.get("vision_config") else frozenset()
+
+
 def detect(path: Path, config: dict | None = None) -> Capabilities:
     config = config if config is not None else read_config(path)
     tc = text_config(config)
@@ -86,7 +107,7 @@ def detect(path: Path, config: dict | None = None) -> Capabilities:
         sliding_window=tc.get("sliding_window") if "sliding_attention" in (tc.get("layer_types") or []) or
         tc.get("sliding_window_pattern") else None,
         kv_shared_layers=tc.get("num_kv_shared_layers") or 0,
-        vision=bool(config.get("vision_config")),
+        vision=images_refused(config) is None,
         is_drafter=config.get("model_type") in ASSISTANT_TYPES,
         native_mtp_heads=native,
         native_mtp_declared=declared,

@@ -30,6 +30,7 @@ class LoadedModel:
     draft_kv_shape: Any = None  # the same of a draft model (an MTP assistant keeps no KV of its own)
     act_shape: Any = None  # memory.estimate.ActivationShape: a forward's scratch (set by the residency)
     act_reserve: int = 0  # the scratch its footprint already reserves (one chunk of one row)
+    vision: Any = None  # models.vision.VisionTower: the checkpoint's own image encoder, when it takes images
 
     @property
     def context_length(self) -> int:
@@ -140,7 +141,27 @@ def load(model_id: str, path: Path) -> LoadedModel:
         raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot load {model_id} from {path}: {type(e).__name__}: {e}") from None
     lm = LoadedModel(model_id, path, model, tokenizer, config, time.perf_counter() - start)
     lm.decodable = decodable_limit(config, len(tokenizer.get_vocab()))
+    lm.vision = _vision_tower(model_id, path, config)
+    lm.load_seconds = time.perf_counter() - start
     return lm
+
+
+def _vision_tower(model_id: str, path: Path, config: dict):
+    """The checkpoint's vision tower, when it takes images and the vision extra is installed; text is served
+    either way (an image job then gets a 400 that says why)."""
+    from .capability import images_refused
+
+    if images_refused(config) is not None:
+        return None
+    try:
+        from .vision import load_vision
+
+        return load_vision(path, config)
+    except Exception as e:
+        from .. import logs
+
+        logs.get("models").warning("vision_tower_not_loaded", model=model_id, error=f"{type(e).__name__}: {e}")
+        return None
 
 
 def decodable_limit(config: dict, tokenizer_size: int) -> int | None:

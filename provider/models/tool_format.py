@@ -51,7 +51,7 @@ class ToolFormat:
         if offered:
             preamble = generic_preamble(rules.tools)
             if out and out[0]["role"] == "system":
-                out[0] = {"role": "system", "content": preamble + "\n\n" + out[0]["content"]}
+                out[0] = {"role": "system", "content": _joined(preamble, out[0]["content"], "\n\n")}
             else:
                 out.insert(0, {"role": "system", "content": preamble})
         return _merge_turns(out), None
@@ -135,11 +135,11 @@ def _generic_message(m: dict) -> dict:
     """A past call and a tool's result as plain turns: templates without a tool format take only text."""
     content = m.get("content") or ""
     if m.get("role") == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        return {"role": "user", "content": _joined(_joined("<tool_response>", content, "\n"), "</tool_response>", "\n")}
     calls = m.get("tool_calls")
     if calls:
         blocks = [f"<tool_call>\n{json.dumps(_call_dict(c), ensure_ascii=False)}\n</tool_call>" for c in calls]
-        content = "\n".join(([content] if content else []) + blocks)
+        content = _joined(content, "\n".join(blocks), "\n") if content else "\n".join(blocks)
     return {"role": m["role"], "content": content}
 
 
@@ -149,10 +149,18 @@ def _merge_turns(messages: list[dict]) -> list[dict]:
     out: list[dict] = []
     for m in messages:
         if out and out[-1]["role"] == m["role"] == "user":
-            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + m["content"]}
+            out[-1] = {"role": "user", "content": _joined(out[-1]["content"], m["content"], "\n")}
         else:
             out.append(m)
     return out
+
+
+def _joined(a: str | list, b: str | list, sep: str) -> str | list:
+    """Two contents as one: strings joined by `sep`; with image parts, a list of parts in order."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a + sep + b
+    parts = [{"type": "text", "text": c} if isinstance(c, str) else c for c in (a, sep, b)]
+    return [p for c in parts for p in (c if isinstance(c, list) else [c])]
 
 
 def _native_message(m: dict) -> dict:

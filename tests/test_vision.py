@@ -1,0 +1,172 @@
+"""Images on a Gemma 4 checkpoint: the node's greedy tokens equal mlx-vlm's own `generate_step` on the same
+images and messages, with speculation off and on (MTP after the multimodal prefill), alone and batched beside
+text jobs; a model without a tower refuses images; prefix reuse never crosses images."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from provider.content import IMAGE_PART, ImageInput
+from provider.jobs import Done, Error, Job
+from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+from provider.types import Cause, SpecMode
+from tests.helpers import collect, greedy, make_node, run
+
+EOS = (2, 5)
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("vlm")
+    make_gemma4_vlm(root / "gemma4-vlm")
+    make_gemma4_vlm_assistant(root / "gemma4-vlm-assistant", root / "gemma4-vlm")
+    return root
+
+
+def image(w: int, h: int, seed: int, fmt: str = "PNG") -> tuple[bytes, Image.Image]:
+    pixels = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    img = Image.fromarray(pixels)
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue(), Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+_reference_models: dict = {}
+
+
+def reference(vlm: Path, messages: list[dict], images: list[Image.Image]) -> list[int]:
+    """mlx-vlm's own greedy tokens: its processor on its template's text, its generate_step."""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.utils import load
+
+    if vlm not in _reference_models:
+        _reference_models[vlm] = load(str(vlm / "gemma4-vlm"))
+    model, processor = _reference_models[vlm]
+    assert type(processor).__name__ == "Gemma4Processor"  # not HF's fallback
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=images or None, add_special_tokens=False)
+    out = []
+    for token, _ in generate_step(mx.array(inputs["input_ids"]), model, inputs.get("pixel_values"), None,
+                                  max_tokens=MAX_TOKENS, temperature=0.0):
+        out.append(int(token))
+        if out[-1] in EOS:
+            break
+    return out
+
+
+def as_job(job_id: str, messages: list[dict], files: list[bytes], speculation: str = "off", **kw) -> Job:
+    """The node's job for messages whose {"type": "image"} parts take `files` in order."""
+    parts = [{**m, "content": [dict(IMAGE_PART) if p == {"type": "image"} else p for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    return Job(id=job_id, model="vlm", sampling=greedy(MAX_TOKENS), speculation=speculation, messages=tuple(parts),
+               images=tuple(ImageInput(f) for f in files), **kw)
+
+
+def conversations() -> list[tuple[str, list[dict], list[tuple[bytes, Image.Image]]]]:
+    small, wide, other = image(64, 64, 1), image(200, 120, 2), image(96, 160, 3, "JPEG")
+    return [
+        ("one image", [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
+         [small]),
+        ("two sizes", [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"},
+                                                    {"type": "text", "text": "and"}, {"type": "image"}]}],
+         [small, wide]),
+        ("earlier turn", [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Look."}]},
+                          {"role": "assistant", "content": "I see it."},
+                          {"role": "user", "content": "And now?"}], [other]),
+    ]
+
+
+def _node(vlm: Path, **kw):
+    return make_node({"vlm": vlm / "gemma4-vlm"}, manager_kw={"drafters": {"vlm": vlm / "gemma4-vlm-assistant"}},
+                     **kw)
+
+
+def test_image_conversations_equal_mlx_vlm_with_speculation_off_and_on(vlm):
+    cases = conversations()
+    expected = {name: reference(vlm, msgs, [p for _, p in imgs]) for name, msgs, imgs in cases}
+    assert len(set(map(tuple, expected.values()))) == len(cases)  # the images matter: outputs differ
+
+    async def main():
+        node = _node(vlm)
+        try:
+            for speculation, mode in (("off", SpecMode.OFF), ("on", SpecMode.MTP)):
+                for name, msgs, imgs in cases:
+                    ids, _, end, _ = await collect(node, as_job(f"{name}-{speculation}", msgs,
+                                                                [f for f, _ in imgs], speculation))
+                    assert isinstance(end, Done), end
+                    assert ids == expected[name], (name, speculation)
+                    assert end.telemetry.speculation.mode is mode
+        finally:
+            await node.stop()
+
+    run(main())
+
+
+def test_image_rows_batched_beside_text_rows_keep_their_tokens(vlm):
+    cases = conversations()
+    text = ({"role": "user", "content": "Tell me about caches."},)
+
+    async def main():
+        node = _node(vlm, max_concurrent_jobs=8)
+        try:
+            alone = (await collect(node, Job(id="alone", model="vlm", sampling=greedy(MAX_TOKENS), messages=text)))[0]
+            jobs = [as_job(f"{name}-{s}", msgs, [f for f, _ in imgs], s)
+                    for name, msgs, imgs in cases for s in ("off", "on")]
+            jobs += [Job(id=f"text-{i}", model="vlm", sampling=greedy(MAX_TOKENS), messages=text) for i in range(3)]
+            return alone, jobs, await asyncio.gather(*(collect(node, j) for j in jobs))
+        finally:
+            await node.stop()
+
+    alone, jobs, results = run(main())
+    expected = {name: reference(vlm, msgs, [p for _, p in imgs]) for name, msgs, imgs in cases}
+    for job, (ids, _, end, _) in zip(jobs, results):
+        assert isinstance(end, Done), (job.id, end)
+        want = alone if job.id.startswith("text") else expected[job.id.rsplit("-", 1)[0]]
+        assert ids == want, job.id
+
+
+def test_prefix_reuse_takes_the_text_before_an_image_and_never_an_image(vlm):
+    """Same system prompt and text, different images: the second reuses the system prompt's KV (cached tokens)
+    but not the first image's (every image token has one id), and still equals its reference."""
+    system = {"role": "system", "content": "You describe pictures for a catalogue, briefly and plainly. " * 3}
+    a, b = image(64, 64, 4), image(64, 64, 5)
+    msgs = [system, {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
+
+    async def main():
+        node = _node(vlm)
+        try:
+            return await collect(node, as_job("a", msgs, [a[0]])), await collect(node, as_job("b", msgs, [b[0]]))
+        finally:
+            await node.stop()
+
+    first, second = run(main())
+    assert first[0] == reference(vlm, msgs, [a[1]])
+    assert second[0] == reference(vlm, msgs, [b[1]])
+    assert first[0] != second[0]
+    assert 0 < second[2].usage.cached_prompt_tokens < second[2].usage.prompt_tokens - 64
+
+
+def test_a_model_without_a_vision_tower_refuses_images_and_keeps_serving(fixtures_dir):
+    job = Job(id="img", model="g", sampling=greedy(4), images=(ImageInput(image(32, 32, 1)[0]),),
+              messages=({"role": "user", "content": [dict(IMAGE_PART), {"type": "text", "text": "hi"}]},))
+    text = Job(id="text", model="g", sampling=greedy(4), messages=({"role": "user", "content": "hi"},))
+
+    async def main():
+        node = make_node({"g": fixtures_dir / "gemma4-tiny"})
+        try:
+            return (await collect(node, job))[2], (await collect(node, text))[2]
+        finally:
+            await node.stop()
+
+    refused, served = run(main())
+    assert isinstance(refused, Error) and refused.cause is Cause.INVALID_REQUEST
+    assert "takes no images" in refused.message
+    assert isinstance(served, Done)
