@@ -22,7 +22,9 @@ from .types import Cause, JobError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_PIXELS = 32_000_000  # width x height of one decoded image (an 8k x 4k photo)
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # Gemma 4's per-image budgets
-DETAIL_BUDGET = {"low": 70, "high": 1120}  # "auto": the checkpoint's own default
+# "detail": low is a quarter of the checkpoint's default budget, high four times it (Gemma 4's default of 280
+# gives 70 and 1120, its least and most), auto the default itself.
+DETAIL_SCALE = {"low": 0.25, "auto": 1.0, "high": 4.0}
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ def decode(image: ImageInput):
         img = Image.open(io.BytesIO(image.data), formats=FORMATS)  # reads the header only
     except UnidentifiedImageError:
         raise refused("is not a PNG, JPEG, WebP or GIF image") from None
+    except Image.DecompressionBombError:  # Pillow's own bound, far above ours
+        raise refused(f"claims more pixels than the at most {MAX_PIXELS:,} pixels taken") from None
     except Exception as e:  # a header Pillow cannot parse
         raise refused(f"cannot be read as an image ({type(e).__name__})") from None
     width, height = img.size
@@ -80,7 +84,7 @@ class ImageProcessor:
         self.eoi = tokenizer.convert_ids_to_tokens(config["eoi_token_id"])
 
     def prepare(self, image: ImageInput) -> PreparedImage:
-        budget = DETAIL_BUDGET.get(image.detail, self.default_budget)
+        budget = budget_for(image.detail, self.default_budget)
         data, counts = self._processor.preprocess([decode(image)], max_soft_tokens=budget)
         return PreparedImage(data["pixel_values"][0], int(counts[0]))
 
@@ -94,6 +98,12 @@ class ImageProcessor:
                                                   "the text", "messages")
         parts = iter(f"{self.boi}{self.image_token * image.soft_tokens}{self.eoi}" for image in images)
         return re.sub(re.escape(self.image_token), lambda _: next(parts), text)
+
+
+def budget_for(detail: str, default: int) -> int:
+    """The soft-token budget an image's `detail` asks for: the supported budget nearest the scaled default."""
+    want = default * DETAIL_SCALE.get(detail, 1.0)
+    return min(SOFT_TOKEN_BUDGETS, key=lambda b: (abs(b - want), b))
 
 
 def _processor_settings(path: Path) -> dict:

@@ -170,3 +170,11 @@ def test_a_model_without_a_vision_tower_refuses_images_and_keeps_serving(fixture
     assert isinstance(refused, Error) and refused.cause is Cause.INVALID_REQUEST
     assert "takes no images" in refused.message
     assert isinstance(served, Done)
+
+
+def test_detail_picks_the_budget_nearest_a_scaled_default():
+    from provider.images import budget_for
+
+    assert [budget_for(d, 280) for d in ("low", "auto", "high")] == [70, 280, 1120]
+    assert [budget_for(d, 70) for d in ("low", "auto", "high")] == [70, 70, 280]
+    assert budget_for("high", 560) == 1120

@@ -128,6 +128,7 @@ def make_gemma4_vlm(out: Path, soft_tokens: int = 70) -> None:
     ids = build_tokenizer(_mkdir(out), 512, GEMMA4_VLM_TEMPLATE, "<eos>", add_bos=False, extra_specials=specials)
     _write_processor_files(out, soft_tokens)
     text = gemma4_text_config(512, ids) | {
+        "max_position_embeddings": 4096,  # room for an image at the largest budget (1120 soft tokens)
         # Explicit, as real checkpoints have it: mlx-lm and mlx-vlm default full layers' rotary
         # fraction differently (0.25 vs 1.0), so leaving it out would make the two loads disagree.
         "rope_parameters": {
