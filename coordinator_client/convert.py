@@ -6,6 +6,7 @@ import json
 
 from provider.constraints import (MAX_SCHEMA_BYTES, MAX_TOOLS, TOOL_CHOICE_MODES, ConstraintError, OutputRules,
                                   ResponseFormat, Tool, ToolChoice)
+from provider.content import IMAGE_MEDIA, IMAGE_PART, ImageInput
 from provider.jobs import Done, Error, Job, JobError, SamplingParams, ToolCall, Tokens, Usage, resolve_max_tokens
 from provider.types import Cause, Policy
 
@@ -54,6 +55,7 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     if which is None:
         raise _invalid("the job has neither chat messages nor a prompt")
     prompt = messages = prompt_ids = None
+    images: list[ImageInput] = []
     if which == "prompt":
         if not req.prompt:
             raise _invalid("prompt is empty")
@@ -63,7 +65,7 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     else:
         if not req.chat.messages:
             raise _invalid("chat.messages is empty")
-        messages = tuple(_message(m) for m in req.chat.messages)
+        messages = tuple(_message(m, i, images) for i, m in enumerate(req.chat.messages))
     if req.speculation not in POLICY:
         raise _invalid(f"unknown speculation policy {req.speculation}")
     s = req.sampling
@@ -80,16 +82,38 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
         **present,
     )
     return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
-               prompt_ids=prompt_ids, speculation=POLICY[req.speculation], rules=output_rules(req))
+               prompt_ids=prompt_ids, speculation=POLICY[req.speculation], rules=output_rules(req),
+               images=tuple(images))
 
 
-def _message(m: pb.ChatMessage) -> dict:
-    out = {"role": m.role, "content": m.content}
+def _message(m: pb.ChatMessage, i: int, images: list[ImageInput]) -> dict:
+    out = {"role": m.role, "content": _content(m, i, images) if m.parts else m.content}
     if m.tool_calls:
         out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                              for c in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _content(m: pb.ChatMessage, i: int, images: list[ImageInput]) -> list[dict]:
+    """Parts off the wire: text and images in order; each image's bounds are Job's, its decoding the node's."""
+    where = f"chat.messages[{i}]"
+    if m.content:
+        raise JobError(Cause.INVALID_REQUEST, f"{where}: content must be empty when parts are given", where)
+    out = []
+    for j, part in enumerate(m.parts):
+        if part.WhichOneof("part") == "text":
+            out.append({"type": "text", "text": part.text})
+        elif part.WhichOneof("part") == "image":
+            image, at = part.image, f"{where}.parts[{j}]"
+            if image.mime_type and image.mime_type.lower() not in IMAGE_MEDIA:
+                raise JobError(Cause.INVALID_REQUEST, f"{at}.image.mime_type must be one of {', '.join(IMAGE_MEDIA)}",
+                               at)
+            images.append(ImageInput(image.data, image.detail or "auto", at))
+            out.append(dict(IMAGE_PART))
+        else:
+            raise JobError(Cause.INVALID_REQUEST, f"{where}.parts[{j}] is empty", where)
     return out
 
 

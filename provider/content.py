@@ -10,6 +10,7 @@ from .types import Cause, JobError
 
 MAX_IMAGES = 16  # images in one request, all turns together
 MAX_IMAGE_BYTES = 12 << 20  # one encoded image file (16 MiB as base64, within the default body bound)
+IMAGE_MEDIA = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")  # what a sender may call one
 DETAILS = ("auto", "low", "high")  # an image's soft-token budget: the model's default, the least, the most
 
 

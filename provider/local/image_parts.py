@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from ..content import DETAILS, IMAGE_PART, MAX_IMAGE_BYTES, ImageInput
+from ..content import DETAILS, IMAGE_MEDIA, IMAGE_PART, MAX_IMAGE_BYTES, ImageInput
 from ..types import Cause, JobError
 
 def _refused(message: str, param: str) -> JobError:
@@ -15,7 +15,6 @@ def _refused(message: str, param: str) -> JobError:
 
 TEXT_TYPES = ("text", "input_text")
 IMAGE_TYPES = ("image_url", "input_image")
-IMAGE_MEDIA = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 
 
 def content_parts(parts: list, param: str, images: list[ImageInput]) -> str | list[dict]:

@@ -12,6 +12,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32
 # Tensors mlx-lm's sanitize drops for text serving: vision/audio towers and, in Gemma 4,
 # the K/V projections of KV-shared layers (their K/V come from an earlier layer).
 DROPPED = re.compile(r"(vision_tower|audio_tower|multi_modal_projector|embed_vision|embed_audio|rotary_emb)")
+VISION = re.compile(r"(vision_tower|embed_vision)\.")
 SHARED_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
 
 
@@ -20,13 +21,14 @@ def text_config(config: dict) -> dict:
     return text if isinstance(text, dict) and text else config
 
 
-def weight_bytes(config: dict, tensors: dict) -> int:
-    """Bytes of the tensors mlx-lm will keep after loading this checkpoint for text generation."""
+def weight_bytes(config: dict, tensors: dict, with_vision: bool = False) -> int:
+    """Bytes of the tensors mlx-lm will keep after loading this checkpoint for text generation, and with the
+    vision tower the node loads beside it for a checkpoint that takes images."""
     tc = text_config(config)
     first_shared = tc.get("num_hidden_layers", 0) - (tc.get("num_kv_shared_layers") or 0)
     total = 0
     for name, (dtype, shape) in tensors.items():
-        if DROPPED.search(name):
+        if DROPPED.search(name) and not (with_vision and VISION.search(name) and "rotary_emb" not in name):
             continue
         m = SHARED_KV.search(name)
         if m and tc.get("num_kv_shared_layers") and int(m.group(1)) >= first_shared:

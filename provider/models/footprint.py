@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..memory import estimate
 from ..types import SpecMode
+from .capability import images_refused
 from .checkpoint import context_length, open_checkpoint
 
 
@@ -25,7 +26,7 @@ class Footprint:
 
 def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int) -> Footprint:
     tensors = open_checkpoint(path).tensors
-    weights = estimate.weight_bytes(config, tensors)
+    weights = estimate.weight_bytes(config, tensors, with_vision=images_refused(config) is None)
     dtype_bytes = _dominant_float_bytes(tensors)
     tokens = min(kv_tokens, context_length(config))
     shape = estimate.kv_shape(config, dtype_bytes)
