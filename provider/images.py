@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .content import ImageInput
+from .content import ImageInput, VideoInput
 from .types import Cause, JobError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_PIXELS = 32_000_000  # width x height of one decoded image (an 8k x 4k photo)
+MAX_SOURCE_FRAMES = 10_000  # frames of one animated file
+MAX_VIDEO_PIXELS = 400_000_000  # all frames of one animated file: seeking decodes the frames before it
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # Gemma 4's per-image budgets
 # "detail": low is a quarter of the checkpoint's default budget, high four times it (Gemma 4's default of 280
 # gives 70 and 1120, its least and most), auto the default itself.
@@ -36,11 +38,34 @@ class PreparedImage:
 
 
 @dataclass(frozen=True)
+class PreparedVideo:
+    """One video as the tower reads it: each sampled frame's patches and their positions (padded), the soft
+    tokens a frame gives, and each frame's time in seconds."""
+
+    patches: Any  # numpy float32 [frames, max_patches, patch_dim]
+    positions: Any  # numpy int [frames, max_patches, 2]; -1 marks padding
+    tokens_per_frame: int
+    timestamps: tuple[float, ...]
+
+    @property
+    def soft_tokens(self) -> int:
+        return self.tokens_per_frame * len(self.timestamps)
+
+
+@dataclass(frozen=True)
 class VisionPrompt:
-    """A prepared job's images, in prompt order; the prompt holds `soft_tokens` image tokens for each."""
+    """A prepared job's images and videos, each in prompt order; the prompt holds an image's `soft_tokens`
+    image tokens for each image and a video's for each video."""
 
     images: tuple[PreparedImage, ...]
     image_token_id: int
+    videos: tuple[PreparedVideo, ...] = ()
+    video_token_id: int | None = None
+
+    def encodes(self) -> list[tuple[int, int]]:
+        """(soft tokens of one frame or image, how many the tower reads at once) for each tower call."""
+        return [(i.soft_tokens, 1) for i in self.images] + [(v.tokens_per_frame, len(v.timestamps))
+                                                             for v in self.videos]
 
 
 def decode(image: ImageInput):
@@ -69,14 +94,57 @@ def decode(image: ImageInput):
         raise refused(f"is truncated or corrupt ({type(e).__name__}: {str(e)[:80]})") from None
 
 
+def video_frames(video: VideoInput, cap: int) -> tuple[list, float]:
+    """At most `cap` frames sampled evenly from the video, and the rate they were sampled at (frames per
+    second of the video's time), so each frame's timestamp is its real time."""
+    if len(video.files) > 1:
+        picked = _evenly(len(video.files), cap)
+        fps = video.fps or 1.0
+        frames = [decode(ImageInput(video.files[i], where=f"{video.where}[{i}]")) for i in picked]
+        return frames, len(picked) * fps / len(video.files)
+    return _animated_frames(video, cap)
+
+
+def _animated_frames(video: VideoInput, cap: int) -> tuple[list, float]:
+    from PIL import Image
+
+    first = decode(ImageInput(video.files[0], where=video.where))  # every check an image gets, on frame 0
+    img = Image.open(io.BytesIO(video.files[0]), formats=FORMATS)
+    total = getattr(img, "n_frames", 1)
+    if total > MAX_SOURCE_FRAMES or total * img.size[0] * img.size[1] > MAX_VIDEO_PIXELS:
+        raise JobError(Cause.INVALID_REQUEST, f"{video.where}: {total} frames of {img.size[0]}x{img.size[1]} are "
+                                              f"more than the at most {MAX_VIDEO_PIXELS:,} pixels taken", video.where)
+    duration_ms = img.info.get("duration") or 0
+    fps = video.fps or (1000.0 / duration_ms if duration_ms > 0 else 1.0)
+    frames = []
+    for i in _evenly(total, cap):
+        try:
+            img.seek(i)
+            frames.append(img.convert("RGB") if i else first)
+        except Exception as e:
+            raise JobError(Cause.INVALID_REQUEST, f"{video.where}: frame {i} is truncated or corrupt "
+                                                  f"({type(e).__name__})", video.where) from None
+    return frames, len(frames) * fps / total
+
+
+def _evenly(total: int, n: int) -> list[int]:
+    import numpy as np
+
+    return sorted(set(np.linspace(0, total - 1, num=min(n, total)).round().astype(int).tolist()))
+
+
 class ImageProcessor:
-    """A model's image processor and image tokens, read from its checkpoint files."""
+    """A model's image and video processors and its media tokens, read from its checkpoint files."""
 
     def __init__(self, path: Path, config: dict, tokenizer: Any):
-        from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
+        from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4VideoProcessor
 
         settings = _processor_settings(path)
         self._processor = Gemma4ImageProcessor(**settings)
+        self._video = Gemma4VideoProcessor(**_processor_settings(path, "video_processor", _VIDEO_SETTINGS))
+        self.video_token_id = config.get("video_token_id")
+        self.video_token = tokenizer.convert_ids_to_tokens(self.video_token_id) if self.video_token_id is not None \
+            else None
         self.default_budget = self._processor.max_soft_tokens
         self.image_token_id = config["image_token_id"]
         self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
@@ -88,16 +156,35 @@ class ImageProcessor:
         data, counts = self._processor.preprocess([decode(image)], max_soft_tokens=budget)
         return PreparedImage(data["pixel_values"][0], int(counts[0]))
 
-    def expand(self, text: str, images: list[PreparedImage]) -> str:
-        """Each image placeholder the template wrote becomes boi + n image tokens + eoi, as the processor
-        does; the count must match the images (a client's text holding the placeholder would not)."""
-        found = text.count(self.image_token)
-        if found != len(images):
-            raise JobError(Cause.INVALID_REQUEST, f"the rendered prompt holds {found} image placeholders for "
-                                                  f"{len(images)} images: remove {self.image_token!r} from "
-                                                  "the text", "messages")
+    def prepare_video(self, video: VideoInput) -> PreparedVideo:
+        if self.video_token is None:
+            raise JobError(Cause.INVALID_REQUEST, "this model's config names no video token", video.where)
+        frames, fps = video_frames(video, self._video.num_frames)
+        import numpy as np
+
+        clip = np.stack([np.asarray(f.resize(frames[0].size)).transpose(2, 0, 1) for f in frames])
+        out = self._video([clip], fps=[fps])
+        return PreparedVideo(out["pixel_values_videos"][0], out["video_position_ids"][0],
+                             int(out["num_soft_tokens_per_frame"][0]), tuple(out["frame_timestamps"][0]))
+
+    def expand(self, text: str, images: list[PreparedImage], videos: list[PreparedVideo] = ()) -> str:
+        """Each image placeholder the template wrote becomes boi + n image tokens + eoi, and each video's a
+        timestamped run of those per frame, as mlx-vlm's processor does; the counts must match the media (a
+        client's text holding a placeholder would not)."""
+        for token, items, kind in ((self.image_token, images, "image"), (self.video_token, videos, "video")):
+            found = text.count(token) if token else 0
+            if found != len(items):
+                raise JobError(Cause.INVALID_REQUEST, f"the rendered prompt holds {found} {kind} placeholders for "
+                                                      f"{len(items)} {kind}s: remove {token!r} from the text",
+                               "messages")
         parts = iter(f"{self.boi}{self.image_token * image.soft_tokens}{self.eoi}" for image in images)
-        return re.sub(re.escape(self.image_token), lambda _: next(parts), text)
+        text = re.sub(re.escape(self.image_token), lambda _: next(parts), text)
+        if videos:
+            runs = iter(" ".join(f"{int(t // 60):02d}:{int(t % 60):02d} {self.boi}"
+                                 f"{self.video_token * v.tokens_per_frame}{self.eoi}" for t in v.timestamps)
+                        for v in videos)
+            text = re.sub(re.escape(self.video_token), lambda _: next(runs), text)
+        return text
 
 
 def budget_for(detail: str, default: int) -> int:
@@ -106,18 +193,23 @@ def budget_for(detail: str, default: int) -> int:
     return min(SOFT_TOKEN_BUDGETS, key=lambda b: (abs(b - want), b))
 
 
-def _processor_settings(path: Path) -> dict:
-    """The image processor's settings: processor_config.json's image_processor, else
-    preprocessor_config.json (both shapes are published)."""
-    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+def _processor_settings(path: Path, key: str = "image_processor", known: tuple = ()) -> dict:
+    """A processor's settings: processor_config.json's `key`, else (images) preprocessor_config.json (both
+    shapes are published)."""
+    known = known or _SETTINGS
+    names = (("processor_config.json", key), ("preprocessor_config.json", None)) if key == "image_processor" \
+        else (("processor_config.json", key), ("video_preprocessor_config.json", None))
+    for name, part in names:
         f = path / name
         if f.is_file():
             data = json.loads(f.read_text())
-            data = data.get(key, {}) if key else data
+            data = data.get(part, {}) if part else data
             if data:
-                return {k: v for k, v in data.items() if k in _SETTINGS}
+                return {k: v for k, v in data.items() if k in known}
     return {}
 
 
+_VIDEO_SETTINGS = ("patch_size", "max_soft_tokens", "pooling_kernel_size", "num_frames", "do_resize", "do_rescale",
+                   "rescale_factor", "do_normalize", "image_mean", "image_std", "default_fps")
 _SETTINGS = ("do_resize", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std",
              "do_convert_rgb", "patch_size", "max_soft_tokens", "pooling_kernel_size")

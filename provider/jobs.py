@@ -10,8 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
-from .content import (DETAILS, MAX_IMAGE_BYTES, MAX_IMAGES, ImageInput, check_content, check_text,  # noqa: F401
-                      content_text)
+from .content import ImageInput, VideoInput, check_content, check_media, check_text, content_text  # noqa: F401
 from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
 from .types import Cause, FinishReason, JobError, JobId, Policy
 from .telemetry import Telemetry
@@ -164,6 +163,7 @@ class Job:
     prompt_ids: tuple[int, ...] | None = None
     share_prompt: bool = False  # keep the prompt's KV for reuse once read (the first of n choices)
     images: tuple[ImageInput, ...] = ()  # in the order their IMAGE_PART placeholders appear in `messages`
+    videos: tuple[VideoInput, ...] = ()  # likewise, VIDEO_PART
 
     def __post_init__(self) -> None:
         if sum(p is not None for p in (self.prompt, self.messages, self.prompt_ids)) != 1:
@@ -177,34 +177,20 @@ class Job:
                 check_int("prompt", t, 0)
         if self.messages is None and self.rules.calls_tools:
             raise _invalid("tools", "need chat messages (a raw prompt has no chat template to render them)")
-        placeholders = 0
+        placeholders = (0, 0)
         for i, m in enumerate(self.messages or ()):
             role = m.get("role")
             if not isinstance(role, str) or role not in ROLES:
                 raise _invalid(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
-            placeholders += check_content(f"messages[{i}].content", m.get("content"))
+            placeholders = tuple(a + b for a, b in zip(placeholders, check_content(f"messages[{i}].content",
+                                                                                  m.get("content"))))
             check_message_tool_fields(i, m)
-        self._check_images(placeholders)
+        check_media(self.images, self.videos, placeholders)
         if not isinstance(self.rules, OutputRules):
             raise _invalid("response_format", "must be the job's output rules")
         if not isinstance(self.speculation, str) or self.speculation not in {p.value for p in Policy}:
             raise _invalid("speculation", "must be one of auto, on, off", self.speculation)
         object.__setattr__(self, "speculation", Policy(self.speculation))
-
-    def _check_images(self, placeholders: int) -> None:
-        if not isinstance(self.images, tuple) or placeholders != len(self.images):
-            raise _invalid("messages", f"hold {placeholders} image parts but the job carries "
-                                       f"{len(self.images) if isinstance(self.images, tuple) else 'no'} images")
-        if len(self.images) > MAX_IMAGES:
-            raise _invalid("messages", f"may hold at most {MAX_IMAGES} images, got {len(self.images)}")
-        for image in self.images:
-            if not isinstance(image, ImageInput) or not isinstance(image.data, bytes):
-                raise _invalid("messages", "images must be encoded image files")
-            if not 0 < len(image.data) <= MAX_IMAGE_BYTES:
-                raise _invalid(image.where, f"must be an image file of 1 byte to {MAX_IMAGE_BYTES >> 20} MiB, "
-                                            f"got {len(image.data)} bytes")
-            if image.detail not in DETAILS:
-                raise _invalid(f"{image.where}.detail", f"must be one of {', '.join(DETAILS)}", image.detail)
 
     @property
     def prompt_chars(self) -> int:

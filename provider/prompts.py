@@ -150,12 +150,14 @@ class PromptPreparer:
                 f"{m.context_length} tokens can hold (at most {m.max_prompt_chars} characters with its "
                 "tokenizer); shorten the prompt", where)
         vision = None
-        if job.images:
+        if job.images or job.videos:
             if m.images is None:
                 raise JobError(Cause.INVALID_REQUEST, f"model {job.model} takes no images: {m.images_refused}",
                                "messages")
-            prepared = [m.images.prepare(image) for image in job.images]  # decoded outside the tokenizer's lock
-            vision = VisionPrompt(tuple(prepared), m.images.image_token_id)
+            # decoded outside the tokenizer's lock
+            vision = VisionPrompt(tuple(m.images.prepare(image) for image in job.images), m.images.image_token_id,
+                                  tuple(m.images.prepare_video(video) for video in job.videos),
+                                  m.images.video_token_id)
         with m.lock:
             messages, tools = m.tool_format.prompt_messages(list(job.messages), job.rules) if job.messages \
                 else (None, None)
@@ -214,11 +216,11 @@ def encode_with_images(job: Job, tok: Any, processor: ImageProcessor, vision: Vi
     except Exception as e:
         raise JobError(Cause.INVALID_REQUEST, f"the chat template of {job.model} rejected the messages: {e}",
                        "messages") from None
-    ids = tok.encode(processor.expand(text, list(vision.images)), add_special_tokens=False)
-    expected = sum(image.soft_tokens for image in vision.images)
-    if sum(1 for t in ids if t == vision.image_token_id) != expected:  # else features would land off their tokens
-        raise JobError(Cause.INVALID_REQUEST, "the prompt's text holds image tokens of its own; remove them",
-                       "messages")
+    ids = tok.encode(processor.expand(text, list(vision.images), list(vision.videos)), add_special_tokens=False)
+    for token, items in ((vision.image_token_id, vision.images), (vision.video_token_id, vision.videos)):
+        if sum(1 for t in ids if t == token) != sum(i.soft_tokens for i in items):  # else features land off them
+            raise JobError(Cause.INVALID_REQUEST, "the prompt's text holds image or video tokens of its own; remove "
+                                                  "them", "messages")
     return list(ids)
 
 

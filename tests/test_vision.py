@@ -178,3 +178,78 @@ def test_detail_picks_the_budget_nearest_a_scaled_default():
     assert [budget_for(d, 280) for d in ("low", "auto", "high")] == [70, 280, 1120]
     assert [budget_for(d, 70) for d in ("low", "auto", "high")] == [70, 70, 280]
     assert budget_for("high", 560) == 1120
+
+
+def _frames(n: int, seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def _encoded(img: Image.Image, fmt: str = "PNG", **save) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+def reference_video(vlm: Path, frames: list[Image.Image], fps: float, text: str) -> list[int]:
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.utils import load
+
+    if vlm not in _reference_models:
+        _reference_models[vlm] = load(str(vlm / "gemma4-vlm"))
+    model, processor = _reference_models[vlm]
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}]
+    prompt = processor.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    clip = np.stack([np.asarray(f.convert("RGB")).transpose(2, 0, 1) for f in frames])
+    inputs = processor(text=[prompt], videos=[clip], fps=[fps], add_special_tokens=False)
+    out = []
+    for token, _ in generate_step(mx.array(inputs["input_ids"]), model, None, None, max_tokens=MAX_TOKENS,
+                                  temperature=0.0, pixel_values_videos=inputs["pixel_values_videos"],
+                                  video_position_ids=inputs["video_position_ids"]):
+        out.append(int(token))
+        if out[-1] in EOS:
+            break
+    return out
+
+
+def test_video_as_frames_and_as_an_animated_gif_equals_mlx_vlm(vlm):
+    """Frames sent as images at a given rate, and a GIF whose frame duration (250 ms) gives 4 fps: both equal
+    mlx-vlm's own tokens on the same frames and rate (the timestamps written into the prompt), MTP off and on."""
+    from provider.content import VIDEO_PART, VideoInput
+
+    frames = _frames(5)
+    gif = _encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
+    decoded = Image.open(io.BytesIO(gif))
+    gif_frames = []
+    for i in range(decoded.n_frames):
+        decoded.seek(i)
+        gif_frames.append(decoded.convert("RGB"))
+    cases = [("frames", VideoInput(tuple(_encoded(f) for f in frames), 2.0), reference_video(vlm, frames, 2.0, "Go")),
+             ("gif", VideoInput((gif,)), reference_video(vlm, gif_frames, 4.0, "Go"))]
+    messages = ({"role": "user", "content": [dict(VIDEO_PART), {"type": "text", "text": "Go"}]},)
+
+    async def main():
+        node = _node(vlm)
+        try:
+            return [await collect(node, Job(id=f"{name}-{s}", model="vlm", sampling=greedy(MAX_TOKENS), speculation=s,
+                                            messages=messages, videos=(video,)))
+                    for name, video, _ in cases for s in ("off", "on")]
+        finally:
+            await node.stop()
+
+    results = run(main())
+    assert cases[0][2] != cases[1][2]
+    for (name, _, want), got in zip([c for c in cases for _ in (0, 1)], results):
+        assert isinstance(got[2], Done), got[2]
+        assert got[0] == want, name
+
+
+def test_a_long_video_is_sampled_to_the_frame_cap_at_its_real_rate():
+    from provider.content import VideoInput
+    from provider.images import video_frames
+
+    files = tuple(_encoded(f) for f in _frames(40, seed=1))
+    frames, fps = video_frames(VideoInput(files, 8.0), cap=32)
+    assert len(frames) == 32 and fps == pytest.approx(32 * 8.0 / 40)  # 40 frames at 8 fps last 5 s
+    assert (len(frames) - 1) / fps < 5.0

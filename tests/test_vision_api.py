@@ -157,3 +157,28 @@ def test_an_http_url_is_refused_and_nothing_is_fetched(server):
     finally:
         listener.close()
     _served(server)
+
+
+def _video_body(part: dict) -> dict:
+    return {"model": "gemma4-vlm", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]}
+
+
+def test_videos_are_served_and_hostile_ones_refused(server):
+    frames = [data_url(encoded(48, 32, seed=i)) for i in range(3)]
+    r = _post(server, _video_body({"type": "video", "video": frames, "fps": 1}))
+    assert r.status_code == 200, r.text
+    gif_frames = [Image.new("RGB", (1, 1), (i % 2 * 255, 0, 0)) for i in range(10_001)]
+    buf = io.BytesIO()
+    gif_frames[0].save(buf, "GIF", save_all=True, append_images=gif_frames[1:], duration=10)
+    cases = [
+        ({"type": "video", "video": frames * 22}, "1 to 64 frame"),
+        ({"type": "video", "video": frames, "fps": 0}, "fps must be a number"),
+        ({"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}, "does not fetch URLs"),
+        ({"type": "video_url", "video_url": {"url": data_url(buf.getvalue(), "image/gif")}}, "frames of 1x1"),
+        ({"type": "video", "video": [frames[0], data_url(b"not an image")]}, "is not a PNG"),
+    ]
+    for part, message in cases:
+        r = _post(server, _video_body(part))
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (message, r.text)
+    _served(server)

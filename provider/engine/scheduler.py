@@ -252,7 +252,7 @@ class Engine:
         booking = self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens,
                                              scored=prepared.job.sampling.prompt_logprobs)
         if prepared.vision is not None:  # read when it starts, one image at a time
-            booking += vision_scratch_bytes(lm.config, max(i.soft_tokens for i in prepared.vision.images))
+            booking += max(vision_scratch_bytes(lm.config, n) * at_once for n, at_once in prepared.vision.encodes())
         admission = self.models.admit_batch(lm.id, booking)
         if admission.decision != ADMIT:
             self.models.release(lm.id)

@@ -33,23 +33,31 @@ def read_with_images(lm: LoadedModel, prompt: list[int], vision: VisionPrompt, c
                        "messages")
     text = lm.model.language_model.model  # mlx-lm's Gemma4TextModel: hidden states, no logits
     ids = mx.array(prompt[:-1])[None]
-    is_image = ids == vision.image_token_id
     embeds = text.embed_tokens(ids)
-    features = [lm.vision.encode(image.pixels) for image in vision.images]  # one image at a time: bounded scratch
-    features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
-    positions = [i for i, t in enumerate(prompt[:-1]) if t == vision.image_token_id]
-    if len(positions) != features.shape[0]:  # mlx-vlm's masked_scatter would wrap silently
-        raise JobError(Cause.INTERNAL, f"{len(positions)} image tokens for {features.shape[0]} image features")
-    if positions[0] < cached:
+    media = ids == vision.image_token_id
+    first = len(prompt)
+    # One image (or one video's frames) through the tower at a time: bounded scratch.
+    for token, features in ((vision.image_token_id, [lm.vision.encode(i.pixels) for i in vision.images]),
+                            (vision.video_token_id, [lm.vision.encode_frames(v.patches, v.positions)
+                                                     for v in vision.videos])):
+        if not features:
+            continue
+        features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
+        positions = [i for i, t in enumerate(prompt[:-1]) if t == token]
+        if len(positions) != features.shape[0]:  # mlx-vlm's masked_scatter would wrap silently
+            raise JobError(Cause.INTERNAL, f"{len(positions)} media tokens for {features.shape[0]} features")
+        embeds[0, mx.array(positions)] = (features / text.embed_scale).astype(embeds.dtype)
+        media = media | (ids == token)
+        first = min(first, positions[0])
+    if first < cached:
         raise JobError(Cause.INTERNAL, "a cached prefix reaches into an image")
-    embeds[0, mx.array(positions)] = (features / text.embed_scale).astype(embeds.dtype)
     per_layer = None
-    if text.hidden_size_per_layer_input:
-        per_layer = text._get_per_layer_inputs(mx.where(is_image, 0, ids))
+    if text.hidden_size_per_layer_input:  # mlx-vlm's: image and video positions read as token 0
+        per_layer = text._get_per_layer_inputs(mx.where(media, 0, ids))
     if cache is None:
         cache = make_prompt_cache(lm.model)
     end = len(prompt) - 1
-    keep_at = keep_at if keep is not None and cached < keep_at <= positions[0] else 0
+    keep_at = keep_at if keep is not None and cached < keep_at <= first else 0
     bounds = sorted({*range(cached, end, max(1, chunk)), end} | ({keep_at} if keep_at else set()))
     for start, stop in zip(bounds, bounds[1:]):
         text(None, cache=cache, input_embeddings=embeds[:, start:stop],

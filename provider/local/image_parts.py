@@ -1,12 +1,16 @@
-"""OpenAI content parts -> a message's content and its images. Images come inline as `data:` URLs only: the
-node makes no outbound request on a client's behalf, so http(s) and file URLs are refused, not fetched."""
+"""OpenAI content parts -> a message's content, its images and videos. Media come inline as `data:` URLs only:
+the node makes no outbound request on a client's behalf, so http(s) and file URLs are refused, not fetched.
+
+Videos take mlx-vlm's part shapes: {type: video, video: [frame data URLs...], fps} (frames as images), or
+{type: video_url, video_url: {url}} holding an animated GIF or WebP."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 
-from ..content import DETAILS, IMAGE_MEDIA, IMAGE_PART, MAX_IMAGE_BYTES, ImageInput
+from ..content import DETAILS, IMAGE_MEDIA, IMAGE_PART, MAX_IMAGE_BYTES, MAX_VIDEO_FILES, VIDEO_PART, ImageInput, \
+    VideoInput
 from ..types import Cause, JobError
 
 def _refused(message: str, param: str) -> JobError:
@@ -15,11 +19,12 @@ def _refused(message: str, param: str) -> JobError:
 
 TEXT_TYPES = ("text", "input_text")
 IMAGE_TYPES = ("image_url", "input_image")
+VIDEO_TYPES = ("video", "video_url")
 
 
-def content_parts(parts: list, param: str, images: list[ImageInput]) -> str | list[dict]:
+def content_parts(parts: list, param: str, images: list[ImageInput], videos: list[VideoInput]) -> str | list[dict]:
     """A message's parts as the job holds them: a string when they are all text (as before parts existed),
-    else text parts and IMAGE_PART placeholders; each image is appended to `images`."""
+    else text parts and IMAGE_PART / VIDEO_PART placeholders; each image or video is appended to its list."""
     out: list[dict] = []
     for j, part in enumerate(parts):
         where = f"{param}.content[{j}]"
@@ -29,6 +34,9 @@ def content_parts(parts: list, param: str, images: list[ImageInput]) -> str | li
         elif kind in IMAGE_TYPES:
             images.append(image_input(part, where))
             out.append(dict(IMAGE_PART))
+        elif kind in VIDEO_TYPES:
+            videos.append(video_input(part, where))
+            out.append(dict(VIDEO_PART))
         else:
             raise _refused(f"{where} must be a text part ({{type: text, text}}) or an image part "
                                "({type: image_url, image_url: {url: data:image/...;base64,...}}); audio and "
@@ -51,6 +59,22 @@ def image_input(part: dict, where: str) -> ImageInput:
     if not isinstance(url, str):
         raise _refused(f"{where}.image_url.url must be a string (a data: URL)", where)
     return ImageInput(data_url_bytes(url, where), detail, where)
+
+
+def video_input(part: dict, where: str) -> VideoInput:
+    if part.get("type") == "video_url":
+        ref = part.get("video_url")
+        urls = [ref.get("url") if isinstance(ref, dict) else ref]
+    else:
+        ref = part.get("video")
+        urls = ref if isinstance(ref, list) else [ref]
+    if not urls or len(urls) > MAX_VIDEO_FILES or not all(isinstance(u, str) for u in urls):
+        raise _refused(f"{where} must be a data URL of an animated GIF or WebP, or a list of 1 to {MAX_VIDEO_FILES} "
+                       "frame data URLs", where)
+    fps = part.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0.01 <= fps <= 120):
+        raise _refused(f"{where}.fps must be a number from 0.01 to 120", f"{where}.fps")
+    return VideoInput(tuple(data_url_bytes(u, where) for u in urls), None if fps is None else float(fps), where)
 
 
 def data_url_bytes(url: str, where: str) -> bytes:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..constraints import OutputRules, ResponseFormat, Tool, ToolChoice
-from ..content import ImageInput
+from ..content import ImageInput, VideoInput
 from ..jobs import (MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Job, JobError, SamplingParams,
                     resolve_max_tokens)
 from ..types import Cause
@@ -84,15 +84,16 @@ def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
     images: list[ImageInput] = []
+    videos: list[VideoInput] = []
     try:
-        parsed = tuple(_message(m, i, images) for i, m in enumerate(messages))
+        parsed = tuple(_message(m, i, images, videos) for i, m in enumerate(messages))
     except JobError as e:
         raise RequestError(e.message, e.param) from None
     wants = _bool(body, "logprobs", False)
     top = _given(body, "top_logprobs", None)  # its bounds are SamplingParams' (which names top_logprobs)
     if top is not None and not wants:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    return _finish(body, job_id, limits, [{"messages": parsed, "images": tuple(images)}],
+    return _finish(body, job_id, limits, [{"messages": parsed, "images": tuple(images), "videos": tuple(videos)}],
                    logprobs=(top or 0) if wants else None)
 
 
@@ -139,14 +140,14 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _message(m: Any, i: int, images: list[ImageInput]) -> dict[str, Any]:
+def _message(m: Any, i: int, images: list[ImageInput], videos: list[VideoInput]) -> dict[str, Any]:
     """The wire shape of one message; its role and text are checked by `Job`, its images when prepared."""
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise RequestError(f"{param} must be an object with role and content", param)
     content = m.get("content")
     if isinstance(content, list):
-        content = content_parts(content, param, images)
+        content = content_parts(content, param, images, videos)
     if content is None and m.get("role") == "assistant":
         content = ""
     if not isinstance(content, (str, list)):

@@ -27,6 +27,10 @@ class VisionTower:
         """One image's channel-first pixels [3, H, W] -> its soft tokens in the language model's space [n, D]."""
         return self.projector(self.tower(mx.array(pixels)[None]))[0]
 
+    def encode_frames(self, patches, positions) -> mx.array:
+        """One video's frames, as patches [F, P, D] with positions [F, P, 2] (-1: padding) -> [F x n, D]."""
+        return self.projector(self.tower(mx.array(patches)[None], mx.array(positions)[None]))[0]
+
 
 def load_vision(path: Path, config: dict) -> VisionTower:
     from mlx_vlm.models.gemma4.config import VisionConfig
