@@ -253,3 +253,53 @@ def test_a_long_video_is_sampled_to_the_frame_cap_at_its_real_rate():
     frames, fps = video_frames(VideoInput(files, 8.0), cap=32)
     assert len(frames) == 32 and fps == pytest.approx(32 * 8.0 / 40)  # 40 frames at 8 fps last 5 s
     assert (len(frames) - 1) / fps < 5.0
+
+
+def test_a_text_stream_keeps_decoding_while_an_image_prompt_is_read_and_a_cancelled_read_frees_its_job(vlm):
+    """The image prompt is read a piece per engine pass (each image through the tower, then 16-token chunks), so
+    a stream decoding beside it gets tokens between the image job's acceptance and its first token; a job
+    cancelled mid-read ends cancelled and the node goes on (counted in tokens and events, not time)."""
+    from provider.jobs import Accepted, Tokens
+    from provider.types import FinishReason
+
+    small, wide = image(64, 64, 1), image(200, 120, 2)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Both?"}]}]
+    text = ({"role": "user", "content": "Tell me about caches."},)
+
+    async def main():
+        node = _node(vlm, prefill_step_size=16)
+        order: list[str] = []
+        try:
+            async def stream_text():
+                async with node.run(Job(id="text", model="vlm", sampling=greedy(400), messages=text)) as s:
+                    async for ev in s:
+                        if isinstance(ev, Tokens):
+                            order.append("text")
+
+            async def image_job():
+                async with node.run(as_job("img", msgs, [small[0], wide[0]])) as s:
+                    async for ev in s:
+                        if isinstance(ev, Accepted):
+                            order.append("accepted")
+                        elif isinstance(ev, Tokens):
+                            order.append("first")
+                            return
+
+            streaming = asyncio.create_task(stream_text())
+            while order.count("text") < 3:
+                await asyncio.sleep(0.01)
+            await image_job()
+            async with node.run(as_job("cancelled", msgs, [small[0], wide[0]])) as s:
+                accepted = await s.__anext__()  # leaving the stream now cancels the job mid-read
+            ended = await collect(node, as_job("after", msgs, [small[0], wide[0]]))
+            streaming.cancel()
+            return order, accepted, ended, node.status().active_jobs
+        finally:
+            await node.stop()
+
+    order, accepted, after, _ = run(main())
+    between = order[order.index("accepted"):order.index("first")].count("text")
+    assert between >= 5, order  # read all at once, the stream would get none
+    assert isinstance(accepted, Accepted)
+    assert isinstance(after[2], Done) and after[0] == reference(vlm, msgs, [small[1], wide[1]])
+    assert after[2].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)

@@ -30,7 +30,7 @@ from .output import JobOutput
 from . import sampling
 from .prefix_cache import PrefixCache
 from .spec_batch import SpecBatch
-from .vision_prefill import read_with_images
+from .vision_prefill import MediaRead, MediaReads
 
 Delivery = tuple[list[Event], Sink]
 PREFILL_ROWS = 8  # prompts the plain batch reads in one forward (mlx-lm's prefill_batch_size)
@@ -56,6 +56,7 @@ class Running:
         self._batches: dict[str, PlainBatch] = {}  # by model id: the jobs that decode together
         self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
         self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
+        self._media = MediaReads()  # jobs with images or video, read before they join a batch
         self.stats = stats  # the engine's (EngineStats): batch and prefix-reuse counters are added to it here
 
     def __len__(self) -> int:
@@ -66,17 +67,19 @@ class Running:
         return [job_id for rows in self._groups() for job_id in rows.job_ids()]
 
     def on_model(self, model_id: str) -> int:
-        return sum(len(rows) for rows in (self._batches.get(model_id), self._speculating.get(model_id)) if rows)
+        return sum(len(rows) for rows in (self._batches.get(model_id), self._speculating.get(model_id)) if rows) \
+            + len(self._media.rows(model_id))
 
     def _groups(self) -> list:
-        return [*self._batches.values(), *self._speculating.values()]
+        return [*self._batches.values(), *self._speculating.values(), self._media]
 
     # --- what the batches will hold ---------------------------------------------------
 
     def booked_bytes(self, model_id: str) -> int:
         """What the model's batches will hold: KV when every row they run now reaches its final length, and the
         scratch of reading the prompts still being read."""
-        rows = self._batches.get(model_id) or self._speculating.get(model_id)
+        rows = self._batches.get(model_id) or self._speculating.get(model_id) or next(iter(self._media.rows(model_id)),
+                                                                                      None)
         return self._bytes(rows.lm, *self._layout(model_id)) if rows is not None else 0
 
     def booking_with(self, lm: LoadedModel, prompt: int, final: int, scored: bool = False) -> int:
@@ -92,12 +95,13 @@ class Running:
         return max(self._bytes(lm, p, s) for p, s in layouts)
 
     def models(self) -> set[str]:
-        return set(self._batches) | set(self._speculating)
+        return set(self._batches) | set(self._speculating) | {r.lm.id for r in self._media.rows()}
 
     def _layout(self, model_id: str) -> tuple[Layout, Layout]:
         """The model's plain rows and speculating rows; a row still reads its prompt until its first token."""
         plain, spec = self._batches.get(model_id), self._speculating.get(model_id)
-        return (_layout(plain.rows() if plain else [], lambda r: r.output.t_first is None),
+        plain_rows = (plain.rows() if plain else []) + self._media.rows(model_id)  # media reads: read, not decoding
+        return (_layout(plain_rows, lambda r: r.output.t_first is None),
                 _layout(spec.rows() if spec else [], lambda r: r.spec.reading))
 
     def _bytes(self, lm: LoadedModel, plain: Layout, spec: Layout) -> int:
@@ -130,23 +134,29 @@ class Running:
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice,
                            tool_format=tool_format)
-        read = cached  # prompt tokens the row's caches hold when it joins a batch
-        if vision is not None:  # read now (its prefill time), images and all; it joins as after a prefix hit
-            if job.sampling.prompt_logprobs:
-                raise JobError(Cause.INVALID_REQUEST, "prompt logprobs are not given for prompts with images", "echo")
-            cache = read_with_images(lm, prompt, vision, cache, cached, self._step_tokens, keep_at=shared_prefix,
-                                     keep=lambda c: prefix.share(prompt[:shared_prefix], c))
-            read = len(prompt) - 1
         if grammar is not None:
             output.grammar = RowGrammar(grammar.matcher, grammar.n_vocab, lm.logits_width, output.end_ids,
                                         grammar.kind)
+        if vision is None:
+            self._join(lm, output, sink, prompt, plan, cache, cached, shared_prefix)
+            return
+        if job.sampling.prompt_logprobs:
+            raise JobError(Cause.INVALID_REQUEST, "prompt logprobs are not given for prompts with images", "echo")
+        # Read a piece per pass beside the batches (the media reads), then it joins as after a prefix hit.
+        self._media.add(MediaRead(lm, output, sink, prompt, vision, cache, cached, keep_at=shared_prefix,
+                                  keep=lambda c: prefix.share(prompt[:shared_prefix], c),
+                                  joining=dict(plan=plan, shared_prefix=shared_prefix)))
+
+    def _join(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, cache,
+              read: int, shared_prefix: int) -> None:
+        """A job's row into its batch; its caches (`cache`) hold its first `read` prompt tokens."""
         if not plan.on and plan.reason in (SpecReason.NOT_PROFITABLE, SpecReason.BATCH_TOO_LARGE) and lm.id in self._speculating:
             for row in self._speculating[lm.id].demote():  # with this job, plain batching pays more
                 self._continue_plain(lm, row, plan.reason)
         if plan.on:
             spec = self._speculating.get(lm.id)
             if spec is None:
-                spec = self._speculating[lm.id] = SpecBatch(lm, prefix, step_tokens=self._step_tokens)
+                spec = self._speculating[lm.id] = SpecBatch(lm, self._prefix[lm.id], step_tokens=self._step_tokens)
             spec.add(output, sink, prompt, plan, cache=cache, cached=read)
         else:
             self._add_plain(lm, output, sink, prompt, cache, cached=read, shared_prefix=shared_prefix)
@@ -178,6 +188,14 @@ class Running:
 
     def step(self) -> list[Delivery]:
         out: list[Delivery] = []
+        for read in self._media.step(self._step_tokens):
+            try:
+                self._join(read.lm, read.output, read.sink, read.prompt, read.joining["plan"], read.cache,
+                           read.read, read.joining["shared_prefix"])
+            except Exception as e:
+                self.cancel(read.output.job.id)  # whatever part of it a batch took
+                out.append(([_failed(read.output.job.id, e)], read.sink))
+        out += self._faulted(self._media)
         for model_id, batch in list(self._batches.items()):
             out += self._step_batch(model_id, batch)
         for model_id, spec in list(self._speculating.items()):
@@ -241,6 +259,7 @@ class Running:
     def clear(self) -> None:
         self._batches.clear()
         self._speculating.clear()
+        self._media.close()
 
     # --- prefix caches --------------------------------------------------------------
 

@@ -1,19 +1,22 @@
-"""A prompt with images read into mlx-lm caches: the images through the checkpoint's vision tower, their
-features in place of the image tokens' embeddings, the text model over those embeddings.
+"""Prompts with images or video, read into mlx-lm caches a piece per engine pass, beside the batches.
+
+Each piece is one image (or one video's frames) through the checkpoint's vision tower, or one chunk of the
+prompt through the text model with the tower's features in place of the media tokens' embeddings. One piece a
+pass keeps the other streams going while an image is read, as chunked prefill does for long text prompts.
 
 What comes out is what a prefix-cache hit gives: caches holding every prompt token but the last. The row then
-joins the batch (plain or speculating) as after a hit, and its last token's forward gives the first token
-and, for MTP, the target's hidden state at the last prompt position, so the assistant sees the image through
-the target's K/V like any other prompt token.
+joins its batch (plain or speculating) as after a hit, and its last token's forward gives the first token and,
+for MTP, the target's hidden state at the last prompt position, so the assistant sees the image through the
+target's K/V like any other prompt token.
 
 mlx-vlm's Gemma 4 does the same with its own copy of the language model: its scaled embeddings with the
 features scattered in. mlx-lm's text model scales what it is given, so the features go in divided by that
-scale, and the per-layer inputs are the text tokens' with image positions as token 0, as mlx-vlm computes them.
+scale, and the per-layer inputs are the text tokens' with media positions as token 0, as mlx-vlm computes them.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -23,46 +26,115 @@ from ..models.loader import LoadedModel
 from ..types import Cause, JobError
 
 
-def read_with_images(lm: LoadedModel, prompt: list[int], vision: VisionPrompt, cache: list | None, cached: int,
-                     chunk: int, keep_at: int = 0, keep: Callable[[list], None] | None = None) -> list:
-    """Caches holding prompt[:-1] (the first `cached` tokens already in `cache`, a text prefix's), read in
-    forwards of at most `chunk` tokens; `keep` is given the caches once they hold the first `keep_at` tokens
-    (a system prompt's, kept for other chats), when that is text read here."""
-    if lm.vision is None:
-        raise JobError(Cause.INVALID_REQUEST, f"model {lm.id} cannot read images: its vision tower is not loaded",
-                       "messages")
-    text = lm.model.language_model.model  # mlx-lm's Gemma4TextModel: hidden states, no logits
-    ids = mx.array(prompt[:-1])[None]
-    embeds = text.embed_tokens(ids)
-    media = ids == vision.image_token_id
-    first = len(prompt)
-    # One image (or one video's frames) through the tower at a time: bounded scratch.
-    for token, features in ((vision.image_token_id, [lm.vision.encode(i.pixels) for i in vision.images]),
-                            (vision.video_token_id, [lm.vision.encode_frames(v.patches, v.positions)
-                                                     for v in vision.videos])):
-        if not features:
-            continue
-        features = mx.concatenate(features, axis=0) if len(features) > 1 else features[0]
-        positions = [i for i, t in enumerate(prompt[:-1]) if t == token]
-        if len(positions) != features.shape[0]:  # mlx-vlm's masked_scatter would wrap silently
-            raise JobError(Cause.INTERNAL, f"{len(positions)} media tokens for {features.shape[0]} features")
-        embeds[0, mx.array(positions)] = (features / text.embed_scale).astype(embeds.dtype)
-        media = media | (ids == token)
-        first = min(first, positions[0])
-    if first < cached:
-        raise JobError(Cause.INTERNAL, "a cached prefix reaches into an image")
-    per_layer = None
-    if text.hidden_size_per_layer_input:  # mlx-vlm's: image and video positions read as token 0
-        per_layer = text._get_per_layer_inputs(mx.where(media, 0, ids))
-    if cache is None:
-        cache = make_prompt_cache(lm.model)
-    end = len(prompt) - 1
-    keep_at = keep_at if keep is not None and cached < keep_at <= first else 0
-    bounds = sorted({*range(cached, end, max(1, chunk)), end} | ({keep_at} if keep_at else set()))
-    for start, stop in zip(bounds, bounds[1:]):
-        text(None, cache=cache, input_embeddings=embeds[:, start:stop],
-             per_layer_inputs=None if per_layer is None else per_layer[:, start:stop])
-        mx.eval([c.state for c in cache])
-        if stop == keep_at:
-            keep(cache)
-    return cache
+class MediaRead:
+    """One job's prompt being read, images and all. `joining` holds what its batch needs once it is read."""
+
+    def __init__(self, lm: LoadedModel, output, sink, prompt: list[int], vision: VisionPrompt, cache: list | None,
+                 cached: int, *, keep_at: int = 0, keep: Callable[[list], None] | None = None, joining: dict):
+        if lm.vision is None:
+            raise JobError(Cause.INVALID_REQUEST, f"model {lm.id} cannot read images: its vision tower is not "
+                                                  "loaded", "messages")
+        self.lm, self.output, self.sink, self.prompt, self.joining = lm, output, sink, prompt, joining
+        self.cache = cache if cache is not None else make_prompt_cache(lm.model)
+        self.read = cached
+        self._text = lm.model.language_model.model  # mlx-lm's Gemma4TextModel: hidden states, no logits
+        self._ids = mx.array(prompt[:-1])[None]
+        self._todo = [(vision.image_token_id, lambda i=i: lm.vision.encode(i.pixels)) for i in vision.images]
+        self._todo += [(vision.video_token_id, lambda v=v: lm.vision.encode_frames(v.patches, v.positions))
+                       for v in vision.videos]
+        self._features: dict[int, list[mx.array]] = {}
+        self._embeds: Any = None
+        self._per_layer: Any = None
+        first = next(i for i, t in enumerate(prompt) if t in (vision.image_token_id, vision.video_token_id))
+        if first < cached:
+            raise JobError(Cause.INTERNAL, "a cached prefix reaches into an image")
+        self._keep_at = keep_at if keep is not None and cached < keep_at <= first else 0
+        self._keep = keep
+
+    @property
+    def done(self) -> bool:
+        return self.read >= len(self.prompt) - 1
+
+    def advance(self, tokens: int) -> None:
+        """One piece: the next image or video through the tower, else up to `tokens` prompt tokens."""
+        if self._todo:
+            token, encode = self._todo.pop(0)
+            features = encode()
+            mx.eval(features)
+            self._features.setdefault(token, []).append(features)
+            return
+        if self._embeds is None:
+            self._embed()
+        stop = min(len(self.prompt) - 1, self.read + max(1, tokens))
+        if self.read < self._keep_at < stop:
+            stop = self._keep_at
+        self._text(None, cache=self.cache, input_embeddings=self._embeds[:, self.read:stop],
+                   per_layer_inputs=None if self._per_layer is None else self._per_layer[:, self.read:stop])
+        mx.eval([c.state for c in self.cache])
+        self.read = stop
+        if stop == self._keep_at:
+            self._keep(self.cache)
+
+    def _embed(self) -> None:
+        text, ids = self._text, self._ids
+        embeds = text.embed_tokens(ids)
+        media = mx.zeros(ids.shape, dtype=mx.bool_)
+        for token, parts in self._features.items():
+            features = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            positions = [i for i, t in enumerate(self.prompt[:-1]) if t == token]
+            if len(positions) != features.shape[0]:  # mlx-vlm's masked_scatter would wrap silently
+                raise JobError(Cause.INTERNAL, f"{len(positions)} media tokens for {features.shape[0]} features")
+            embeds[0, mx.array(positions)] = (features / text.embed_scale).astype(embeds.dtype)
+            media = media | (ids == token)
+        self._features.clear()
+        self._embeds = embeds
+        if text.hidden_size_per_layer_input:  # mlx-vlm's: image and video positions read as token 0
+            self._per_layer = text._get_per_layer_inputs(mx.where(media, 0, ids))
+
+
+class MediaReads:
+    """The prompts with media being read, first come first served, one piece per engine pass."""
+
+    def __init__(self):
+        self._reads: dict[str, MediaRead] = {}
+        self._faults: list[tuple[MediaRead, BaseException]] = []
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def job_ids(self) -> list[str]:
+        return list(self._reads)
+
+    def rows(self, model_id: str | None = None) -> list[MediaRead]:
+        return [r for r in self._reads.values() if model_id is None or r.lm.id == model_id]
+
+    def add(self, read: MediaRead) -> None:
+        self._reads[read.output.job.id] = read
+
+    def step(self, tokens: int) -> list[MediaRead]:
+        """Advance the first read by one piece; the reads now done (out of this set, for their batches)."""
+        if not self._reads:
+            return []
+        job_id, read = next(iter(self._reads.items()))
+        try:
+            read.advance(tokens)
+        except Exception as e:  # this job's images or prompt fail it alone
+            del self._reads[job_id]
+            self._faults.append((read, e))
+            return []
+        if read.done:
+            del self._reads[job_id]
+            return [read]
+        return []
+
+    def faults(self) -> list[tuple[MediaRead, BaseException]]:
+        out, self._faults = self._faults, []
+        return out
+
+    def cancel(self, job_id: str) -> MediaRead | None:
+        return self._reads.pop(job_id, None)
+
+    def close(self) -> list[MediaRead]:
+        out = list(self._reads.values())
+        self._reads.clear()
+        return out

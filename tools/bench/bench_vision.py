@@ -8,7 +8,9 @@ requests (a fresh random image each, so no side reuses a cached image) to each c
 - c = 1: time to first token (median) and decode tokens/s (tokens after the first over the time they took,
   median), `--requests` requests one after another;
 - c = 4: aggregate completion tokens/s with four clients;
-- the node's telemetry: tokens per target forward on its speculating image requests (what MTP did).
+- the node's telemetry: tokens per target forward on its speculating image requests (what MTP did);
+- stall: a text stream decoding while an image request arrives: that stream's longest gap between tokens
+  (the image's encode and prefill are what it waits behind).
 
 Without --model it builds the fixture factory's tiny Gemma 4 VLM with a 280-token image budget and its
 (random, so rarely accepted) assistant: the figures then compare the machinery, not a trained pair.
@@ -26,6 +28,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,12 +55,15 @@ class Target:
         self.name, self.url, self.model, self.headers, self.extra = name, url, model, headers, extra or {}
         self.per_forward: list[float] = []
 
-    def ask(self, url: str, tokens: int) -> tuple[float, float, int]:
-        """One streamed image request: (time to first token, decode tokens/s after it, completion tokens)."""
+    def ask(self, url: str | None, tokens: int, on_token=None) -> tuple[float, float, int]:
+        """One streamed request, with an image unless `url` is None: (time to first token, decode tokens/s
+        after it, completion tokens)."""
+        content = [{"type": "text", "text": "Describe this picture."}]
+        if url is not None:
+            content.insert(0, {"type": "image_url", "image_url": {"url": url}})
         body = {"model": self.model, "max_tokens": tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, **self.extra,
-                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                          {"type": "text", "text": "Describe this picture."}]}]}
+                "messages": [{"role": "user", "content": content}]}
         t0 = time.perf_counter()
         first = last = None
         n = 0
@@ -71,6 +77,8 @@ class Target:
                 if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
                     last = time.perf_counter()
                     first = first or last
+                    if on_token:
+                        on_token(last)
                 if chunk.get("usage"):
                     n = chunk["usage"]["completion_tokens"]
                 spec = (chunk.get("telemetry") or {}).get("speculation") or {}
@@ -80,6 +88,25 @@ class Target:
             raise RuntimeError(f"{self.name}: no tokens")
         decode = (n - 1) / (last - first) if n > 1 and last > first else float("nan")
         return first - t0, decode, n
+
+
+def stall(target: Target, url: str) -> float:
+    """A text stream's longest gap between tokens while an image request is read beside it."""
+    times: list[float] = []
+    started = threading.Event()
+
+    def note(t: float) -> None:
+        times.append(t)
+        if len(times) == 8:
+            started.set()
+
+    stream = threading.Thread(target=lambda: target.ask(None, 160, note))
+    stream.start()
+    started.wait(300)
+    target.ask(url, 4)
+    stream.join()
+    gaps = [b - a for a, b in zip(times[7:], times[8:])]
+    return max(gaps) if len(gaps) > 4 else float("nan")  # a stream that ended early measured nothing
 
 
 def start_vlm_server(model: Path, drafter: Path | None, port: int, log: Path):
@@ -135,7 +162,7 @@ def main() -> int:
             targets.append(Target(name, f"http://127.0.0.1:{port}", str(model), {}))
         for t in targets:  # warm: first loads, first compiles
             t.ask(image_url(0, size), 4)
-        figures = {t.name: {"ttft": [], "decode": [], "c4": []} for t in targets}
+        figures = {t.name: {"ttft": [], "decode": [], "c4": [], "stall": []} for t in targets}
         seed = 1
         for _ in range(args.rounds):
             for t in targets:
@@ -150,20 +177,23 @@ def main() -> int:
                 with concurrent.futures.ThreadPoolExecutor(4) as pool:
                     total = sum(n for _, _, n in pool.map(lambda u: t.ask(u, args.tokens), urls))
                 figures[t.name]["c4"].append(total / (time.perf_counter() - start))
+                figures[t.name]["stall"].append(stall(t, image_url(seed, size)))
+                seed += 1
         print(f"\nimage {size[0]}x{size[1]}, {args.tokens} tokens, {args.rounds} rounds x {args.requests} requests; "
               f"model {model}")
-        print(f"{'':15} {'TTFT p50 s':>11} {'decode tok/s':>13} {'c=4 tok/s':>10} {'tok/target fwd':>15}")
+        print(f"{'':15} {'TTFT p50 s':>11} {'decode tok/s':>13} {'c=4 tok/s':>10} {'stall s':>8} {'tok/target fwd':>15}")
         for t in targets:
             f = figures[t.name]
             per_forward = f"{statistics.median(t.per_forward):.2f}" if t.per_forward else "-"
             print(f"{t.name:15} {statistics.median(f['ttft']):11.3f} {statistics.median(f['decode']):13.1f} "
-                  f"{statistics.median(f['c4']):10.1f} {per_forward:>15}")
+                  f"{statistics.median(f['c4']):10.1f} {statistics.median(f['stall']):8.3f} {per_forward:>15}")
         for ours, theirs in (("node MTP", "mlx_vlm MTP"), ("node plain", "mlx_vlm plain")):
             if theirs in figures:
                 a, b = figures[ours], figures[theirs]
                 print(f"{ours} / {theirs}: TTFT {statistics.median(a['ttft']) / statistics.median(b['ttft']):.2f}, "
                       f"decode {statistics.median(a['decode']) / statistics.median(b['decode']):.2f}, "
-                      f"c=4 {statistics.median(a['c4']) / statistics.median(b['c4']):.2f}")
+                      f"c=4 {statistics.median(a['c4']) / statistics.median(b['c4']):.2f}, "
+                      f"stall {statistics.median(a['stall']) / statistics.median(b['stall']):.2f}")
     finally:
         node.stop()
         for proc in servers:
