@@ -130,6 +130,19 @@ def test_a_hostile_image_is_a_4xx_naming_its_part_and_the_node_keeps_serving(ser
     _served(server)
 
 
+def test_tokenize_counts_an_images_soft_tokens_as_its_completion_does(server):
+    request = body(data_url(encoded(64, 48, seed=3)))
+    tokens = httpx.post(server.url + "/tokenize", json={"model": "gemma4-vlm", "messages": request["messages"]},
+                        headers=server.headers, timeout=120)
+    assert tokens.status_code == 200, tokens.text
+    completion = _post(server, request).json()
+    soft = tokens.json()["tokens"].count(8)  # the image token, once per soft token: 63 of the budget's 70 at 4:3
+    assert 0 < soft <= 70 and tokens.json()["count"] == completion["usage"]["prompt_tokens"] > soft
+    bad = httpx.post(server.url + "/tokenize", json={"messages": body(data_url(b"not an image"))["messages"]},
+                     headers=server.headers, timeout=120)
+    assert bad.status_code == 400 and "messages[0].content[0]" in bad.json()["error"]["message"], bad.text
+
+
 def test_too_many_images_bad_detail_and_placeholder_text_are_refused(server):
     url = data_url(encoded(32, 32))
     r = _post(server, body(*[url] * (MAX_IMAGES + 1)))

@@ -80,6 +80,16 @@ class ParsedRequest:
 
 def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
     body = _object(body)
+    chat = _chat_prompt(body)
+    wants = _bool(body, "logprobs", False)
+    top = _given(body, "top_logprobs", None)  # its bounds are SamplingParams' (which names top_logprobs)
+    if top is not None and not wants:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    return _finish(body, job_id, limits, [chat], logprobs=(top or 0) if wants else None)
+
+
+def _chat_prompt(body: dict) -> dict[str, Any]:
+    """A chat's messages in their wire shape, with the images and videos their parts carry, as `Job` fields."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
@@ -89,12 +99,7 @@ def parse_chat(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
         parsed = tuple(_message(m, i, images, videos) for i, m in enumerate(messages))
     except JobError as e:
         raise RequestError(e.message, e.param) from None
-    wants = _bool(body, "logprobs", False)
-    top = _given(body, "top_logprobs", None)  # its bounds are SamplingParams' (which names top_logprobs)
-    if top is not None and not wants:
-        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    return _finish(body, job_id, limits, [{"messages": parsed, "images": tuple(images), "videos": tuple(videos)}],
-                   logprobs=(top or 0) if wants else None)
+    return {"messages": parsed, "images": tuple(images), "videos": tuple(videos)}
 
 
 def parse_completion(body: Any, job_id: str, limits: Limits) -> ParsedRequest:
@@ -300,10 +305,7 @@ def parse_tokenize(body: Any, job_id: str) -> tuple[Job, bool]:
         raise RequestError("only add_generation_prompt true is served (the ids a chat completion would see)",
                            "add_generation_prompt")
     if "messages" in body:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty array of {role, content} objects", "messages")
-        prompt: dict[str, Any] = {"messages": tuple(_message(m, i) for i, m in enumerate(messages))}
+        prompt = _chat_prompt(body)
     else:
         prompt = prompts_of(body.get("prompt"))
         if len(prompt) != 1 or "prompt" not in prompt[0]:
