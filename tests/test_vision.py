@@ -303,3 +303,23 @@ def test_a_text_stream_keeps_decoding_while_an_image_prompt_is_read_and_a_cancel
     assert isinstance(accepted, Accepted)
     assert isinstance(after[2], Done) and after[0] == reference(vlm, msgs, [small[1], wide[1]])
     assert after[2].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+def test_an_images_scratch_estimate_bounds_what_its_encode_holds(vlm):
+    """Admission books `vision_scratch_bytes` per image: MLX's peak over the tower's encode stays under it."""
+    import mlx.core as mx
+
+    from provider.images import ImageProcessor
+    from provider.memory.estimate import vision_scratch_bytes
+    from provider.models.loader import load
+
+    lm = load("gemma4-vlm", vlm / "gemma4-vlm")
+    processor = ImageProcessor(vlm / "gemma4-vlm", lm.config, lm.tokenizer)
+    for detail in ("low", "auto", "high"):  # 70, 280 and 1120 soft tokens at most, by the fixture's default 70
+        prepared = processor.prepare(ImageInput(image(320, 240, seed=4)[0], detail))
+        mx.eval(lm.vision.encode(prepared.pixels))  # compiled and warm
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(lm.vision.encode(prepared.pixels))
+        held = mx.get_peak_memory() - before
+        assert 0 < held <= vision_scratch_bytes(lm.config, prepared.soft_tokens), (detail, prepared.soft_tokens)
