@@ -1,7 +1,7 @@
 """Issue 20, finding 3: a coordinator that sends jobs, pings and garbage for up to 60 s and never reads what the
 node sends. The node stops reading when its outbox passes its byte limit, ends the session with a typed reason
 once it stays over, and its memory stays bounded. The node is a real daemon (`provider start --coordinator`),
-so its RSS is its own; the limit is set low (2 MiB) so the test sees the end well within the minute."""
+so its RSS is its own; the limit is set low (2 MiB) so the test sees the end within a minute or two."""
 
 import asyncio
 import threading
@@ -40,7 +40,10 @@ def test_a_coordinator_that_never_reads_gets_a_typed_end_and_a_bounded_node(fixt
         proc = psutil.Process(srv.proc.pid)
         start_rss = proc.memory_info().rss
         peak, ended, i = start_rss, False, 0
-        deadline = time.monotonic() + 60
+        # The end comes once the outbox has stayed over its limit for 10 s; how soon it passes the limit is how
+        # fast the node serves the flood's jobs, ~35 s alone and past 60 s beside the suite's other workers, so
+        # this deadline only bounds a hang.
+        deadline = time.monotonic() + 150
         while time.monotonic() < deadline and not ended:
             for _ in range(200):
                 i += 1
