@@ -1,7 +1,8 @@
-"""Issue 20, finding 3: a coordinator that sends jobs, pings and garbage for up to 60 s and never reads what the
-node sends. The node stops reading when its outbox passes its byte limit, ends the session with a typed reason
-once it stays over, and its memory stays bounded. The node is a real daemon (`provider start --coordinator`),
-so its RSS is its own; the limit is set low (2 MiB) so the test sees the end within a minute or two."""
+"""Issue 20, finding 3: a coordinator that sends jobs, pings and garbage and never reads what the node sends,
+until the node ends the session. The node stops reading when its outbox passes its byte limit, ends the session
+with a typed reason once it stays over, and its memory stays bounded. The node is a real daemon (`provider start
+--coordinator`), so its RSS is its own; the limit is set low (2 MiB) so the test sees the end within a minute or
+two."""
 
 import asyncio
 import threading
