@@ -34,6 +34,7 @@ CAUSE_TO_PB = {
     Cause.INTERNAL: pb.ERROR_CAUSE_INTERNAL,
     Cause.WEIGHTS_MISMATCH: pb.ERROR_CAUSE_WEIGHTS_MISMATCH,
     Cause.SEALING_FAILED: pb.ERROR_CAUSE_SEALING_FAILED,
+    Cause.GROUP_LOST: pb.ERROR_CAUSE_GROUP_LOST,
 }
 assert set(CAUSE_TO_PB) == set(Cause), "every cause needs a wire value"
 

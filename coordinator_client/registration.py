@@ -16,8 +16,15 @@ BACKENDS = {"metal": pb.BACKEND_METAL, "cpu": pb.BACKEND_CPU, "cuda": pb.BACKEND
 
 def memory_status(st: NodeStatus) -> pb.MemoryStatus:
     m = st.memory
-    return pb.MemoryStatus(total_bytes=m.system_bytes, budget_bytes=m.usable_bytes, free_for_load_bytes=m.free_bytes,
+    total = sum(st.group.memory_bytes) if st.group is not None else m.system_bytes  # a group's: all its ranks'
+    return pb.MemoryStatus(total_bytes=total, budget_bytes=m.usable_bytes, free_for_load_bytes=m.free_bytes,
                            active_bytes=m.mlx_active_bytes, budget_source=m.source)
+
+
+def node_group(st: NodeStatus) -> pb.NodeGroup | None:
+    g = st.group
+    return None if g is None else pb.NodeGroup(ranks=g.ranks, backend=g.backend, rank_memory_bytes=g.memory_bytes,
+                                               rank_budget_bytes=g.budget_bytes)
 
 
 def model_infos(st: NodeStatus) -> list[pb.ModelInfo]:
@@ -43,7 +50,7 @@ def registration(st: NodeStatus, identity: Identity, *, nonce: bytes, epoch: int
         hardware=pb.Hardware(machine=p.machine, chip=p.device, os=p.os, cpu_cores=p.cpu_cores),
         memory=memory_status(st), models=model_infos(st), max_concurrent_jobs=st.max_concurrent_jobs,
         public_key=identity.public_key, nonce=nonce, timestamp_ms=int(time.time() * 1000), session_epoch=epoch,
-        sealing_key=sealing_key)
+        sealing_key=sealing_key, group=node_group(st))
 
 
 HEALTH = {"unhealthy": pb.NODE_STATUS_UNHEALTHY, "draining": pb.NODE_STATUS_DRAINING}
@@ -61,7 +68,7 @@ def heartbeat(st: NodeStatus, *, draining: bool) -> pb.Heartbeat:
                              spec_drafted_tokens=c.spec_drafted, spec_accepted_tokens=c.spec_accepted,
                              spec_target_forwards=c.spec_target_forwards),
         timestamp_ms=int(time.time() * 1000),
-        speculation=[_profile(m.id, m.speculation) for m in st.models if m.speculation])
+        speculation=[_profile(m.id, m.speculation) for m in st.models if m.speculation], group=node_group(st))
 
 
 def _profile(model: str, p: dict) -> pb.SpeculationProfile:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__, logs, paths
+from .group.spec import GroupSpec, GroupSpecError, group_spec
 from .jobs import JobError
 from .net import is_loopback
 from .settings import Settings, SettingsError
@@ -38,6 +39,10 @@ def _add_start(sub) -> None:
     p.add_argument("--no-auth", dest="auth", action="store_const", const=False, help="serve without a bearer token")
     p.add_argument("--allow-unauthenticated-public", action="store_const", const=True,
                    help="with --no-auth, allow a non-loopback --bind (anyone who reaches the port can use the node)")
+    p.add_argument("--group", dest="group_hostfile", metavar="HOSTFILE",
+                   help="join a node group: MLX's ring hostfile, one [\"ip:port\"] per rank (docs/group.md)")
+    p.add_argument("--rank", dest="group_rank", type=int, help="this machine's rank in --group (0 serves)")
+    p.add_argument("--group-backend", choices=["ring", "jaccl"], help="MLX's distributed backend (default ring)")
     p.add_argument("--log-format", choices=["auto", "console", "json"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -188,7 +193,8 @@ def _start(args: argparse.Namespace) -> int:
            "port": args.port, "bind": args.bind, "auth": args.auth,
            "allow_unauthenticated_public": args.allow_unauthenticated_public,
            "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator,
-           "local": args.local}
+           "local": args.local, "group_hostfile": args.group_hostfile, "group_rank": args.group_rank,
+           "group_backend": args.group_backend}
     try:
         settings = Settings.load(cli=cli, config_file=args.config)
     except SettingsError as e:
@@ -205,6 +211,13 @@ def _start(args: argparse.Namespace) -> int:
         logs.get("cli").warning("unauthenticated_public_api", bind=settings.bind)
         print(f"provider: WARNING: serving without auth on {settings.bind}; anyone who reaches the port can use "
               "this node", file=sys.stderr)
+    try:
+        group = group_spec(settings.group_hostfile, settings.group_rank, settings.group_backend, os.environ)
+    except GroupSpecError as e:
+        print(f"provider: configuration error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if group is not None and not group.leader:  # a follower: no session, no listener (docs/group.md)
+        return _follow(settings, group)
     if not settings.local and not settings.coordinator:
         print("provider: nothing to run; pass --local or --coordinator URL, or set `local = true` or `coordinator` "
               "in the config",
@@ -223,11 +236,34 @@ def _start(args: argparse.Namespace) -> int:
     except StartupError as e:
         print(f"provider: cannot start: {e.message}", file=sys.stderr)
         return e.exit_code
+    from .group.link import GroupLost
+    from .group.member import EXIT_GROUP_LOST
+
     try:
-        return asyncio.run(daemon.run(settings, local=settings.local))
+        return asyncio.run(daemon.run(settings, local=settings.local, group=group))
     except (JobError, PermissionError, IdentityError, ChannelError) as e:
         print(f"provider: cannot start: {getattr(e, 'message', e)}", file=sys.stderr)
         return 1
+    except GroupLost as e:
+        print(f"provider: cannot start: {e}", file=sys.stderr)
+        return EXIT_GROUP_LOST
+    finally:
+        lock.release()
+
+
+def _follow(settings: Settings, group: GroupSpec) -> int:
+    from . import startup
+    from .group.follower import run_follower
+
+    lock = InstanceLock(paths.state_dir())
+    try:
+        startup.check_state_dir(paths.state_dir())
+        lock.acquire()
+    except StartupError as e:
+        print(f"provider: cannot start: {e.message}", file=sys.stderr)
+        return e.exit_code
+    try:
+        return run_follower(settings, group)
     finally:
         lock.release()
 

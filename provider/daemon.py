@@ -13,17 +13,20 @@ import time
 
 from . import __version__, logs, paths
 from .jobs import JobError
+from .group.member import join_with_settings
+from .group.spec import GroupSpec
 from .settings import Settings
 from .startup import EXIT_CONFIG
 
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; the service manager restarts the node
 
 
-async def run(settings: Settings, *, local: bool) -> int:
-    """Run the node with its front ends until SIGINT/SIGTERM, then drain: engine first, listeners last."""
+async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None) -> int:
+    """Run the node with its front ends until SIGINT/SIGTERM, then drain: engine first, listeners last. As rank 0
+    of a node group (`group`), first join the other ranks; the model then loads split across them."""
     from .local.server import load_or_mint_token, start_local_api
     from .models.default import primary_models
-    from .node import Node, build_models
+    from .node import Node, build_models, decide_node_budget, node_step_tokens
     from . import service, status_file
 
     session = identity = None
@@ -36,7 +39,11 @@ async def run(settings: Settings, *, local: bool) -> int:
         identity = Identity.load_or_create()
     token, token_path = load_or_mint_token() if local and settings.auth else (None, None)
 
-    node = Node(settings, build_models(settings, primary_models(settings)))
+    membership = None
+    if group is not None:  # rank 0 of a node group: join the other ranks before anything loads (docs/group.md)
+        membership = (await asyncio.to_thread(join_with_settings, settings, group, decide_node_budget(settings),
+                                              node_step_tokens(settings))).membership
+    node = Node(settings, build_models(settings, primary_models(settings), group=membership), group=membership)
     if identity is not None:
         session = CoordinatorSession(node, settings, identity)
     stop = asyncio.Event()
@@ -56,6 +63,8 @@ async def run(settings: Settings, *, local: bool) -> int:
         print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
     finally:
         loading.cancel()
+    if membership is not None:
+        node.group_ready()
     # What is loaded now lives as long as the process (modules, the model's tokenizer and its vocabulary):
     # out of the collector's sight, a full collection scans only what requests allocate. Without this, traffic
     # that allocates (large request bodies, schemas) paused every stream for 100 ms and more per collection.
@@ -122,3 +131,4 @@ async def run(settings: Settings, *, local: bool) -> int:
               "the node", file=sys.stderr, flush=True)
         return EXIT_ENGINE_FAILED
     return 0
+

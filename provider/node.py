@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import platform
+import threading
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -19,7 +21,10 @@ from typing import AsyncIterator, Callable
 from . import logs
 from .engine import profile
 from .engine.prefill_plan import longest_read, step_tokens
+from .engine.running import Running
 from .engine.scheduler import Engine
+from .group.lockstep import LeaderRunning
+from .group.member import EXIT_GROUP_LOST, Membership, Watchdog
 from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
 from .types import Cause, ModelId
 from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
@@ -30,7 +35,7 @@ from .prompts import PromptPreparer, encode_prompt
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
 from .metrics import Metrics
-from .status import NodeStatus, Platform
+from .status import GroupStatus, NodeStatus, Platform
 
 log = logs.get("node")
 
@@ -107,12 +112,15 @@ def decide_node_budget(settings: Settings) -> Budget:
                          override_bytes=int(settings.memory_budget_gb * GiB))
 
 
-def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budget | None = None) -> Residency:
+def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budget | None = None,
+                 group: Membership | None = None) -> Residency:
     """The resident set for these settings, over a catalog of `primary` first (the default), then everything
-    discovered."""
+    discovered; in a node group, of the one model every rank loads, under the smallest rank's budget."""
+    found = store.discover(settings, list(primary))
     return Residency(
-        Catalog(store.discover(settings, list(primary))),
-        budget or decide_node_budget(settings),
+        Catalog(found if group is None else found[:1]),
+        budget or (group.budget() if group is not None else decide_node_budget(settings)),
+        group=group.link.group if group is not None else None,
         max_resident=settings.max_resident_models,
         idle_timeout=settings.idle_timeout_s,
         kv_reserve_tokens=settings.kv_reserve_tokens,
@@ -134,15 +142,23 @@ def longest_prefill_read(settings: Settings) -> int:
 class Node:
     """The one facade front ends use: `run`, `cancel`, `resolve_model`, `preload`, `drain`, `status`."""
 
-    def __init__(self, settings: Settings, models: Residency):
+    def __init__(self, settings: Settings, models: Residency, group: Membership | None = None):
         self.settings = settings
         self.models = models
+        self.group = group
+        running = Running
+        if group is not None:  # rank 0 of a node group: its batches lead the other ranks' (docs/group.md)
+            self._watchdog = Watchdog(settings.group_timeout_s, self._group_stalled)
+            self._group_ready = threading.Event()
+            running = functools.partial(LeaderRunning, group.link, self._watchdog.beat, self._group_ready)
         self.engine = Engine(
             models,
             max_concurrent=settings.max_concurrent_jobs,
             max_queued=settings.max_queued_jobs,
             step_tokens=node_step_tokens(settings),
-            prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)),
+            # Each rank would trim its own prefix cache by its own bytes: off in a group, the steps must match.
+            prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)) if group is None else 0,
+            running=running,
         )
         self.catalog = models.catalog
         models.profiler = profile.measure
@@ -200,6 +216,17 @@ class Node:
             await asyncio.wrap_future(loaded)
         return model_id
 
+    def group_ready(self) -> None:
+        """Every rank holds the model (preload returned): rank 0's steps start leading the others'."""
+        self._group_ready.set()
+        self._watchdog.arm()
+
+    def _group_stalled(self, why: str) -> None:
+        """The engine thread waits inside a collective that a stalled rank will never join: end every job now,
+        turn unhealthy, and exit shortly for the supervisor (the thread cannot be stopped)."""
+        self.engine.abandon(why)
+        threading.Timer(3.0, os._exit, (EXIT_GROUP_LOST,)).start()
+
     def cancel(self, job_id: str) -> None:
         self.engine.cancel(job_id)
 
@@ -221,7 +248,12 @@ class Node:
             active_jobs=stats.active, queued_jobs=stats.queued, max_concurrent_jobs=self.settings.max_concurrent_jobs,
             counters=stats.counters(),
             platform=self._platform, last_tick=engine.last_tick,
-            queue=stats.queue())
+            queue=stats.queue(), group=self._group_status())
+
+    def _group_status(self) -> GroupStatus | None:
+        g = self.group
+        return None if g is None else GroupStatus(ranks=g.spec.size, backend=g.spec.backend, memory_bytes=g.memory,
+                                                  budget_bytes=g.budgets)
 
     async def tokenize(self, job: Job, add_special_tokens: bool = True) -> tuple[list[int], int]:
         """The token ids a job's prompt encodes to (templated, as a completion would see them; a raw prompt

@@ -130,6 +130,16 @@ class Settings:
     max_resident_models: int = field(default=2, metadata=_range(1, 64))
     idle_timeout_s: float = field(default=0.0, metadata=_range(0, 7 * 86400))
 
+    # Node group (docs/group.md): several machines serving one model as one provider, over MLX's distributed
+    # engine. `group_hostfile` is MLX's ring hostfile (a JSON list, per rank, of "ip:port"); empty: no group,
+    # unless MLX_HOSTFILE and MLX_RANK are set.
+    group_hostfile: str = ""
+    group_rank: int = field(default=-1, metadata=_range(-1, 1023))  # -1: MLX_RANK
+    group_backend: str = field(default="ring", metadata=_choice("ring", "jaccl"))
+    # How long joining the group may take, and how long a step may go without every rank's progress before the
+    # group is declared lost (each rank then exits non-zero for its supervisor).
+    group_timeout_s: float = field(default=60.0, metadata=_range(1, 3600))
+
     # Logs.
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
     log_format: str = field(default="auto", metadata=_choice("auto", "console", "json"))

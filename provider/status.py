@@ -112,6 +112,16 @@ class Platform:
 
 
 @dataclass(frozen=True)
+class GroupStatus:
+    """A node group's ranks, as rank 0 learned them when the group formed (docs/group.md)."""
+
+    ranks: int
+    backend: str  # ring | jaccl
+    memory_bytes: tuple[int, ...]  # each rank's system memory, by rank
+    budget_bytes: tuple[int, ...]  # each rank's usable budget, by rank; admission books against the smallest
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     health: str  # ok | draining | unhealthy
     failure: str | None  # why the engine died, when unhealthy
@@ -125,6 +135,7 @@ class NodeStatus:
     platform: Platform
     last_tick: float  # monotonic time of the engine loop's last pass (the service watchdog reads it)
     queue: QueueStatus = dataclasses.field(default_factory=QueueStatus)  # the queue and batching, from the engine
+    group: GroupStatus | None = None  # rank 0 of a node group: the group it leads
 
     @property
     def draining(self) -> bool:

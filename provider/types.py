@@ -40,6 +40,7 @@ class SpecReason(enum.StrEnum):
     INELIGIBLE_SEED = "ineligible_request:seed"  # auto keeps a seeded sampled job on one (plain) path
     INELIGIBLE_PROMPT_LOGPROBS = "ineligible_request:prompt_logprobs"  # a scored prompt (echo) decodes plain
     NOT_STARTED = "not_started"  # the job ended before it ran
+    GROUP_MODE = "group_mode"  # the model runs across a node group, whose steps are plain batched steps
 
 
 class FinishReason(str, enum.Enum):
@@ -66,6 +67,7 @@ class Cause(str, enum.Enum):
     INTERNAL = "internal"
     WEIGHTS_MISMATCH = "weights_mismatch"  # the files do not match a pin (the node's own or the job's)
     SEALING_FAILED = "sealing_failed"  # a sealed job did not open, or came in plaintext where sealing is required
+    GROUP_LOST = "group_lost"  # a node group's rank was lost, stalled or diverged: the group stops
 
 
 class JobError(Exception):

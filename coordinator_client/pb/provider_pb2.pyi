@@ -45,6 +45,7 @@ class ErrorCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CAUSE_INTERNAL: _ClassVar[ErrorCause]
     ERROR_CAUSE_WEIGHTS_MISMATCH: _ClassVar[ErrorCause]
     ERROR_CAUSE_SEALING_FAILED: _ClassVar[ErrorCause]
+    ERROR_CAUSE_GROUP_LOST: _ClassVar[ErrorCause]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_METAL: Backend
 BACKEND_CPU: Backend
@@ -72,6 +73,7 @@ ERROR_CAUSE_DUPLICATE_JOB: ErrorCause
 ERROR_CAUSE_INTERNAL: ErrorCause
 ERROR_CAUSE_WEIGHTS_MISMATCH: ErrorCause
 ERROR_CAUSE_SEALING_FAILED: ErrorCause
+ERROR_CAUSE_GROUP_LOST: ErrorCause
 
 class ProviderFrame(_message.Message):
     __slots__ = ("hello", "heartbeat", "job_accepted", "token_chunk", "job_done", "job_error", "pong", "drained", "protocol_error")
@@ -132,7 +134,7 @@ class Hello(_message.Message):
     def __init__(self, registration: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "software_version", "backend", "hardware", "memory", "models", "max_concurrent_jobs", "public_key", "nonce", "timestamp_ms", "session_epoch", "sealing_key")
+    __slots__ = ("node_id", "protocol_version", "software_version", "backend", "hardware", "memory", "models", "max_concurrent_jobs", "public_key", "nonce", "timestamp_ms", "session_epoch", "sealing_key", "group")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class Registration(_message.Message):
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEALING_KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     software_version: str
@@ -159,7 +162,20 @@ class Registration(_message.Message):
     timestamp_ms: int
     session_epoch: int
     sealing_key: bytes
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., max_concurrent_jobs: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., session_epoch: _Optional[int] = ..., sealing_key: _Optional[bytes] = ...) -> None: ...
+    group: NodeGroup
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., max_concurrent_jobs: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., session_epoch: _Optional[int] = ..., sealing_key: _Optional[bytes] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ...) -> None: ...
+
+class NodeGroup(_message.Message):
+    __slots__ = ("ranks", "backend", "rank_memory_bytes", "rank_budget_bytes")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RANK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ranks: int
+    backend: str
+    rank_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
+    rank_budget_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranks: _Optional[int] = ..., backend: _Optional[str] = ..., rank_memory_bytes: _Optional[_Iterable[int]] = ..., rank_budget_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Hardware(_message.Message):
     __slots__ = ("machine", "chip", "os", "cpu_cores")
@@ -246,7 +262,7 @@ class Reject(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., retry_after_s: _Optional[int] = ..., permanent: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms", "speculation")
+    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms", "speculation", "group")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MODELS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +271,7 @@ class Heartbeat(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     status: NodeStatus
     resident_models: _containers.RepeatedScalarFieldContainer[str]
     active_jobs: int
@@ -263,7 +280,8 @@ class Heartbeat(_message.Message):
     counters: Counters
     timestamp_ms: int
     speculation: _containers.RepeatedCompositeFieldContainer[SpeculationProfile]
-    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., speculation: _Optional[_Iterable[_Union[SpeculationProfile, _Mapping]]] = ...) -> None: ...
+    group: NodeGroup
+    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., speculation: _Optional[_Iterable[_Union[SpeculationProfile, _Mapping]]] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("jobs_completed", "jobs_failed", "jobs_cancelled", "tokens_generated", "spec_drafted_tokens", "spec_accepted_tokens", "spec_target_forwards")

@@ -31,6 +31,7 @@ from . import sampling
 from .prefix_cache import PrefixCache
 from .spec_batch import SpecBatch
 from .vision_prefill import MediaRead, MediaReads
+from ..group.link import collective_failure
 
 Delivery = tuple[list[Event], Sink]
 PREFILL_ROWS = 8  # prompts the plain batch reads in one forward (mlx-lm's prefill_batch_size)
@@ -219,6 +220,8 @@ class Running:
         try:
             results = batch.step()
         except Exception as e:  # a shared forward failed: every row in it fails, the rest of the node goes on
+            if collective_failure(e):  # unless it is the group's wire: then the node cannot go on
+                raise
             log.exception("batch_step_failed", model=model_id, jobs=batch.job_ids())
             restore_random_state()
             del self._batches[model_id]
@@ -255,6 +258,9 @@ class Running:
             if row is not None:
                 return row.output.finish(FinishReason.CANCELLED), row.sink
         return None
+
+    def close(self) -> None:
+        """The engine's loop has ended (a group's rank 0 tells the other ranks)."""
 
     def clear(self) -> None:
         self._batches.clear()

@@ -36,6 +36,7 @@ from ..telemetry import NOT_STARTED
 from .books import Books, deliver
 from .job_plan import job_plan
 from .running import Running, restore_random_state
+from ..group.link import collective_failure
 from .waiting import Pending, Verdict, WaitingJobs
 
 log = logs.get("engine")
@@ -61,7 +62,7 @@ _WAKE = object()  # a prompt or a model became ready: look at the queue again
 
 class Engine:
     def __init__(self, models: Residency, *, max_concurrent: int, max_queued: int, step_tokens: int,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, running: Callable[..., Running] = Running):
         self.models = models
         self._max_concurrent = max_concurrent
         self._max_queued = max_queued
@@ -73,7 +74,7 @@ class Engine:
         self._booked_models: set[str] = set()
         self._last_step: dict[str, int] = {}
         self._floor: dict[str, int] = {}
-        self._running = Running(self.stats, step_tokens=step_tokens, max_rows=max_concurrent,
+        self._running = running(stats=self.stats, step_tokens=step_tokens, max_rows=max_concurrent,
                                 prefix_cache_bytes=prefix_cache_bytes)
         self._next_idle_check = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -130,9 +131,15 @@ class Engine:
         try:
             self._loop()
         except BaseException as e:  # the loop itself, not one job: nothing here can be trusted to go on
-            self._die(f"{type(e).__name__}: {e}"[:200])
+            cause = Cause.GROUP_LOST if collective_failure(e) else Cause.INTERNAL
+            self._die(f"{type(e).__name__}: {e}"[:200], cause)
 
-    def _die(self, why: str) -> None:
+    def abandon(self, why: str) -> None:
+        """A group's watchdog found a rank stalled while this thread waits on it, maybe for ever: every job ends
+        now, from the watchdog's thread, and the process exits after."""
+        self._die(why, Cause.GROUP_LOST)
+
+    def _die(self, why: str, cause: Cause = Cause.INTERNAL) -> None:
         with self._submit_lock:
             self.failure = why
         log.critical("engine_failed", error=why)
@@ -146,7 +153,7 @@ class Engine:
             if isinstance(msg, Pending):
                 sinks[msg.job.id] = msg.sink
         for job_id, sink in sinks.items():
-            deliver(sink, Error(job_id, Cause.INTERNAL, message))
+            deliver(sink, Error(job_id, cause, message))
         self._running.clear()
         self._waiting = WaitingJobs()
         self._books.clear()
@@ -182,6 +189,7 @@ class Engine:
             self._waiting.remove(entry.pending.job.id)
             self._books.finish(Error(entry.pending.job.id, Cause.DRAINING, STOPPED_MESSAGE))
         self._update_counts()
+        self._running.close()
 
     def _reconcile(self) -> None:
         """A started job that no batch holds would never end: fail it, and say so (it is a bug, not a load)."""

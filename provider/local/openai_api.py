@@ -46,6 +46,7 @@ CAUSE_STATUS: dict[Cause, tuple[int, str]] = {
     Cause.DUPLICATE_JOB: (409, "invalid_request_error"),
     Cause.WEIGHTS_MISMATCH: (500, "server_error"),
     Cause.SEALING_FAILED: (400, "invalid_request_error"),
+    Cause.GROUP_LOST: (503, "server_error"),
     Cause.INTERNAL: (500, "server_error"),
 }
 

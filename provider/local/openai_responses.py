@@ -157,6 +157,7 @@ def health_body(st: NodeStatus) -> dict[str, Any]:
         "queued_jobs": st.queued_jobs,
         "queue": dataclasses.asdict(st.queue),
         "counters": dataclasses.asdict(st.counters),
+        "group": dataclasses.asdict(st.group) if st.group is not None else None,
     }
 
 

@@ -37,6 +37,18 @@ def weight_bytes(config: dict, tensors: dict, with_vision: bool = False) -> int:
     return total
 
 
+LAYER = re.compile(r"\.layers\.\d+\.")
+
+
+def rank_weight_bytes(config: dict, tensors: dict, ranks: int) -> int:
+    """One rank's share of a model split across `ranks` (a node group): the layers' weights divided (tensor
+    parallelism splits each layer's projections, pipeline parallelism the layers), and the rest (embeddings,
+    final norm, head) whole on every rank."""
+    total = weight_bytes(config, tensors)
+    layered = weight_bytes(config, {n: t for n, t in tensors.items() if LAYER.search(n)})
+    return total - layered + -(-layered // ranks)
+
+
 @dataclass(frozen=True)
 class KVShape:
     bytes_per_token_full: int  # grows with every token
@@ -46,6 +58,11 @@ class KVShape:
     def bytes_for(self, tokens: int) -> int:
         window = tokens if self.sliding_window is None else min(tokens, self.sliding_window)
         return self.bytes_per_token_full * tokens + self.bytes_per_token_sliding * window
+
+    def per_rank(self, ranks: int) -> "KVShape":
+        """One rank's share in a node group: each holds its KV heads' (tensor) or its layers' (pipeline)."""
+        return KVShape(-(-self.bytes_per_token_full // ranks), -(-self.bytes_per_token_sliding // ranks),
+                       self.sliding_window)
 
 
 def kv_shape(config: dict, dtype_bytes: int = 2) -> KVShape:

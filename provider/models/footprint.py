@@ -24,12 +24,14 @@ class Footprint:
         return self.weights + self.kv + self.activations
 
 
-def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int) -> Footprint:
+def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int, ranks: int = 1) -> Footprint:
+    """What loading the model will hold; in a node group of `ranks`, what one rank will (no vision tower)."""
     tensors = open_checkpoint(path).tensors
-    weights = estimate.weight_bytes(config, tensors, with_vision=images_refused(config) is None)
+    weights = estimate.weight_bytes(config, tensors, with_vision=images_refused(config) is None) if ranks == 1 \
+        else estimate.rank_weight_bytes(config, tensors, ranks)
     dtype_bytes = _dominant_float_bytes(tensors)
     tokens = min(kv_tokens, context_length(config))
-    shape = estimate.kv_shape(config, dtype_bytes)
+    shape = estimate.kv_shape(config, dtype_bytes).per_rank(ranks)
     return Footprint(weights, shape.bytes_for(tokens), estimate.activation_bytes(config, prefill_step), shape,
                      estimate.activation_shape(config))
 

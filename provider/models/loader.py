@@ -96,7 +96,7 @@ def warm_up(lm: LoadedModel) -> None:
         pass
 
 
-def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting) -> tuple[LoadedModel, int]:
+def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, group=None) -> tuple[LoadedModel, int]:
     """Load a target with mlx-lm and warm it up, then its drafter when the plan (`DrafterPlan`) has one.
     Returns the model and the active memory its load added (what its weights measured). A drafter that
     fails to load leaves the target serving alone, with the reason `no_drafter`."""
@@ -108,7 +108,7 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting) ->
 
     gc.collect()  # so that unrelated frees during the load do not shrink the measured delta
     before = mx.get_active_memory()
-    lm = load(model_id, path)
+    lm = load(model_id, path, group)
     active_delta = mx.get_active_memory() - before
     warm_up(lm)
     lm.drafter_reason = drafting.reason
@@ -130,20 +130,55 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting) ->
     return lm, active_delta
 
 
-def load(model_id: str, path: Path) -> LoadedModel:
-    """Load weights and tokenizer with mlx-lm. Any failure becomes a typed MODEL_LOAD_FAILED."""
+def load(model_id: str, path: Path, group=None) -> LoadedModel:
+    """Load weights and tokenizer with mlx-lm (this rank's share of them in a node group: `group`, an
+    mx.distributed Group). Any failure becomes a typed MODEL_LOAD_FAILED."""
     from mlx_lm.utils import load as mlx_load
 
     start = time.perf_counter()
     try:
-        model, tokenizer, config = mlx_load(str(path), return_config=True)
+        if group is None:
+            model, tokenizer, config = mlx_load(str(path), return_config=True)
+        else:
+            model, tokenizer, config = _sharded_load(model_id, path, group)
+    except JobError:
+        raise
     except Exception as e:
         raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot load {model_id} from {path}: {type(e).__name__}: {e}") from None
     lm = LoadedModel(model_id, path, model, tokenizer, config, time.perf_counter() - start)
     lm.decodable = decodable_limit(config, len(tokenizer.get_vocab()))
-    lm.vision = _vision_tower(model_id, path, config)
+    lm.vision = _vision_tower(model_id, path, config) if group is None else None
     lm.load_seconds = time.perf_counter() - start
     return lm
+
+
+def _sharded_load(model_id: str, path: Path, group):
+    """mlx-lm's `sharded_load` over the group: tensor parallel where the family can split its layers' projections
+    (llama, qwen3, ...), else pipeline parallel where it can split its layers (qwen3_moe, deepseek, ...). Every
+    rank takes the same branch (the same files), so a model no rank can split is refused on all of them."""
+    from mlx_lm.utils import load_model, sharded_load
+
+    from ..memory.estimate import text_config
+
+    probe, config = load_model(path, lazy=True, strict=False)
+    ranks, tc = group.size(), text_config(config)
+    if hasattr(probe, "shard"):
+        heads = tc.get("num_attention_heads", 0)
+        kv_heads = tc.get("num_key_value_heads") or heads
+        if heads % ranks or kv_heads % ranks:
+            raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id} has {heads} attention and {kv_heads} KV heads, which "
+                           f"{ranks} ranks cannot split evenly; form a group of a size that divides both")
+        split = {"tensor_group": group}
+    elif hasattr(getattr(probe, "model", None), "pipeline"):
+        if not (path / "model.safetensors.index.json").exists():
+            raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id} splits by layers across a group, which needs its "
+                           "weights' index file (model.safetensors.index.json)")
+        split = {"pipeline_group": group}
+    else:
+        raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id} ({config.get('model_type')}) cannot be split across "
+                       "machines: mlx-lm shards neither its layers' projections nor its layers for this family")
+    del probe
+    return sharded_load(str(path), return_config=True, **split)
 
 
 def _vision_tower(model_id: str, path: Path, config: dict):

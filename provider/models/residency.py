@@ -25,7 +25,7 @@ from ..memory.admission import ADMIT, JobAdmission, Resident, idle_to_unload, pl
 from ..memory.batch_kv import plain_batch_bytes
 from ..memory.estimate import KVShape
 from ..memory.budget import Budget
-from ..speculation import SpeculationConfig, plan_drafter
+from ..speculation import DrafterPlan, SpeculationConfig, plan_drafter
 from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
@@ -69,8 +69,10 @@ class _Entry:
 class Residency:
     def __init__(self, catalog: Catalog, budget: Budget, *, max_resident: int = 2, idle_timeout: float = 0.0,
                  kv_reserve_tokens: int = 4096, prefill_step: int = 2048,
-                 speculation: SpeculationConfig = SpeculationConfig()):
+                 speculation: SpeculationConfig = SpeculationConfig(), group=None):
         self.catalog = catalog
+        self.group = group  # a node group's mx.distributed Group: loads split across it, no drafter, per-rank sizes
+        self._ranks = group.size() if group is not None else 1
         self.budget = budget
         self._max_resident = max_resident
         self._idle_timeout = idle_timeout
@@ -264,7 +266,8 @@ class Residency:
         if stored.drafter_sha256 and stored.drafter:
             verify_pin(f"{model_id}'s drafter", Path(stored.drafter).expanduser(), stored.drafter_sha256)
         try:
-            fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step)
+            fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step,
+                                    ranks=self._ranks)
         except (HeaderError, OSError) as e:
             raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read the weights of {model_id}: {e}") from None
         caps, drafter_path, drafter_need = self._drafter_need(stored, path, config)
@@ -282,14 +285,16 @@ class Residency:
             entry.footprint = fp
             # After the target, and after what running jobs and the prefix caches hold: a drafter must fit now.
             headroom = self.budget.usable - sum(e.bytes for e in self._entries.values()) - in_flight
-            drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom)
+            drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom) if self.group is None \
+                else DrafterPlan(None, SpecReason.GROUP_MODE)
             if drafting.mode is not None:
                 entry.drafter_bytes = drafter_need  # reserved before any drafter weights are read
         if plan.evict:
             _free_mlx_cache()
         if drafting.reason == SpecReason.INSUFFICIENT_HEADROOM:
             log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
-        lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting)
+        lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting,
+                                            self.group)
         lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
         if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
             lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))

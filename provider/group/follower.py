@@ -1,0 +1,62 @@
+"""A rank other than 0: no session, no listener. It joins the group, loads its share of the model, then runs
+rank 0's steps until rank 0 stops (exit 0) or the group is lost (exit EXIT_GROUP_LOST, for its supervisor to
+restart it)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .. import logs
+from ..engine.running import Running
+from ..jobs import JobError
+from ..models.loader import load_pair
+from ..prompts import PromptPreparer
+from ..settings import Settings
+from ..speculation import DrafterPlan
+from ..status import EngineStats
+from ..types import SpecReason
+from .link import GroupLost, collective_failure
+from .lockstep import follow
+from .member import EXIT_GROUP_LOST, Watchdog, join_with_settings
+from .spec import GroupSpec
+
+log = logs.get("group")
+
+
+def run_follower(settings: Settings, spec: GroupSpec) -> int:
+    from ..node import decide_node_budget, node_step_tokens
+
+    try:
+        joined = join_with_settings(settings, spec, decide_node_budget(settings), node_step_tokens(settings))
+        member, model_id = joined.membership, joined.model_id
+        print(f"provider: rank {spec.rank} of {spec.size} joined the group; loading {model_id}", flush=True)
+        lm, _ = load_pair(model_id, joined.path, None, DrafterPlan(None, SpecReason.GROUP_MODE), member.link.group)
+        prompts = PromptPreparer(joined.tokenizer_files, workers=1).tokenizer(model_id)
+    except (GroupLost, JobError) as e:
+        print(f"provider: rank {spec.rank} cannot serve: {getattr(e, 'message', e)}", file=sys.stderr, flush=True)
+        return EXIT_GROUP_LOST if isinstance(e, GroupLost) else 1
+    except Exception as e:
+        if not collective_failure(e):
+            raise
+        print(f"provider: rank {spec.rank} lost the group while loading: {e}", file=sys.stderr, flush=True)
+        return EXIT_GROUP_LOST
+    running = Running(stats=EngineStats(), step_tokens=member.engine.step_tokens, max_rows=member.engine.max_rows,
+                      prefix_cache_bytes=0)
+
+    def stalled(why: str) -> None:
+        print(f"provider: rank {spec.rank}: {why}; exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_GROUP_LOST)  # the loop is inside a collective that will not return
+
+    watchdog = Watchdog(settings.group_timeout_s, stalled)
+    watchdog.arm()
+    print(f"provider: rank {spec.rank} of {spec.size} serving {model_id} for rank 0", flush=True)
+    try:
+        follow(member.link, running, lm, prompts.grammar, prompts.tool_format, watchdog.beat)
+    except Exception as e:
+        if not collective_failure(e):
+            log.exception("group_follower_failed")
+        print(f"provider: rank {spec.rank} lost the group: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return EXIT_GROUP_LOST
+    log.info("group_stopped", rank=spec.rank)
+    return 0

@@ -1,0 +1,112 @@
+"""Joining a node group, the same on every rank: connect, agree on the model and on rank 0's engine settings,
+and learn every rank's memory; then a watchdog on step progress, since MLX's collectives wait without end."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .. import logs
+from ..memory.budget import Budget
+from .link import GroupLost, Link, join
+from .spec import GroupSpec
+
+log = logs.get("group")
+EXIT_GROUP_LOST = 69  # EX_UNAVAILABLE: a rank was lost; the service manager restarts this one
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What every rank's batches must share for their steps to be the same: rank 0's."""
+
+    step_tokens: int
+    max_rows: int
+
+
+@dataclass(frozen=True)
+class Membership:
+    spec: GroupSpec
+    link: Link
+    engine: EngineShape
+    budgets: tuple[int, ...]  # each rank's usable memory budget, by rank
+    memory: tuple[int, ...]  # each rank's total memory, by rank
+
+    def budget(self) -> Budget:
+        """What admission may book on each rank: the smallest rank's budget (each rank holds its share)."""
+        smallest = min(range(len(self.budgets)), key=self.budgets.__getitem__)
+        return Budget(self.budgets[smallest], 0, f"the smallest budget of the group's {len(self.budgets)} ranks "
+                                                 f"(rank {smallest})")
+
+
+def join_group(spec: GroupSpec, timeout_s: float, model_id: str, model_path: Path, engine: EngineShape,
+               budget: Budget, total_memory: int) -> Membership:
+    """Connect to the other ranks, then check in three collectives that every rank serves the same checkpoint
+    (its id and config), take rank 0's engine shape, and learn every rank's memory."""
+    link = Link(join(spec, timeout_s))
+    config = (model_path / "config.json").read_bytes() if (model_path / "config.json").exists() else b""
+    if not link.agree([zlib.crc32(model_id.encode()) & 0x7FFFFFFF, zlib.crc32(config) & 0x7FFFFFFF]):
+        raise GroupLost(f"the ranks of {spec.hostfile} were started with different models (this rank: {model_id} "
+                        f"from {model_path}); start every rank with the same --model")
+    engine = link.share(engine)
+    budgets = link.gather(budget.usable)
+    memory = link.gather(total_memory)
+    log.info("group_joined", rank=spec.rank, ranks=spec.size, backend=spec.backend, model=model_id,
+             budgets=[int(b) for b in budgets])
+    return Membership(spec, link, engine, tuple(int(b) for b in budgets), tuple(int(m) for m in memory))
+
+
+@dataclass(frozen=True)
+class Joined:
+    membership: Membership
+    model_id: str
+    path: Path
+    tokenizer_files: Callable  # the catalog's: model id -> (directory, config)
+
+
+def join_with_settings(settings, spec: GroupSpec, budget: Budget, step_tokens: int) -> Joined:
+    """`join_group` for this process's settings: the one model a group serves (--model, or the default), this
+    machine's engine shape (rank 0's wins), budget and memory."""
+    from ..memory.budget import system_facts
+    from ..models import store
+    from ..models.catalog import Catalog
+    from ..models.default import primary_models
+
+    catalog = Catalog(store.discover(settings, primary_models(settings))[:1])
+    model_id = catalog.default_id
+    path, _ = catalog.checkpoint(model_id)
+    membership = join_group(spec, settings.group_timeout_s, model_id, path,
+                            EngineShape(step_tokens, settings.max_concurrent_jobs), budget,
+                            system_facts().total_memory)
+    return Joined(membership, model_id, path, catalog.tokenizer_files)
+
+
+class Watchdog:
+    """Calls `on_stall(why)` once if no step beats for `timeout_s` after `arm()`: a rank alive but stuck holds
+    every other rank inside a collective, which no error will ever end."""
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[str], None]):
+        self.timeout_s = timeout_s
+        self._on_stall = on_stall
+        self._last = time.monotonic()
+        self._thread = threading.Thread(target=self._watch, name="group-watchdog", daemon=True)
+
+    def arm(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            quiet = time.monotonic() - self._last
+            if quiet > self.timeout_s:
+                why = f"no step of the group completed in {quiet:.0f} s: a rank is stalled or gone"
+                log.critical("group_stalled", seconds=round(quiet, 1))
+                self._on_stall(why)
+                return

@@ -1,0 +1,161 @@
+"""A node group on loopback (issue 24): two ranks started with the documented commands (`provider start --local
+--group HOSTFILE --rank 0 --model M`, `provider start --group HOSTFILE --rank 1 --model M`), MLX's ring backend
+between them, the model split by mlx-lm's `sharded_load`. Greedy output equals one process of mlx-lm; a client
+leaving mid-stream leaves the group serving; a rank killed mid-request ends that request with a typed error,
+rank 0 turns unhealthy and exits non-zero; the group started again serves again."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from provider.group.spec import GroupSpecError, group_spec
+from tools.harness.group import start_group
+
+PROMPTS = ["The cache", "Once upon a time", "def main():", "A B C D", "hello hello", "Numbers: 1 2 3",
+           "The quick brown fox", "Why is the sky"]
+
+
+def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """One process of mlx-lm, greedy: the text each prompt continues with."""
+    from mlx_lm import generate, load
+
+    model, tok = load(str(model_dir))
+    return [generate(model, tok, p, max_tokens=max_tokens) for p in prompts]
+
+
+def complete(srv, prompt: str, max_tokens: int, **kw) -> dict:
+    r = httpx.post(f"{srv.url}/v1/completions", headers=srv.headers, timeout=120,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0} | kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", ["llama-tiny", "qwen3-tiny"])
+def test_two_ranks_answer_as_one_process_and_survive_a_client_leaving(fixtures_dir, tmp_path, family):
+    model = fixtures_dir / family
+    expected = reference(model, PROMPTS, 24)
+    leader, followers = start_group(model, tmp_path)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 at once: one batch across both ranks
+            got = list(pool.map(lambda p: complete(leader, p, 24), PROMPTS))
+        assert [g["choices"][0]["text"] for g in got] == expected
+        health = httpx.get(f"{leader.url}/health").json()
+        assert health["group"]["ranks"] == 2 and health["group"]["backend"] == "ring"
+        spec = httpx.post(f"{leader.url}/v1/completions", headers=leader.headers, timeout=120,
+                          json={"prompt": "x", "max_tokens": 2, "speculation": "on"})
+        assert spec.status_code == 400 and "group_mode" in spec.text
+
+        # A client that leaves mid-stream: its row is cancelled on both ranks, and the group serves on.
+        with httpx.stream("POST", f"{leader.url}/v1/completions", headers=leader.headers, timeout=120,
+                          json={"prompt": "The cache", "max_tokens": 400, "stream": True,
+                                "temperature": 0.8}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break
+        assert complete(leader, PROMPTS[0], 24)["choices"][0]["text"] == expected[0]
+        seeded = [complete(leader, "Once", 16, temperature=0.9, seed=7)["choices"][0]["text"] for _ in range(2)]
+        assert seeded[0] == seeded[1]  # a seeded sampled job: the same key on every rank, run after run
+        assert all(f.proc.poll() is None for f in followers)
+    finally:
+        assert leader.stop() == 0, leader.logs()[-3000:]
+        for f in followers:  # rank 0's stop ends them with it
+            assert f.proc.wait(30) == 0, f.logs()[-3000:]
+            f.stop()
+
+
+@pytest.mark.heavy
+def test_a_rank_killed_mid_request_ends_it_typed_and_the_restarted_group_serves(fixtures_dir, tmp_path):
+    model = fixtures_dir / "llama-tiny"
+    no_end = {str(t): -100 for t in json.loads((model / "config.json").read_text())["eos_token_id"]}
+    leader, followers = start_group(model, tmp_path / "first")
+    try:
+        complete(leader, "The cache", 4)
+        with httpx.stream("POST", f"{leader.url}/v1/completions", headers=leader.headers, timeout=120,
+                          json={"prompt": "The cache", "max_tokens": 1000, "stream": True, "temperature": 0.8,
+                                "logit_bias": no_end}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            followers[0].proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events and "error" in events[-1], events[-3:]
+        assert events[-1]["error"]["code"] == "group_lost", events[-1]
+        assert leader.proc.wait(60) != 0  # it exits for its supervisor, within the minute
+        assert time.monotonic() - killed < 60
+        assert "engine_failed" in leader.logs()
+    finally:
+        leader.stop(signal.SIGKILL)
+        for f in followers:
+            f.stop(signal.SIGKILL)
+    leader, followers = start_group(model, tmp_path / "again")
+    try:
+        assert complete(leader, "The cache", 8)["usage"]["completion_tokens"] >= 1
+    finally:
+        assert leader.stop() == 0
+        for f in followers:
+            assert f.proc.wait(30) == 0
+            f.stop()
+
+
+@pytest.mark.heavy
+def test_a_stalled_rank_is_found_by_the_watchdog_and_every_rank_exits(fixtures_dir, tmp_path):
+    """A rank alive but stopped holds rank 0 inside a collective that never returns: the watchdog ends the job
+    typed, rank 0 reports unhealthy and exits; the stalled rank, resumed, finds rank 0 gone and exits too."""
+    model = fixtures_dir / "llama-tiny"
+    no_end = {str(t): -100 for t in json.loads((model / "config.json").read_text())["eos_token_id"]}
+    leader, followers = start_group(model, tmp_path, env={"PROVIDER_GROUP_TIMEOUT_S": "4"})
+    try:
+        with httpx.stream("POST", f"{leader.url}/v1/completions", headers=leader.headers, timeout=120,
+                          json={"prompt": "The cache", "max_tokens": 1000, "stream": True, "temperature": 0.8,
+                                "logit_bias": no_end}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            followers[0].proc.send_signal(signal.SIGSTOP)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "group_lost" and "stalled" in events[-1]["error"]["message"]
+        health = httpx.get(f"{leader.url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        assert leader.proc.wait(30) == 69  # EXIT_GROUP_LOST
+        followers[0].proc.send_signal(signal.SIGCONT)
+        assert followers[0].proc.wait(60) == 69, followers[0].logs()[-2000:]
+    finally:
+        leader.stop(signal.SIGKILL)
+        for f in followers:
+            f.proc.send_signal(signal.SIGCONT)
+            f.stop(signal.SIGKILL)
+
+
+def test_the_group_is_described_or_refused_with_a_reason(tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    spec = group_spec(str(hostfile), 1, "ring", {})
+    assert spec.size == 2 and spec.rank == 1 and not spec.leader
+    assert group_spec("", -1, "ring", {}) is None
+    from_env = group_spec("", -1, "ring", {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "0"})
+    assert from_env.leader and from_env.hostfile == hostfile
+    for content, rank, message in [
+        ("[[\"127.0.0.1:5000\"]]", 0, "2 to 64 ranks"),
+        ("[[\"localhost:5000\"], [\"127.0.0.1:5001\"]]", 0, "not \"ip:port\""),
+        ("[[\"127.0.0.1:5000\"], [\"127.0.0.1:5000\"]]", 0, "listed twice"),
+        ("[[\"127.0.0.1:5000\"], [\"127.0.0.1:5001\", \"127.0.0.1:5002\"]]", 0, "same number"),
+        ("{\"hosts\": []}", 0, "JSON list"),
+        ("not json", 0, "is not JSON"),
+        ("[[\"127.0.0.1:5000\"], [\"127.0.0.1:5001\"]]", 2, "rank 2 is not in"),
+    ]:
+        hostfile.write_text(content)
+        with pytest.raises(GroupSpecError, match=message):
+            group_spec(str(hostfile), rank, "ring", {})
+    with pytest.raises(GroupSpecError, match="no rank"):
+        group_spec(str(hostfile), -1, "ring", {})
+    with pytest.raises(GroupSpecError, match="needs --group"):
+        group_spec("", 1, "ring", {})
+    with pytest.raises(GroupSpecError, match="cannot read"):
+        group_spec(str(tmp_path / "missing.json"), 0, "ring", {})
