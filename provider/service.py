@@ -27,9 +27,12 @@ def notify(message: str) -> bool:
         path = "\0" + path[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            # Never wait on the manager: a full queue (a manager not reading) would otherwise block the caller,
+            # the event loop or a group rank's step loop, while its peers wait inside a collective.
+            s.setblocking(False)
             s.connect(path)
             s.sendall(message.encode())
-    except OSError:  # the manager went away: nothing to tell
+    except OSError:  # the manager went away or is not reading: nothing to tell
         return False
     return True
 
