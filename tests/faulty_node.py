@@ -42,8 +42,8 @@ def install(kind: str) -> None:
 
     real_load = loader.load
 
-    def load(model_id, path):
-        lm = real_load(model_id, path)
+    def load(model_id, path, *args, **kwargs):
+        lm = real_load(model_id, path, *args, **kwargs)
         if path.name.startswith("faulty-"):
             error = (EngineKill("injected") if kind == "kill" else None if kind == "hang"
                      else RuntimeError("injected forward failure"))
