@@ -121,6 +121,7 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         Catalog(found if group is None else found[:1]),
         budget or (group.budget() if group is not None else decide_node_budget(settings)),
         group=group.link.group if group is not None else None,
+        group_split=settings.group_split,
         max_resident=settings.max_resident_models,
         idle_timeout=settings.idle_timeout_s,
         kv_reserve_tokens=settings.kv_reserve_tokens,
@@ -148,7 +149,7 @@ class Node:
         self.group = group
         running = Running
         if group is not None:  # rank 0 of a node group: its batches lead the other ranks' (docs/group.md)
-            self._watchdog = Watchdog(settings.group_timeout_s, self._group_stalled)
+            self._watchdog = Watchdog(settings.group_step_timeout_s, self._group_stalled)
             self._group_ready = threading.Event()
             running = functools.partial(LeaderRunning, group.link, self._watchdog.beat, self._group_ready)
         self.engine = Engine(

@@ -136,9 +136,14 @@ class Settings:
     group_hostfile: str = ""
     group_rank: int = field(default=-1, metadata=_range(-1, 1023))  # -1: MLX_RANK
     group_backend: str = field(default="ring", metadata=_choice("ring", "jaccl"))
-    # How long joining the group may take, and how long a step may go without every rank's progress before the
-    # group is declared lost (each rank then exits non-zero for its supervisor).
+    # How the model is split (models.loader.choose_split): auto = tensor where the family shards, else pipeline.
+    group_split: str = field(default="auto", metadata=_choice("auto", "tensor", "pipeline"))
+    # How long joining the group may take (every rank started and connected).
     group_timeout_s: float = field(default=60.0, metadata=_range(1, 3600))
+    # How long a step may go without every rank's progress before the group is declared lost (each rank then
+    # exits non-zero for its supervisor). An idle group still steps once a second, and a step reads at most one
+    # prefill chunk; MLX's ring can wait without end after a peer dies, so this is what bounds that wait.
+    group_step_timeout_s: float = field(default=20.0, metadata=_range(1, 3600))
 
     # Logs.
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))

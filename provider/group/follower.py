@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
-from .. import logs
+from .. import logs, service
 from ..engine.running import Running
 from ..jobs import JobError
 from ..models.loader import load_pair
@@ -24,6 +25,22 @@ from .spec import GroupSpec
 log = logs.get("group")
 
 
+class ServicePings:
+    """systemd's watchdog fed from the step loop (an idle group steps once a second), at its own interval: a
+    follower stuck in a collective stops the pings and its supervisor restarts it."""
+
+    def __init__(self, status: str):
+        self.status = status
+        self.interval = service.watchdog_interval()
+        self._last = 0.0
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if self.interval is not None and now - self._last >= self.interval:
+            self._last = now
+            service.notify(f"WATCHDOG=1\nSTATUS={self.status}")
+
+
 def run_follower(settings: Settings, spec: GroupSpec) -> int:
     from ..node import decide_node_budget, node_step_tokens
 
@@ -31,7 +48,8 @@ def run_follower(settings: Settings, spec: GroupSpec) -> int:
         joined = join_with_settings(settings, spec, decide_node_budget(settings), node_step_tokens(settings))
         member, model_id = joined.membership, joined.model_id
         print(f"provider: rank {spec.rank} of {spec.size} joined the group; loading {model_id}", flush=True)
-        lm, _ = load_pair(model_id, joined.path, None, DrafterPlan(None, SpecReason.GROUP_MODE), member.link.group)
+        lm, _ = load_pair(model_id, joined.path, None, DrafterPlan(None, SpecReason.GROUP_MODE), member.link.group,
+                          settings.group_split)
         prompts = PromptPreparer(joined.tokenizer_files, workers=1).tokenizer(model_id)
     except (GroupLost, JobError) as e:
         print(f"provider: rank {spec.rank} cannot serve: {getattr(e, 'message', e)}", file=sys.stderr, flush=True)
@@ -48,11 +66,14 @@ def run_follower(settings: Settings, spec: GroupSpec) -> int:
         print(f"provider: rank {spec.rank}: {why}; exiting", file=sys.stderr, flush=True)
         os._exit(EXIT_GROUP_LOST)  # the loop is inside a collective that will not return
 
-    watchdog = Watchdog(settings.group_timeout_s, stalled)
+    watchdog = Watchdog(settings.group_step_timeout_s, stalled)
     watchdog.arm()
     print(f"provider: rank {spec.rank} of {spec.size} serving {model_id} for rank 0", flush=True)
+    status = f"rank {spec.rank} of {spec.size} serving {model_id} for rank 0"
+    service.notify(f"READY=1\nSTATUS={status}")
+    pings = ServicePings(status)
     try:
-        follow(member.link, running, lm, prompts.grammar, prompts.tool_format, watchdog.beat)
+        follow(member.link, running, lm, prompts.grammar, prompts.tool_format, lambda: (watchdog.beat(), pings.beat()))
     except Exception as e:
         if not collective_failure(e):
             log.exception("group_follower_failed")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import threading
 from typing import Any
 
 from .spec import GroupSpec
@@ -31,33 +30,36 @@ def collective_failure(e: BaseException) -> bool:
 def join(spec: GroupSpec, timeout_s: float):
     """This process's place in the group (an mx.distributed Group), once every rank has connected. MLX reads its
     backend's environment when the group is first made, so it is set here; `strict` makes a wrong environment an
-    error rather than a group of one. Connecting has no limit of its own in MLX (a rank waits for its
-    predecessor without end), so it runs on a thread given `timeout_s`."""
+    error rather than a group of one.
+
+    MLX's init waits for its peers without limit and holding the interpreter's lock, so no Python timeout can end
+    it: on the ring the ranks first meet in plain sockets under `timeout_s` (provider.group.rendezvous), which
+    names any rank that does not answer; a rank lost between that and MLX's init is ended by faulthandler's
+    timer, which needs no lock."""
+    import faulthandler
+    import sys
+
     import mlx.core as mx
+
+    from .rendezvous import RendezvousError, meet
 
     os.environ["MLX_HOSTFILE"] = str(spec.hostfile)
     os.environ["MLX_RANK"] = str(spec.rank)
     if not mx.distributed.is_available(spec.backend):
         raise GroupLost(f"MLX here has no {spec.backend} backend (available: "
                         f"{', '.join(b for b in ('ring', 'jaccl', 'mpi') if mx.distributed.is_available(b)) or 'none'})")
-    result: dict[str, Any] = {}
-
-    def connect() -> None:
+    if spec.backend == "ring":
         try:
-            result["group"] = mx.distributed.init(strict=True, backend=spec.backend)
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=connect, name="group-join", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise GroupLost(f"rank {spec.rank} did not reach the other {spec.size - 1} rank(s) of {spec.hostfile} within "
-                        f"{timeout_s:g} s: start every rank, and check that each address in the hostfile is this "
-                        "machine's or reachable from it")
-    if "error" in result:
-        raise GroupLost(f"rank {spec.rank} could not join the group in {spec.hostfile}: {result['error']}")
-    group = result["group"]
+            meet(spec, timeout_s)
+        except RendezvousError as e:
+            raise GroupLost(str(e)) from None
+    faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.stderr)
+    try:
+        group = mx.distributed.init(strict=True, backend=spec.backend)
+    except Exception as e:
+        raise GroupLost(f"rank {spec.rank} could not join the group in {spec.hostfile}: {e}") from None
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     if group.size() != spec.size or group.rank() != spec.rank:
         raise GroupLost(f"MLX made a group of {group.size()} with this process as rank {group.rank()}, but "
                         f"{spec.hostfile} names {spec.size} ranks and this is rank {spec.rank}")

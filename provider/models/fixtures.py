@@ -329,6 +329,32 @@ def make_qwen3_tiny(out: Path) -> None:
     _save(out, config, _random_weights(config, seed=4))
 
 
+def make_qwen2_tiny(out: Path) -> None:
+    """A Qwen2 (a family mlx-lm splits both by projections and by layers), with the weights' index file that
+    pipeline loading reads, for node groups split either way."""
+    ids = build_tokenizer(_mkdir(out), 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 384,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "eos_token_id": ids["<|im_end|>"],
+    }
+    weights = _random_weights(config, seed=7)
+    _save(out, config, weights)
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+             "weight_map": {k: "model.safetensors" for k in sorted(weights)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def _mkdir(p: Path) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     return p
@@ -339,6 +365,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "gemma4-tiny-assistant": lambda d: make_gemma4_tiny_assistant(d / "gemma4-tiny-assistant", d / "gemma4-tiny"),
     "llama-tiny": lambda d: make_llama_pair(d / "llama-tiny", d / "llama-tiny-draft"),
     "qwen3-tiny": lambda d: make_qwen3_tiny(d / "qwen3-tiny"),
+    "qwen2-tiny": lambda d: make_qwen2_tiny(d / "qwen2-tiny"),
     "llama-kv-heavy": lambda d: make_llama_kv_heavy(d / "llama-kv-heavy"),
     "gemma4-tools": lambda d: make_gemma4_tools(d / "gemma4-tools"),
 }

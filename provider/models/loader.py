@@ -96,7 +96,8 @@ def warm_up(lm: LoadedModel) -> None:
         pass
 
 
-def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, group=None) -> tuple[LoadedModel, int]:
+def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, group=None,
+              split: str = "auto") -> tuple[LoadedModel, int]:
     """Load a target with mlx-lm and warm it up, then its drafter when the plan (`DrafterPlan`) has one.
     Returns the model and the active memory its load added (what its weights measured). A drafter that
     fails to load leaves the target serving alone, with the reason `no_drafter`."""
@@ -108,7 +109,7 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
 
     gc.collect()  # so that unrelated frees during the load do not shrink the measured delta
     before = mx.get_active_memory()
-    lm = load(model_id, path, group)
+    lm = load(model_id, path, group, split)
     active_delta = mx.get_active_memory() - before
     warm_up(lm)
     lm.drafter_reason = drafting.reason
@@ -130,9 +131,9 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
     return lm, active_delta
 
 
-def load(model_id: str, path: Path, group=None) -> LoadedModel:
+def load(model_id: str, path: Path, group=None, split: str = "auto") -> LoadedModel:
     """Load weights and tokenizer with mlx-lm (this rank's share of them in a node group: `group`, an
-    mx.distributed Group). Any failure becomes a typed MODEL_LOAD_FAILED."""
+    mx.distributed Group, split as `split` prefers). Any failure becomes a typed MODEL_LOAD_FAILED."""
     from mlx_lm.utils import load as mlx_load
 
     start = time.perf_counter()
@@ -140,7 +141,7 @@ def load(model_id: str, path: Path, group=None) -> LoadedModel:
         if group is None:
             model, tokenizer, config = mlx_load(str(path), return_config=True)
         else:
-            model, tokenizer, config = _sharded_load(model_id, path, group)
+            model, tokenizer, config, split = _sharded_load(model_id, path, group, split)
     except JobError:
         raise
     except Exception as e:
@@ -149,36 +150,65 @@ def load(model_id: str, path: Path, group=None) -> LoadedModel:
     lm.decodable = decodable_limit(config, len(tokenizer.get_vocab()))
     lm.vision = _vision_tower(model_id, path, config) if group is None else None
     lm.load_seconds = time.perf_counter() - start
+    if group is not None:
+        from mlx.utils import tree_flatten
+
+        from .. import logs
+
+        held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        logs.get("models").info("group_share_loaded", model=model_id, rank=group.rank(), ranks=group.size(),
+                                split=split, weight_bytes=held)
     return lm
 
 
-def _sharded_load(model_id: str, path: Path, group):
-    """mlx-lm's `sharded_load` over the group: tensor parallel where the family can split its layers' projections
-    (llama, qwen3, ...), else pipeline parallel where it can split its layers (qwen3_moe, deepseek, ...). Every
-    rank takes the same branch (the same files), so a model no rank can split is refused on all of them."""
+def choose_split(family: str, can_tensor: bool, can_pipeline: bool, heads: int, kv_heads: int, ranks: int,
+                 preference: str) -> str:
+    """How a group splits a model: "tensor" (each layer's projections, two all_sums a layer: best over fast
+    links, RDMA over Thunderbolt) or "pipeline" (whole layers, one hand-over per rank a step: best over Ethernet).
+    `preference` is the operator's ("auto": tensor where the family shards, else pipeline). Raises ValueError
+    with the reason when the model cannot be split that way."""
+    tensor_ok = can_tensor and heads % ranks == 0 and kv_heads % ranks == 0
+    if preference in ("auto", "tensor") and tensor_ok:
+        return "tensor"
+    if preference in ("auto", "pipeline") and can_pipeline:
+        return "pipeline"
+    if preference == "tensor" or (preference == "auto" and can_tensor):
+        if not can_tensor:
+            raise ValueError(f"mlx-lm cannot split {family}'s layers' projections (tensor); try group_split = "
+                             "\"pipeline\"" if can_pipeline else f"mlx-lm cannot split {family} across machines")
+        raise ValueError(f"{heads} attention and {kv_heads} KV heads do not split evenly over {ranks} ranks; form a "
+                         "group of a size that divides both" + (", or use group_split = \"pipeline\"" if can_pipeline
+                                                                else ""))
+    if not can_pipeline:
+        raise ValueError(f"mlx-lm cannot split {family} by layers (pipeline)" +
+                         ("; try group_split = \"tensor\"" if tensor_ok else ""))
+    raise ValueError(f"mlx-lm cannot split {family} across machines: it shards neither its layers' projections "
+                     "nor its layers for this family")
+
+
+def _sharded_load(model_id: str, path: Path, group, preference: str):
+    """mlx-lm's `sharded_load` over the group, split as `choose_split` says. Every rank takes the same branch (the
+    same files and settings), so a model no rank can split is refused on all of them."""
     from mlx_lm.utils import load_model, sharded_load
 
     from ..memory.estimate import text_config
 
     probe, config = load_model(path, lazy=True, strict=False)
-    ranks, tc = group.size(), text_config(config)
-    if hasattr(probe, "shard"):
-        heads = tc.get("num_attention_heads", 0)
-        kv_heads = tc.get("num_key_value_heads") or heads
-        if heads % ranks or kv_heads % ranks:
-            raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id} has {heads} attention and {kv_heads} KV heads, which "
-                           f"{ranks} ranks cannot split evenly; form a group of a size that divides both")
-        split = {"tensor_group": group}
-    elif hasattr(getattr(probe, "model", None), "pipeline"):
-        if not (path / "model.safetensors.index.json").exists():
-            raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id} splits by layers across a group, which needs its "
-                           "weights' index file (model.safetensors.index.json)")
-        split = {"pipeline_group": group}
-    else:
-        raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id} ({config.get('model_type')}) cannot be split across "
-                       "machines: mlx-lm shards neither its layers' projections nor its layers for this family")
+    tc = text_config(config)
+    heads = tc.get("num_attention_heads", 0)
+    try:
+        split = choose_split(str(config.get("model_type")), hasattr(probe, "shard"),
+                             hasattr(getattr(probe, "model", None), "pipeline"), heads,
+                             tc.get("num_key_value_heads") or heads, group.size(), preference)
+    except ValueError as e:
+        raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id}: {e}") from None
     del probe
-    return sharded_load(str(path), return_config=True, **split)
+    if split == "pipeline" and not (path / "model.safetensors.index.json").exists():
+        raise JobError(Cause.MODEL_LOAD_FAILED, f"{model_id} splits by layers across a group, which needs its "
+                       "weights' index file (model.safetensors.index.json)")
+    model, tokenizer, config = sharded_load(str(path), return_config=True,
+                                            **{f"{split}_group": group})
+    return model, tokenizer, config, split
 
 
 def _vision_tower(model_id: str, path: Path, config: dict):

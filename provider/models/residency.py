@@ -69,10 +69,11 @@ class _Entry:
 class Residency:
     def __init__(self, catalog: Catalog, budget: Budget, *, max_resident: int = 2, idle_timeout: float = 0.0,
                  kv_reserve_tokens: int = 4096, prefill_step: int = 2048,
-                 speculation: SpeculationConfig = SpeculationConfig(), group=None):
+                 speculation: SpeculationConfig = SpeculationConfig(), group=None, group_split: str = "auto"):
         self.catalog = catalog
         self.group = group  # a node group's mx.distributed Group: loads split across it, no drafter, per-rank sizes
         self._ranks = group.size() if group is not None else 1
+        self.group_split = group_split  # tensor, pipeline or auto (loader.choose_split)
         self.budget = budget
         self._max_resident = max_resident
         self._idle_timeout = idle_timeout
@@ -294,7 +295,7 @@ class Residency:
         if drafting.reason == SpecReason.INSUFFICIENT_HEADROOM:
             log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting,
-                                            self.group)
+                                            self.group, self.group_split)
         lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
         if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
             lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))
