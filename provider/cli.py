@@ -43,6 +43,8 @@ def _add_start(sub) -> None:
                    help="join a node group: MLX's ring hostfile, one [\"ip:port\"] per rank (docs/group.md)")
     p.add_argument("--rank", dest="group_rank", type=int, help="this machine's rank in --group (0 serves)")
     p.add_argument("--group-backend", choices=["ring", "jaccl"], help="MLX's distributed backend (default ring)")
+    p.add_argument("--group-split", choices=["auto", "tensor", "pipeline"],
+                   help="split the model by its layers' projections (tensor) or by layers (pipeline); default auto")
     p.add_argument("--log-format", choices=["auto", "console", "json"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -93,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a systemd user unit (the default on Linux)")
         if name == "install":
             sp.add_argument("--dry-run", action="store_true", help="print what would be written; write nothing")
+    grp = sub.add_parser("group", help="node groups: one provider on several machines (docs/group.md)")
+    gsub = grp.add_subparsers(dest="group_command", required=True)
+    chk = gsub.add_parser("check", help="run on every rank: whether the ranks reach each other, each link's latency "
+                          "and bandwidth through MLX's backend")
+    chk.add_argument("hostfile", help="MLX's ring hostfile, as for `provider start --group`")
+    chk.add_argument("--rank", type=int, default=-1, help="this machine's rank (default: MLX_RANK)")
+    chk.add_argument("--backend", choices=["ring", "jaccl"], default="ring")
+    chk.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for every rank to join (default 30)")
+    chk.add_argument("--payload-mb", type=int, default=32, help="bandwidth payload in MiB (default 32)")
+    chk.add_argument("--json", action="store_true", help="the report as JSON (rank 0)")
     from .generate import add_parser as add_generate
 
     add_generate(sub)
@@ -123,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         _leave(generate.run(args))
     if args.command == "models":
         return _models(args)
+    if args.command == "group":
+        _leave(_group_check(args))
     if args.command == "status":
         return _status(args)
     if args.command == "service":
@@ -151,6 +165,34 @@ def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _group_check(args: argparse.Namespace) -> int:
+    import json
+
+    from .group.check import describe, run_check
+    from .group.link import GroupLost
+    from .group.member import EXIT_GROUP_LOST
+
+    if not 0 < args.timeout <= 3600 or not 1 <= args.payload_mb <= 1024:
+        print("provider: --timeout must be in (0, 3600] s and --payload-mb in 1..1024", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        spec = group_spec(args.hostfile, args.rank, args.backend, os.environ)
+    except GroupSpecError as e:
+        print(f"provider: configuration error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        report = run_check(spec, args.timeout, args.payload_mb << 20)
+    except GroupLost as e:
+        print(f"provider: group check failed on rank {spec.rank}: {e}", file=sys.stderr)
+        return EXIT_GROUP_LOST
+    if spec.leader:
+        print(json.dumps(report.as_dict(), indent=2) if args.json else describe(report, spec))
+    else:
+        mine = [f"{x.src} -> {x.dst} {x.latency_ms_p50:.3f} ms" for x in report.links if spec.rank in (x.src, x.dst)]
+        print(f"rank {spec.rank}: joined and measured ({'; '.join(mine)}); rank 0 prints the report")
+    return 1 if report.problems else 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -194,7 +236,7 @@ def _start(args: argparse.Namespace) -> int:
            "allow_unauthenticated_public": args.allow_unauthenticated_public,
            "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator,
            "local": args.local, "group_hostfile": args.group_hostfile, "group_rank": args.group_rank,
-           "group_backend": args.group_backend}
+           "group_backend": args.group_backend, "group_split": args.group_split}
     try:
         settings = Settings.load(cli=cli, config_file=args.config)
     except SettingsError as e:

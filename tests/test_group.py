@@ -9,6 +9,9 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,16 +40,46 @@ def complete(srv, prompt: str, max_tokens: int, **kw) -> dict:
     return r.json()
 
 
+def shares(*logs: str) -> list[dict]:
+    """Each rank's `group_share_loaded` log event: how it split the model and the weight bytes it holds."""
+    return [json.loads(line) for text in logs for line in text.splitlines()
+            if line.startswith("{") and '"group_share_loaded"' in line]
+
+
+def datagrams(sock: socket.socket, seconds: float) -> list[str]:
+    out, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            out.append(sock.recv(4096).decode())
+        except socket.timeout:
+            pass
+    return out
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("family", ["llama-tiny", "qwen3-tiny"])
-def test_two_ranks_answer_as_one_process_and_survive_a_client_leaving(fixtures_dir, tmp_path, family):
+@pytest.mark.parametrize("family,split,expected_split", [("llama-tiny", "auto", "tensor"),
+                                                         ("qwen3-tiny", "auto", "tensor"),
+                                                         ("qwen2-tiny", "pipeline", "pipeline")])
+def test_two_ranks_answer_as_one_process_and_survive_a_client_leaving(fixtures_dir, tmp_path, family, split,
+                                                                      expected_split):
     model = fixtures_dir / family
     expected = reference(model, PROMPTS, 24)
-    leader, followers = start_group(model, tmp_path)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # as systemd's, for both ranks' units
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(0.5)
+    leader, followers = start_group(model, tmp_path, 2, "--group-split", split,
+                                    env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"})
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 at once: one batch across both ranks
             got = list(pool.map(lambda p: complete(leader, p, 24), PROMPTS))
         assert [g["choices"][0]["text"] for g in got] == expected
+        loaded = shares(leader.logs(), *(f.logs() for f in followers))
+        whole = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+        assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["split"] for e in loaded} == {expected_split}
+        assert all(e["weight_bytes"] < whole for e in loaded), (loaded, whole)  # each rank holds a share
+        # A follower under systemd: READY once it serves, then the watchdog fed from its steps (idle ones too).
+        follower_says = [d for d in datagrams(notify, 3) if "rank 1 of 2" in d]
+        assert any("READY=1" in d for d in follower_says) and any("WATCHDOG=1" in d for d in follower_says)
         health = httpx.get(f"{leader.url}/health").json()
         assert health["group"]["ranks"] == 2 and health["group"]["backend"] == "ring"
         spec = httpx.post(f"{leader.url}/v1/completions", headers=leader.headers, timeout=120,
@@ -111,7 +144,7 @@ def test_a_stalled_rank_is_found_by_the_watchdog_and_every_rank_exits(fixtures_d
     typed, rank 0 reports unhealthy and exits; the stalled rank, resumed, finds rank 0 gone and exits too."""
     model = fixtures_dir / "llama-tiny"
     no_end = {str(t): -100 for t in json.loads((model / "config.json").read_text())["eos_token_id"]}
-    leader, followers = start_group(model, tmp_path, env={"PROVIDER_GROUP_TIMEOUT_S": "4"})
+    leader, followers = start_group(model, tmp_path, env={"PROVIDER_GROUP_STEP_TIMEOUT_S": "4"})
     try:
         with httpx.stream("POST", f"{leader.url}/v1/completions", headers=leader.headers, timeout=120,
                           json={"prompt": "The cache", "max_tokens": 1000, "stream": True, "temperature": 0.8,
@@ -159,3 +192,34 @@ def test_the_group_is_described_or_refused_with_a_reason(tmp_path):
         group_spec("", 1, "ring", {})
     with pytest.raises(GroupSpecError, match="cannot read"):
         group_spec(str(tmp_path / "missing.json"), 0, "ring", {})
+
+
+def test_group_check_measures_each_link_or_names_the_rank_that_is_missing(tmp_path):
+    """`provider group check` on every rank: rank 0 reports each link's latency and bandwidth through MLX's ring;
+    a rank that never starts, or an address that is not this machine's, is named within the timeout."""
+    from tools.harness.group import write_hostfile
+
+    hostfile = write_hostfile(tmp_path / "hosts.json", 2)
+
+    def check(rank: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "provider", "group", "check", str(hostfile), "--rank",
+                                 str(rank), "--payload-mb", "4", *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    follower = check(1)
+    leader = check(0, "--json")
+    out, err = leader.communicate(timeout=120)
+    assert leader.returncode == 0, err
+    report = json.loads(out)
+    assert report["ranks"] == 2 and report["problems"] == [], err
+    assert [(link["src"], link["dst"]) for link in report["links"]] == [(0, 1)]
+    assert report["links"][0]["latency_ms_p50"] > 0 and report["links"][0]["bandwidth_gb_s"] > 0
+    assert follower.wait(60) == 0 and "rank 0 prints the report" in follower.stdout.read()
+
+    alone = check(0, "--timeout", "2")
+    _, err = alone.communicate(timeout=60)
+    assert alone.returncode == 69 and "did not hear from rank 1 (127.0.0.1:" in err
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["192.0.2.1:5001"]]))  # TEST-NET: never this machine
+    elsewhere = check(1, "--timeout", "2")
+    _, err = elsewhere.communicate(timeout=60)
+    assert elsewhere.returncode == 69 and "cannot listen on 192.0.2.1:5001" in err
