@@ -117,30 +117,25 @@ def _measure_link(group, src: int, dst: int, payload_bytes: int) -> list[float]:
     import mlx.core as mx
 
     tiny = mx.zeros((1,), dtype=mx.float32)
-    trips = []
-    for _ in range(PING_ROUNDS + 1):
-        t = time.perf_counter()
-        if group.rank() == src:
-            mx.eval(mx.distributed.send(tiny, dst, group=group))
-            mx.eval(mx.distributed.recv_like(tiny, dst, group=group))
-        else:
-            mx.eval(mx.distributed.recv_like(tiny, src, group=group))
-            mx.eval(mx.distributed.send(tiny, src, group=group))
-        trips.append(time.perf_counter() - t)
-    trips = trips[1:]  # the first pays for setting up
+    trips = [_exchange(group, src, dst, tiny, tiny) for _ in range(PING_ROUNDS + 1)][1:]  # the first sets up
     payload = mx.ones((payload_bytes // 4,), dtype=mx.float32)
     mx.eval(payload)
-    best = float("inf")
-    for _ in range(BANDWIDTH_ROUNDS):
-        t = time.perf_counter()
-        if group.rank() == src:
-            mx.eval(mx.distributed.send(payload, dst, group=group))
-            mx.eval(mx.distributed.recv_like(tiny, dst, group=group))
-        else:
-            mx.eval(mx.distributed.recv_like(payload, src, group=group))
-            mx.eval(mx.distributed.send(tiny, src, group=group))
-        best = min(best, time.perf_counter() - t)
+    best = min(_exchange(group, src, dst, payload, tiny) for _ in range(BANDWIDTH_ROUNDS))
     return [statistics.median(trips) * 1e3, max(trips) * 1e3, payload_bytes / best / 1e9]
+
+
+def _exchange(group, src: int, dst: int, out, back) -> float:
+    """`src` sends `out` to `dst`, which answers with `back`; the seconds it took."""
+    import mlx.core as mx
+
+    t = time.perf_counter()
+    if group.rank() == src:
+        mx.eval(mx.distributed.send(out, dst, group=group))
+        mx.eval(mx.distributed.recv_like(back, dst, group=group))
+    else:
+        mx.eval(mx.distributed.recv_like(out, src, group=group))
+        mx.eval(mx.distributed.send(back, src, group=group))
+    return time.perf_counter() - t
 
 
 def _barrier(group) -> None:
