@@ -166,6 +166,22 @@ def test_a_stalled_rank_is_found_by_the_watchdog_and_every_rank_exits(fixtures_d
             f.stop(signal.SIGKILL)
 
 
+def test_the_split_is_the_one_asked_for_or_refused_with_what_would_work():
+    from provider.models.loader import choose_split
+
+    assert choose_split("llama", True, False, 8, 4, 2, "auto") == "tensor"
+    assert choose_split("qwen2", True, True, 8, 4, 2, "pipeline") == "pipeline"
+    assert choose_split("qwen3_next", False, True, 8, 4, 2, "auto") == "pipeline"
+    assert choose_split("qwen2", True, True, 6, 3, 4, "auto") == "pipeline"  # heads do not divide: layers do
+    for args, message in [(("llama", True, False, 6, 3, 4, "auto"), "do not split evenly over 4 ranks; form"),
+                          (("llama", True, False, 8, 4, 2, "pipeline"), "cannot split llama by layers; use .*tensor"),
+                          (("qwen3_next", False, True, 8, 4, 2, "tensor"), "projections; use .*pipeline"),
+                          (("qwen2", True, True, 6, 3, 4, "tensor"), "or use group_split = \"pipeline\""),
+                          (("mamba", False, False, 8, 4, 2, "auto"), "shards neither")]:
+        with pytest.raises(ValueError, match=message):
+            choose_split(*args)
+
+
 def test_the_group_is_described_or_refused_with_a_reason(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))

@@ -168,22 +168,19 @@ def choose_split(family: str, can_tensor: bool, can_pipeline: bool, heads: int, 
     `preference` is the operator's ("auto": tensor where the family shards, else pipeline). Raises ValueError
     with the reason when the model cannot be split that way."""
     tensor_ok = can_tensor and heads % ranks == 0 and kv_heads % ranks == 0
-    if preference in ("auto", "tensor") and tensor_ok:
+    if preference != "pipeline" and tensor_ok:
         return "tensor"
-    if preference in ("auto", "pipeline") and can_pipeline:
+    if preference != "tensor" and can_pipeline:
         return "pipeline"
-    if preference == "tensor" or (preference == "auto" and can_tensor):
-        if not can_tensor:
-            raise ValueError(f"mlx-lm cannot split {family}'s layers' projections (tensor); try group_split = "
-                             "\"pipeline\"" if can_pipeline else f"mlx-lm cannot split {family} across machines")
-        raise ValueError(f"{heads} attention and {kv_heads} KV heads do not split evenly over {ranks} ranks; form a "
-                         "group of a size that divides both" + (", or use group_split = \"pipeline\"" if can_pipeline
-                                                                else ""))
-    if not can_pipeline:
-        raise ValueError(f"mlx-lm cannot split {family} by layers (pipeline)" +
-                         ("; try group_split = \"tensor\"" if tensor_ok else ""))
-    raise ValueError(f"mlx-lm cannot split {family} across machines: it shards neither its layers' projections "
-                     "nor its layers for this family")
+    if not (can_tensor or can_pipeline):
+        raise ValueError(f"mlx-lm cannot split {family} across machines: it shards neither its layers' "
+                         "projections nor its layers for this family")
+    if preference == "pipeline":
+        raise ValueError(f"mlx-lm cannot split {family} by layers; use group_split = \"tensor\"")
+    if not can_tensor:
+        raise ValueError(f"mlx-lm cannot split {family}'s layers' projections; use group_split = \"pipeline\"")
+    raise ValueError(f"{heads} attention and {kv_heads} KV heads do not split evenly over {ranks} ranks; form a group "
+                     "of a size that divides both" + (", or use group_split = \"pipeline\"" if can_pipeline else ""))
 
 
 def _sharded_load(model_id: str, path: Path, group, preference: str):
