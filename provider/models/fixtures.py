@@ -308,48 +308,25 @@ def make_llama_100m(out: Path) -> None:
     _save(out, config, weights)
 
 
+def _qwen_config(model_type: str, ids: dict[str, int], layers: int, **extra) -> dict:
+    return {"architectures": [model_type.capitalize() + "ForCausalLM"], "model_type": model_type, "hidden_size": 64,
+            "num_hidden_layers": layers, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 384, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "max_position_embeddings": 1024, "eos_token_id": ids["<|im_end|>"]} | extra
+
+
 def make_qwen3_tiny(out: Path) -> None:
     ids = build_tokenizer(_mkdir(out), 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 384,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": True,
-        "eos_token_id": ids["<|im_end|>"],
-    }
+    config = _qwen_config("qwen3", ids, 2, head_dim=16, tie_word_embeddings=True)
     _save(out, config, _random_weights(config, seed=4))
 
 
 def make_qwen2_tiny(out: Path) -> None:
-    """A Qwen2 (a family mlx-lm splits both by projections and by layers), with the weights' index file that
-    pipeline loading reads, for node groups split either way."""
+    """A Qwen2 (which mlx-lm splits by projections and by layers) with the weights' index file that pipeline
+    loading reads: node groups split either way."""
     ids = build_tokenizer(_mkdir(out), 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
-    config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 384,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": False,
-        "eos_token_id": ids["<|im_end|>"],
-    }
-    weights = _random_weights(config, seed=7)
-    _save(out, config, weights)
+    config = _qwen_config("qwen2", ids, 4, tie_word_embeddings=False)
+    _save(out, config, weights := _random_weights(config, seed=7))
     index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
              "weight_map": {k: "model.safetensors" for k in sorted(weights)}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
