@@ -239,3 +239,49 @@ def test_group_check_measures_each_link_or_names_the_rank_that_is_missing(tmp_pa
     elsewhere = check(1, "--timeout", "2")
     _, err = elsewhere.communicate(timeout=60)
     assert elsewhere.returncode == 69 and "cannot listen on 192.0.2.1:5001" in err
+
+
+def test_ranks_meet_in_any_order_and_leave_their_ports_free_or_name_who_is_missing(tmp_path):
+    """The rendezvous before MLX's init, three ranks on loopback started at different times: each returns once
+    all have met, with its listener closed (MLX binds the same port next); a rank that never comes is named."""
+    import threading
+
+    from provider.group.rendezvous import RendezvousError, meet
+    from tools.harness.group import write_hostfile
+
+    hostfile = write_hostfile(tmp_path / "hosts.json", 3)
+    specs = [group_spec(str(hostfile), r, "ring", {}) for r in range(3)]
+    errors: list[BaseException] = []
+
+    def rank(r: int, delay: float) -> None:
+        time.sleep(delay)
+        try:
+            meet(specs[r], 20)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r, d)) for r, d in ((2, 0.0), (0, 0.3), (1, 0.6))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for spec in specs:  # every listener closed, no connection left on the port: it binds again at once
+        host, port = spec.hosts[spec.rank][0].rsplit(":", 1)
+        with socket.socket() as s:
+            s.bind((host, int(port)))
+
+    threads = [threading.Thread(target=lambda r=r: errors.append(_missing(meet, specs[r]))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(e, RendezvousError) and f"rank 2 ({specs[2].hosts[2][0]})" in str(e) for e in errors)
+
+
+def _missing(meet, spec) -> BaseException | None:
+    try:
+        meet(spec, 1.5)
+    except BaseException as e:
+        return e
+    return None
