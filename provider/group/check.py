@@ -88,7 +88,9 @@ def _measure(spec: GroupSpec, group, join_s: float, payload_bytes: int) -> Repor
     import mlx.core as mx
 
     rank, size = group.rank(), group.size()
-    facts = _gather_facts(group)
+    gathered = _gather_facts(group)
+    facts = tuple(f"{f.get('host')}: mlx {f.get('mlx')}, {f.get('memory_gib')} GiB, {f.get('platform')}, pid "
+                  f"{f.get('pid')}" for f in gathered)
     links = ring_links(size)
     figures = mx.zeros((len(links), 3))  # each link's sender fills its row; an all_sum gives every rank all rows
     for i, (src, dst) in enumerate(links):
@@ -105,7 +107,7 @@ def _measure(spec: GroupSpec, group, join_s: float, payload_bytes: int) -> Repor
     all_sum_ms = (time.perf_counter() - t) * 1e3
     link_figures = tuple(LinkFigures(s, d, *(round(float(v), 3) for v in figures[i].tolist()))
                          for i, (s, d) in enumerate(links))
-    versions = {f.split(" mlx ")[1].split(",")[0] for f in facts if " mlx " in f}
+    versions = {f.get("mlx", "?") for f in gathered}
     problems = (f"the ranks run different MLX versions ({', '.join(sorted(versions))}): their tokens may differ",) \
         if len(versions) > 1 else ()
     return Report(size, spec.backend, round(join_s, 3), facts, link_figures, round(all_sum_ms, 3), payload_bytes,
@@ -144,15 +146,19 @@ def _barrier(group) -> None:
     mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=group))
 
 
-def _gather_facts(group) -> tuple[str, ...]:
+def _gather_facts(group) -> list[dict]:
+    """Every rank's host, MLX version, memory and platform, by rank (JSON, padded, in one all_gather)."""
+    import json
+
     import mlx.core as mx
     import psutil
 
-    mine = (f"{platform.node() or '?'}: mlx {mx.__version__}, {psutil.virtual_memory().total / 2**30:.1f} GiB, "
-            f"{platform.system()} {platform.machine()}, pid {os.getpid()}").encode()[:FACTS_BYTES]
-    padded = mx.array(list(mine.ljust(FACTS_BYTES, b"\0")), dtype=mx.uint8)
+    mine = json.dumps({"host": platform.node() or "?", "mlx": mx.__version__,
+                       "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                       "platform": f"{platform.system()} {platform.machine()}", "pid": os.getpid()}).encode()
+    padded = mx.array(list(mine[:FACTS_BYTES].ljust(FACTS_BYTES, b"\0")), dtype=mx.uint8)
     every = mx.distributed.all_gather(padded, group=group).reshape(group.size(), FACTS_BYTES)
-    return tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in every.tolist())
+    return [json.loads(bytes(row).rstrip(b"\0") or b"{}") for row in every.tolist()]
 
 
 def describe(report: Report, spec: GroupSpec) -> str:
