@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from provider.group.spec import GroupSpecError, group_spec
@@ -44,6 +45,14 @@ def shares(*logs: str) -> list[dict]:
     """Each rank's `group_share_loaded` log event: how it split the model and the weight bytes it holds."""
     return [json.loads(line) for text in logs for line in text.splitlines()
             if line.startswith("{") and '"group_share_loaded"' in line]
+
+
+def cpu_share(pid: int, seconds: float) -> float:
+    """The share of one core a process used over `seconds`."""
+    proc = psutil.Process(pid)
+    before = sum(proc.cpu_times()[:2])
+    time.sleep(seconds)
+    return (sum(proc.cpu_times()[:2]) - before) / seconds
 
 
 def datagrams(sock: socket.socket, seconds: float) -> list[str]:
@@ -97,6 +106,9 @@ def test_two_ranks_answer_as_one_process_and_survive_a_client_leaving(fixtures_d
         seeded = [complete(leader, "Once", 16, temperature=0.9, seed=7)["choices"][0]["text"] for _ in range(2)]
         assert seeded[0] == seeded[1]  # a seeded sampled job: the same key on every rank, run after run
         assert all(f.proc.poll() is None for f in followers)
+        # Idle, a follower sleeps until rank 0 rings (provider.group.doorbell): it waited in MLX's ring
+        # collective before, which polls, at 99 % of a core.
+        assert max(cpu_share(f.proc.pid, 3.0) for f in followers) < 0.3
     finally:
         assert leader.stop() == 0, leader.logs()[-3000:]
         for f in followers:  # rank 0's stop ends them with it

@@ -77,6 +77,19 @@ class Link:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
+        self.doorbell = None  # provider.group.doorbell, once joined: followers sleep between plans
+
+    def send_plan(self, plan: Any) -> None:
+        """Rank 0: wake every follower, then share `plan`."""
+        if self.doorbell is not None:
+            self.doorbell.ring()
+        self.share(plan)
+
+    def next_plan(self) -> Any:
+        """A follower: sleep until rank 0 rings, then take its plan."""
+        if self.doorbell is not None:
+            self.doorbell.wait()
+        return self.share()
 
     def share(self, obj: Any = None) -> Any:
         """Rank 0's `obj`, on every rank (the others pass nothing). Two collectives: its length, then its bytes."""

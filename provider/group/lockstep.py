@@ -99,7 +99,7 @@ class LeaderRunning(Running):
         if not self.ready.is_set():
             return super().step()  # nothing runs before the model is loaded everywhere
         plan, self._changes = StepPlan(tuple(self._changes)), []
-        self.link.share(plan)
+        self.link.send_plan(plan)
         deliveries = super().step()
         check_step(self.link, deliveries)
         self._beat()
@@ -107,7 +107,7 @@ class LeaderRunning(Running):
 
     def close(self) -> None:
         if self.ready.is_set():
-            self.link.share(StepPlan(tuple(self._changes), stop=True))
+            self.link.send_plan(StepPlan(tuple(self._changes), stop=True))
             self._changes = []
 
 
@@ -120,7 +120,7 @@ def follow(link: Link, running: Running, lm: LoadedModel, grammar_for: Callable[
         pass
 
     while True:
-        plan: StepPlan = link.share()
+        plan: StepPlan = link.next_plan()
         beat()
         for change in plan.changes:
             if isinstance(change, CancelRow):

@@ -12,6 +12,7 @@ from typing import Callable
 
 from .. import logs
 from ..memory.budget import Budget
+from .doorbell import open_doorbell
 from .link import GroupLost, Link, join
 from .spec import GroupSpec
 
@@ -54,6 +55,7 @@ def join_group(spec: GroupSpec, timeout_s: float, model_id: str, model_path: Pat
     engine = link.share(engine)
     budgets = link.gather(budget.usable)
     memory = link.gather(total_memory)
+    link.doorbell = open_doorbell(link, spec, timeout_s)
     log.info("group_joined", rank=spec.rank, ranks=spec.size, backend=spec.backend, model=model_id,
              budgets=[int(b) for b in budgets])
     return Membership(spec, link, engine, tuple(int(b) for b in budgets), tuple(int(m) for m in memory))
