@@ -65,6 +65,12 @@ class PlainBatch:
         self._by_job: dict[str, int] = {}
         self._scoring: dict[str, Row] = {}  # by job id: rows whose prompts are being scored, in arrival order
         self._scoring_failed: list[Row] = []  # out of the batch already; `faults` reports them
+        # Bytes of the copy the generator's next step makes: rows joined rows already decoding, or left rows that
+        # go on, and mlx-lm copies the batch's caches for it (a join pads every row to the longest and
+        # concatenates; a leave gathers the rest), lazily, so the copy is held beside them in that step (measured
+        # with mx.get_peak_memory: about twice the batch's KV). Its size is the caches' as they will be, which
+        # mlx-lm reports from their shapes before they are evaluated. A row joining or leaving alone: none.
+        self.copying = 0
 
     def __len__(self) -> int:
         return len(self._rows) + len(self._scoring)
@@ -110,6 +116,7 @@ class PlainBatch:
     def step(self) -> list[tuple[Row, list[Event]]]:
         """One generator step; the events of every row that produced something."""
         out = self._score(self._plan())
+        decoding = self._decoding()
         prompt_responses, gen_responses = self._gen.next()
         for r in prompt_responses:
             if (row := self._rows.get(r.uid)) is not None:
@@ -144,7 +151,15 @@ class PlainBatch:
                 cache, tokens = caches.get(r.uid, (None, None))
                 if cache:
                     self.prefix.store(tokens, cache)
+        after = self._decoding()
+        self._copied(bool(decoding) and bool(after) and after != decoding)
         return out
+
+    def _copied(self, copied: bool) -> None:
+        self.copying = self._gen.prompt_cache_nbytes if copied else 0
+
+    def _decoding(self) -> set[int]:
+        return {uid for uid, row in self._rows.items() if row.stage == DECODING}
 
     def faults(self) -> list[tuple[Row, BaseException]]:
         """Rows whose sampler, logits processor or output raised in the last step; removed from the batch."""
@@ -153,6 +168,7 @@ class PlainBatch:
             live = [row.uid for row in bad if not row.generator_done]
             if live:
                 self._gen.remove(live)
+                self._copied(len(self._rows) > len(bad))
             for row in bad:
                 self._forget(row)
         bad += self._scoring_failed
@@ -166,6 +182,7 @@ class PlainBatch:
         if uid is None:
             return None
         self._gen.remove([uid])
+        self._copied(len(self._rows) > 1)
         row = self._rows[uid]
         self._forget(row)
         return row

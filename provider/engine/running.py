@@ -44,6 +44,7 @@ class Layout:
     finals: list[int] = field(default_factory=list)
     reading: list[int] = field(default_factory=list)
     scoring: bool = False  # a prompt is being scored: its logits' scratch (logprobs.SCORE_SCRATCH_BYTES) is held
+    copying: int = 0  # bytes of the copy of its caches its next step makes, rows having joined or left (PlainBatch)
 
 
 log = logs.get("engine")
@@ -88,9 +89,9 @@ class Running:
         wanted), wherever it will decode: in the plain batch, in the plain batch with the speculating rows
         demoted to it, or speculating (the largest: that is decided after admission)."""
         plain, spec = self._layout(lm.id)
-        joined = Layout(plain.finals + [final], plain.reading + [prompt], plain.scoring or scored)
+        joined = Layout(plain.finals + [final], plain.reading + [prompt], plain.scoring or scored, plain.copying)
         layouts = [(joined, spec), (Layout(joined.finals + spec.finals, joined.reading + spec.reading,
-                                           joined.scoring), Layout())]
+                                           joined.scoring, plain.copying), Layout())]
         if lm.drafter is not None:
             layouts.append((plain, Layout(spec.finals + [final], spec.reading + [prompt])))
         return max(self._bytes(lm, p, s) for p, s in layouts)
@@ -102,14 +103,16 @@ class Running:
         """The model's plain rows and speculating rows; a row still reads its prompt until its first token."""
         plain, spec = self._batches.get(model_id), self._speculating.get(model_id)
         plain_rows = (plain.rows() if plain else []) + self._media.rows(model_id)  # media reads: read, not decoding
-        return (_layout(plain_rows, lambda r: r.output.t_first is None),
-                _layout(spec.rows() if spec else [], lambda r: r.spec.reading))
+        layout = _layout(plain_rows, lambda r: r.output.t_first is None)
+        layout.copying = plain.copying if plain else 0
+        return layout, _layout(spec.rows() if spec else [], lambda r: r.spec.reading)
 
     def _bytes(self, lm: LoadedModel, plain: Layout, spec: Layout) -> int:
         if lm.kv_shape is None:
             return 0
-        kv = plain_batch_bytes(plain.finals, lm.kv_shape) + spec_batch_bytes(spec.finals, lm.kv_shape,
-                                                                              lm.draft_kv_shape)
+        # A plain batch that copies its caches (a row joined or left) holds the copy beside them for a step.
+        kv = plain_batch_bytes(plain.finals, lm.kv_shape) + plain.copying \
+            + spec_batch_bytes(spec.finals, lm.kv_shape, lm.draft_kv_shape)
         if lm.act_shape is None:
             return kv
         # The plain batch reads up to PREFILL_ROWS prompts in one forward, the speculative batch one at a time;

@@ -4,7 +4,9 @@ what each job would need alone.
 
 The layouts are mlx-lm's:
 - a plain batch (BatchKVCache, BatchRotatingKVCache) aligns every row to the longest one (left padding), and
-  grows its buffers in steps of 256 positions: rows x the longest row, rounded up;
+  a buffer that fills grows 256 positions past where it filled, not to a multiple of 256: a prompt read in
+  124-token chunks fills at 1,499 and holds 1,755 (measured in tools/bench/memory_ledger.py's phase b), so a
+  row that reaches n tokens holds up to n + 255: rows x that, for the longest row;
 - a speculating row owns per-sequence caches (KVCache, grown in the same steps), and each round merges the
   rows into one padded copy for the forward (rows x the longest), which lives as long as the round;
 - a draft model keeps the same two per row, in its own (smaller) KV shape; an MTP assistant reads the
@@ -19,8 +21,10 @@ from .estimate import ActivationShape, KVShape
 STEP = 256  # mlx-lm's KVCache and BatchKVCache grow their buffers by this many positions
 
 
-def padded(tokens: int) -> int:
-    return -(-max(tokens, 1) // STEP) * STEP
+def held(tokens: int) -> int:
+    """The longest buffer mlx-lm's caches hold for a row that reaches `tokens`: the last growth starts below
+    `tokens` and adds whole steps past it."""
+    return max(tokens, 1) + STEP - 1
 
 
 def prefill_transient_bytes(prompts: list[int], act: ActivationShape, chunk: int, rows_at_once: int) -> int:
@@ -36,7 +40,7 @@ def plain_batch_bytes(finals: list[int], kv: KVShape) -> int:
     """A batched generator's caches when every row has reached its final length."""
     if not finals:
         return 0
-    return len(finals) * kv.bytes_for(padded(max(finals)))
+    return len(finals) * kv.bytes_for(held(max(finals)))
 
 
 def spec_batch_bytes(finals: list[int], kv: KVShape, draft: KVShape | None = None) -> int:
@@ -48,7 +52,7 @@ def spec_batch_bytes(finals: list[int], kv: KVShape, draft: KVShape | None = Non
     for shape in (kv, draft):
         if shape is None:
             continue
-        total += sum(shape.bytes_for(padded(f)) for f in finals)
+        total += sum(shape.bytes_for(held(f)) for f in finals)
         if len(finals) > 1:
-            total += len(finals) * shape.bytes_for(padded(max(finals)))
+            total += len(finals) * shape.bytes_for(held(max(finals)))
     return total
