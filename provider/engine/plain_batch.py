@@ -152,11 +152,11 @@ class PlainBatch:
                 if cache:
                     self.prefix.store(tokens, cache)
         after = self._decoding()
-        self._copied(bool(decoding) and bool(after) and after != decoding)
+        self._copy_pending(bool(decoding) and bool(after) and after != decoding)
         return out
 
-    def _copied(self, copied: bool) -> None:
-        self.copying = self._gen.prompt_cache_nbytes if copied else 0
+    def _copy_pending(self, pending: bool) -> None:
+        self.copying = self._gen.prompt_cache_nbytes if pending else 0
 
     def _decoding(self) -> set[int]:
         return {uid for uid, row in self._rows.items() if row.stage == DECODING}
@@ -168,7 +168,7 @@ class PlainBatch:
             live = [row.uid for row in bad if not row.generator_done]
             if live:
                 self._gen.remove(live)
-                self._copied(len(self._rows) > len(bad))
+                self._copy_pending(len(self._rows) > len(bad))
             for row in bad:
                 self._forget(row)
         bad += self._scoring_failed
@@ -182,7 +182,7 @@ class PlainBatch:
         if uid is None:
             return None
         self._gen.remove([uid])
-        self._copied(len(self._rows) > 1)
+        self._copy_pending(len(self._rows) > 1)
         row = self._rows[uid]
         self._forget(row)
         return row

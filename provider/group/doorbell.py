@@ -21,8 +21,7 @@ RING = b"\x01"
 
 
 class Doorbell:
-    def __init__(self, rank: int, peers: list[socket.socket]):
-        self.rank = rank
+    def __init__(self, peers: list[socket.socket]):
         self._peers = peers  # rank 0: one connection per follower; a follower: its connection to rank 0
 
     def ring(self) -> None:
@@ -40,18 +39,15 @@ class Doorbell:
         if not data:
             raise GroupLost("rank 0 is gone (it closed its wake-up connection)")
 
-    def close(self) -> None:
-        for conn in self._peers:
-            conn.close()
-
 
 def open_doorbell(link: Link, spec: GroupSpec, timeout_s: float) -> Doorbell | None:
     """Connect every follower to rank 0 (a collective: every rank calls it, in the same place). None off the
     ring."""
     if spec.backend != "ring" or spec.size < 2:
         return None
-    host = spec.hosts[0][0].rsplit(":", 1)[0].strip("[]")  # rank 0's first ring address: reachable by every rank
+    host = _host(spec.hosts[0][0])  # rank 0's first ring address: reachable by every rank
     if link.rank == 0:
+        ranks = {_host(address) for addresses in spec.hosts[1:] for address in addresses}
         with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as server:
             link.share(server.getsockname()[1])
             peers = []
@@ -59,19 +55,27 @@ def open_doorbell(link: Link, spec: GroupSpec, timeout_s: float) -> Doorbell | N
             while len(peers) < spec.size - 1:
                 server.settimeout(max(0.1, deadline - time.monotonic()))
                 try:
-                    conn, _ = server.accept()
+                    conn, (peer, *_) = server.accept()
                 except TimeoutError:
                     raise GroupLost(f"{spec.size - 1 - len(peers)} rank(s) did not connect to rank 0's wake-up "
                                     f"port in {timeout_s:.0f} s") from None
+                if peer not in ranks:  # not a rank of the hostfile: it would take a rank's place
+                    conn.close()
+                    continue
                 peers.append(_tuned(conn))
-        return Doorbell(0, peers)
+        return Doorbell(peers)
     port = link.share()
     try:
-        conn = socket.create_connection((host, port), timeout=timeout_s)
+        own = _host(spec.hosts[spec.rank][0])  # the address rank 0 accepts this rank from
+        conn = socket.create_connection((host, port), timeout=timeout_s, source_address=(own, 0))
     except OSError as e:
         raise GroupLost(f"rank {spec.rank} could not reach rank 0's wake-up port {host}:{port}: {e}") from None
     conn.settimeout(None)
-    return Doorbell(spec.rank, [_tuned(conn)])
+    return Doorbell([_tuned(conn)])
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def _tuned(conn: socket.socket) -> socket.socket:
