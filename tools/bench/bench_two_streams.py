@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.models.default import ensure_default_model  # noqa: E402
+from tools.bench.forwards import decode_ms, read_ms  # noqa: E402
 
 PROMPT = 128
 
@@ -38,22 +39,11 @@ def main() -> int:
     model, _ = load(str(path))
     mx.eval(model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(model)))  # lazily made model state, evaluated here
 
-    def decode_ms() -> float:
-        cache = make_prompt_cache(model)
-        model(mx.array([list(range(10, 10 + PROMPT))] * a.rows), cache=cache)
-        mx.eval([c.state for c in cache])
-        token = mx.array([[5]] * a.rows)
-        start = time.perf_counter()
-        for _ in range(a.steps):
-            token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
-            mx.eval(token)
-        return (time.perf_counter() - start) * 1e3 / a.steps
+    def decode() -> float:
+        return decode_ms(model, a.rows, PROMPT, a.steps)
 
     def read(chunk: int) -> None:
-        cache = make_prompt_cache(model)
-        for i in range(0, PROMPT, chunk):
-            model(mx.array([list(range(10 + i, 10 + i + chunk))]), cache=cache)
-            mx.eval([c.state for c in cache])
+        read_ms(model, 1, PROMPT, chunk)
 
     reads, stop, go = [0], threading.Event(), threading.Event()
     chunk_size = [a.chunks[0]]
@@ -68,23 +58,22 @@ def main() -> int:
                 go.clear()
 
     threading.Thread(target=reader, daemon=True).start()
-    decode_ms()
-    alone_decode = min(decode_ms() for _ in range(2))
+    decode()
+    alone_decode = min(decode() for _ in range(2))
     print(f"model {path.name}; decode {a.rows} rows alone: "
           f"{alone_decode:.1f} ms a step")
     for chunk in a.chunks:
         chunk_size[0] = chunk
         start = time.perf_counter()
         for _ in range(3):
-            with mx.stream(mx.default_stream(mx.cpu)):
-                read(chunk)
+            read(chunk)
         alone_read = (time.perf_counter() - start) / 3
         stop.clear()
         reads[0] = 0
         go.set()
         time.sleep(0.3)
         start, first = time.perf_counter(), reads[0]
-        beside = decode_ms()
+        beside = decode()
         elapsed, done = time.perf_counter() - start, reads[0] - first
         stop.set()
         while go.is_set():

@@ -21,19 +21,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.engine.prefill_plan import CPU_STEP_TOKENS, plan_prefill  # noqa: E402
 from provider.models.default import ensure_default_model  # noqa: E402
 from tools.bench.bench_guidellm import BUILT, built_model  # noqa: E402
+from tools.bench.forwards import decode_ms, read_ms  # noqa: E402
 
 SERVER_PROMPT_BATCH = 8  # mlx_lm.server's --prompt-concurrency default
 
@@ -48,22 +46,10 @@ class Costs:  # milliseconds
 
 def measure(model, prompt_tokens: int, rounds: int = 3) -> Costs:
     def read(batch: int) -> float:
-        cache = make_prompt_cache(model)
-        start = time.perf_counter()
-        model(mx.array([list(range(10, 10 + prompt_tokens))] * batch), cache=cache)
-        mx.eval([c.state for c in cache])
-        return (time.perf_counter() - start) * 1e3
+        return read_ms(model, batch, prompt_tokens)
 
     def decode(batch: int, steps: int = 12) -> float:
-        cache = make_prompt_cache(model)
-        model(mx.array([list(range(10, 10 + prompt_tokens))] * batch), cache=cache)
-        mx.eval([c.state for c in cache])
-        token = mx.array([[5]] * batch)
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
-            mx.eval(token)
-        return (time.perf_counter() - start) * 1e3 / steps
+        return decode_ms(model, batch, prompt_tokens, steps)
 
     read(1), decode(1, 2)  # warm
     r1, r4 = (min(read(b) for _ in range(rounds)) for b in (1, 4))
