@@ -26,7 +26,8 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     of a node group (`group`), first join the other ranks; the model then loads split across them."""
     from .local.server import load_or_mint_token, start_local_api
     from .models.default import primary_models
-    from .node import Node, build_models, decide_node_budget, node_step_tokens
+    from .machine import decide_node_budget, node_step_tokens
+    from .node import Node, build_models
     from . import service, status_file
 
     session = identity = None

@@ -10,7 +10,7 @@ from .jobs import JobError
 from .models import capability, loader, manifest, store
 from .models.checkpoint import read_config
 from .models.footprint import estimate_footprint
-from .node import longest_prefill_read
+from .machine import longest_prefill_read
 from .settings import Settings
 
 MiB = 1 << 20

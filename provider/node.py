@@ -20,14 +20,14 @@ from typing import AsyncIterator, Callable
 
 from . import logs
 from .engine import profile
-from .engine.prefill_plan import longest_read, step_tokens
 from .engine.running import Running
 from .engine.scheduler import Engine
 from .group.lockstep import LeaderRunning
 from .group.member import EXIT_GROUP_LOST, Membership, Watchdog
 from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
 from .types import Cause, ModelId
-from .memory.budget import GiB, Budget, decide_budget, pin_mlx_limits, system_facts
+from .machine import decide_node_budget, longest_prefill_read, node_step_tokens
+from .memory.budget import Budget, pin_mlx_limits, system_facts
 from .models import store
 from .models.catalog import Catalog
 from .models.residency import Residency
@@ -106,12 +106,6 @@ def _failed_future(e: Exception) -> concurrent.futures.Future:
     return future
 
 
-def decide_node_budget(settings: Settings) -> Budget:
-    return decide_budget(system_facts(), fraction=settings.memory_fraction,
-                         reserve_bytes=int(settings.memory_reserve_gb * GiB),
-                         override_bytes=int(settings.memory_budget_gb * GiB))
-
-
 def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budget | None = None,
                  group: Membership | None = None) -> Residency:
     """The resident set for these settings, over a catalog of `primary` first (the default), then everything
@@ -128,16 +122,6 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         prefill_step=longest_prefill_read(settings),
         speculation=SpeculationConfig.of(settings),
     )
-
-
-def node_step_tokens(settings: Settings) -> int:
-    """Tokens per engine step (prefill_plan): the configured prefill_step_size, or the device's default."""
-    return step_tokens(settings.prefill_step_size, system_facts().backend)
-
-
-def longest_prefill_read(settings: Settings) -> int:
-    """The most prompt tokens one row reads in a step: what a model's footprint holds prefill scratch for."""
-    return longest_read(node_step_tokens(settings))
 
 
 class Node:

@@ -31,7 +31,7 @@ from . import sampling
 from .prefix_cache import PrefixCache
 from .spec_batch import SpecBatch
 from .vision_prefill import MediaRead, MediaReads
-from ..group.link import collective_failure
+from .collective import collective_failure
 
 Delivery = tuple[list[Event], Sink]
 PREFILL_ROWS = 8  # prompts the plain batch reads in one forward (mlx-lm's prefill_batch_size)

@@ -36,7 +36,7 @@ from ..telemetry import NOT_STARTED
 from .books import Books, deliver
 from .job_plan import job_plan
 from .running import Running, restore_random_state
-from ..group.link import collective_failure
+from .collective import collective_failure
 from .waiting import Pending, Verdict, WaitingJobs
 
 log = logs.get("engine")
