@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__, logs, paths
-from .group.spec import GroupSpec, GroupSpecError, group_spec
+from .group.spec import GroupSpec, GroupSpecError, group_spec, public_addresses
 from .jobs import JobError
 from .net import is_loopback
 from .settings import Settings, SettingsError
@@ -43,6 +43,11 @@ def _add_start(sub) -> None:
                    help="join a node group: MLX's ring hostfile, one [\"ip:port\"] per rank (docs/group.md)")
     p.add_argument("--rank", dest="group_rank", type=int, help="this machine's rank in --group (0 serves)")
     p.add_argument("--group-backend", choices=["ring", "jaccl"], help="MLX's distributed backend (default ring)")
+    p.add_argument("--group-secret", dest="group_secret_file", metavar="FILE",
+                   help="the group's secret (`provider group init`; default: group-secret in the state directory)")
+    p.add_argument("--group-public-network", dest="group_allow_public_network", action="store_const", const=True,
+                   help="let the group's links run over public addresses (MLX's ring is unauthenticated plaintext: "
+                   "only over a VPN or a network that is private in fact)")
     p.add_argument("--group-split", choices=["auto", "tensor", "pipeline"],
                    help="split the model by its layers' projections (tensor) or by layers (pipeline); default auto")
     p.add_argument("--log-format", choices=["auto", "console", "json"])
@@ -105,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for every rank to join (default 30)")
     chk.add_argument("--payload-mb", type=int, default=32, help="bandwidth payload in MiB (default 32)")
     chk.add_argument("--json", action="store_true", help="the report as JSON (rank 0)")
+    chk.add_argument("--group-secret", metavar="FILE", default="",
+                     help="the group's secret (default: group_secret_file, else group-secret in the state directory)")
+    init = gsub.add_parser("init", help="write a new group secret, to copy to every rank of the group")
+    init.add_argument("--out", default="", help="where (default: group_secret_file, else the state directory)")
+    init.add_argument("--force", action="store_true", help="replace an existing secret")
     from .generate import add_parser as add_generate
 
     add_generate(sub)
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models":
         return _models(args)
     if args.command == "group":
-        _leave(_group_check(args))
+        _leave(_group_init(args) if args.group_command == "init" else _group_check(args))
     if args.command == "status":
         return _status(args)
     if args.command == "service":
@@ -167,19 +177,34 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
+def _group_init(args: argparse.Namespace) -> int:
+    from .group.secret import GroupSecretError, create_secret, secret_path
+
+    try:
+        path = secret_path(args.out or Settings.load(config_file=getattr(args, "config", None)).group_secret_file)
+        create_secret(path, force=args.force)
+    except (SettingsError, GroupSecretError) as e:
+        print(f"provider: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"wrote a new group secret to {path} (0600): copy it to every rank of the group, over a channel you "
+          f"trust, and keep it 0600 there (group_secret_file names it, if not in the state directory)")
+    return 0
+
+
 def _group_check(args: argparse.Namespace) -> int:
     import json
 
     from .group.check import describe, run_check
-    from .group.link import GroupLost
+    from .engine.collective import GroupLost
     from .group.member import EXIT_GROUP_LOST
 
     if not 0 < args.timeout <= 3600 or not 1 <= args.payload_mb <= 1024:
         print("provider: --timeout must be in (0, 3600] s and --payload-mb in 1..1024", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        spec = group_spec(args.hostfile, args.rank, args.backend, os.environ)
-    except GroupSpecError as e:
+        secret_file = args.group_secret or Settings.load(config_file=getattr(args, "config", None)).group_secret_file
+        spec = group_spec(args.hostfile, args.rank, args.backend, os.environ, secret_file)
+    except (GroupSpecError, SettingsError) as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     try:
@@ -214,7 +239,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from . import model_commands as commands
-    from .node import decide_node_budget
+    from .machine import decide_node_budget
 
     try:
         settings = Settings.load(config_file=args.config)
@@ -236,7 +261,8 @@ def _start(args: argparse.Namespace) -> int:
            "allow_unauthenticated_public": args.allow_unauthenticated_public,
            "log_format": args.log_format, "log_level": args.log_level, "coordinator": args.coordinator,
            "local": args.local, "group_hostfile": args.group_hostfile, "group_rank": args.group_rank,
-           "group_backend": args.group_backend, "group_split": args.group_split}
+           "group_backend": args.group_backend, "group_split": args.group_split,
+           "group_secret_file": args.group_secret_file, "group_allow_public_network": args.group_allow_public_network}
     try:
         settings = Settings.load(cli=cli, config_file=args.config)
     except SettingsError as e:
@@ -254,9 +280,17 @@ def _start(args: argparse.Namespace) -> int:
         print(f"provider: WARNING: serving without auth on {settings.bind}; anyone who reaches the port can use "
               "this node", file=sys.stderr)
     try:
-        group = group_spec(settings.group_hostfile, settings.group_rank, settings.group_backend, os.environ)
+        group = group_spec(settings.group_hostfile, settings.group_rank, settings.group_backend, os.environ,
+                           settings.group_secret_file)
     except GroupSpecError as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    public = public_addresses(group.hosts) if group is not None else []
+    if public and not settings.group_allow_public_network:
+        print(f"provider: refusing to start: the group's hostfile has public addresses ({', '.join(public)}); MLX's "
+              "ring carries tensors unauthenticated and in plaintext, so a group's links must be a private network "
+              "(a Thunderbolt bridge, a dedicated switch, a VPN). Pass --group-public-network (group_allow_public_"
+              "network = true) if these links are private in fact", file=sys.stderr)
         return EXIT_CONFIG
     if group is not None and not group.leader:  # a follower: no session, no listener (docs/group.md)
         return _follow(settings, group)
@@ -278,7 +312,7 @@ def _start(args: argparse.Namespace) -> int:
     except StartupError as e:
         print(f"provider: cannot start: {e.message}", file=sys.stderr)
         return e.exit_code
-    from .group.link import GroupLost
+    from .engine.collective import GroupLost
     from .group.member import EXIT_GROUP_LOST
 
     try:

@@ -144,6 +144,15 @@ class Settings:
     # exits non-zero for its supervisor). An idle group still steps once a second, and a step reads at most one
     # prefill chunk; MLX's ring can wait without end after a peer dies, so this is what bounds that wait.
     group_step_timeout_s: float = field(default=20.0, metadata=_range(1, 3600))
+    # How long a worker rank may take from joining to serving (loading its share of the model) before it gives
+    # up on rank 0: a rank 0 that died or hung while the group loaded would otherwise keep it waiting for ever.
+    group_load_timeout_s: float = field(default=900.0, metadata=_range(1, 86400))
+    # The group's shared secret (`provider group init` writes one; copy it to every rank, 0600). Plans, the
+    # rendezvous and the wake-up connections are authenticated with it. Empty: group-secret in the state dir.
+    group_secret_file: str = ""
+    # MLX's ring carries tensors unauthenticated: a hostfile with public addresses is refused unless this says
+    # the operator knows the links are private anyway (a VPN, a dedicated switch).
+    group_allow_public_network: bool = False
 
     # Logs.
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 from provider.group.spec import GroupSpecError, group_spec
-from tools.harness.group import start_group
+from tools.harness.group import start_group, write_secret
 
 PROMPTS = ["The cache", "Once upon a time", "def main():", "A B C D", "hello hello", "Numbers: 1 2 3",
            "The quick brown fox", "Why is the sky"]
@@ -197,11 +198,18 @@ def test_the_split_is_the_one_asked_for_or_refused_with_what_would_work():
 def test_the_group_is_described_or_refused_with_a_reason(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
-    spec = group_spec(str(hostfile), 1, "ring", {})
+    secret = str(write_secret(tmp_path / "secret"))
+    spec = group_spec(str(hostfile), 1, "ring", {}, secret)
     assert spec.size == 2 and spec.rank == 1 and not spec.leader
     assert group_spec("", -1, "ring", {}) is None
-    from_env = group_spec("", -1, "ring", {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "0"})
+    from_env = group_spec("", -1, "ring", {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "0"}, secret)
     assert from_env.leader and from_env.hostfile == hostfile
+    assert Path(secret).read_text().strip() not in repr(spec)  # a spec in a log or traceback never shows it
+    with pytest.raises(GroupSpecError, match="provider group init"):
+        group_spec(str(hostfile), 1, "ring", {}, str(tmp_path / "no-secret"))
+    os.chmod(secret, 0o644)
+    with pytest.raises(GroupSpecError, match="can be read by other users"):
+        group_spec(str(hostfile), 1, "ring", {}, secret)
     for content, rank, message in [
         ("[[\"127.0.0.1:5000\"]]", 0, "2 to 64 ranks"),
         ("[[\"localhost:5000\"], [\"127.0.0.1:5001\"]]", 0, "not \"ip:port\""),
@@ -228,10 +236,12 @@ def test_group_check_measures_each_link_or_names_the_rank_that_is_missing(tmp_pa
     from tools.harness.group import write_hostfile
 
     hostfile = write_hostfile(tmp_path / "hosts.json", 2)
+    secret = write_secret(tmp_path / "secret")
 
     def check(rank: int, *extra: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "provider", "group", "check", str(hostfile), "--rank",
-                                 str(rank), "--payload-mb", "4", *extra], stdout=subprocess.PIPE,
+                                 str(rank), "--payload-mb", "4", "--group-secret", str(secret), *extra],
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
     follower = check(1)
@@ -262,7 +272,8 @@ def test_ranks_meet_in_any_order_and_leave_their_ports_free_or_name_who_is_missi
     from tools.harness.group import write_hostfile
 
     hostfile = write_hostfile(tmp_path / "hosts.json", 3)
-    specs = [group_spec(str(hostfile), r, "ring", {}) for r in range(3)]
+    secret = str(write_secret(tmp_path / "secret"))
+    specs = [group_spec(str(hostfile), r, "ring", {}, secret) for r in range(3)]
     errors: list[BaseException] = []
 
     def rank(r: int, delay: float) -> None:

@@ -16,8 +16,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from .link import GroupLost, join
-from .spec import GroupSpec
+from ..engine.collective import GroupLost
+from .link import join
+from .spec import GroupSpec, public_addresses
 
 PING_ROUNDS = 20
 BANDWIDTH_ROUNDS = 3
@@ -46,6 +47,13 @@ class Report:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def network_problems(spec: GroupSpec) -> list[str]:
+    public = public_addresses(spec.hosts)
+    return [f"public addresses in the hostfile ({', '.join(public)}): MLX's ring carries tensors unauthenticated and "
+            f"in plaintext, so the group's links must be a private network (provider start refuses them without "
+            f"--group-public-network)"] if public else []
 
 
 def ring_links(size: int) -> list[tuple[int, int]]:
@@ -108,8 +116,9 @@ def _measure(spec: GroupSpec, group, join_s: float, payload_bytes: int) -> Repor
     link_figures = tuple(LinkFigures(s, d, *(round(float(v), 3) for v in figures[i].tolist()))
                          for i, (s, d) in enumerate(links))
     versions = {f.get("mlx", "?") for f in gathered}
-    problems = (f"the ranks run different MLX versions ({', '.join(sorted(versions))}): their tokens may differ",) \
-        if len(versions) > 1 else ()
+    problems = tuple(network_problems(spec)) + ((f"the ranks run different MLX versions "
+                                                 f"({', '.join(sorted(versions))}): their tokens may differ",)
+                                                if len(versions) > 1 else ())
     return Report(size, spec.backend, round(join_s, 3), facts, link_figures, round(all_sum_ms, 3), payload_bytes,
                   problems)
 

@@ -11,13 +11,14 @@ import time
 from .. import logs, service
 from ..engine.running import Running
 from ..jobs import JobError
+from ..machine import decide_node_budget, node_step_tokens
 from ..models.loader import load_pair
 from ..prompts import PromptPreparer
 from ..settings import Settings
 from ..speculation import DrafterPlan
 from ..status import EngineStats
 from ..types import SpecReason
-from .link import GroupLost, collective_failure
+from ..engine.collective import GroupLost, collective_failure
 from .lockstep import follow
 from .member import EXIT_GROUP_LOST, Watchdog, join_with_settings
 from .spec import GroupSpec
@@ -42,12 +43,20 @@ class ServicePings:
 
 
 def run_follower(settings: Settings, spec: GroupSpec) -> int:
-    from ..node import decide_node_budget, node_step_tokens
+    def stalled(why: str) -> None:
+        print(f"provider: rank {spec.rank}: {why}; exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_GROUP_LOST)  # the loop is inside a collective (or a wait for rank 0) that will not return
 
+    # Joining takes at most three timeouts (the rendezvous, MLX's init, the wake-up connections); past the
+    # rendezvous every rank was alive, so the rest is quick unless one died or hangs. (MLX's init holds the
+    # interpreter's lock: its own wait is bounded by faulthandler's timer, in link.join.)
+    watchdog = Watchdog(3 * settings.group_timeout_s, stalled, "joining the group")
+    watchdog.arm()
     try:
         joined = join_with_settings(settings, spec, decide_node_budget(settings), node_step_tokens(settings))
         member, model_id = joined.membership, joined.model_id
         print(f"provider: rank {spec.rank} of {spec.size} joined the group; loading {model_id}", flush=True)
+        watchdog.expect(f"loading {model_id} with rank 0", settings.group_load_timeout_s)
         lm, _ = load_pair(model_id, joined.path, None, DrafterPlan(None, SpecReason.GROUP_MODE), member.link.group,
                           settings.group_split)
         prompts = PromptPreparer(joined.tokenizer_files, workers=1).tokenizer(model_id)
@@ -61,13 +70,7 @@ def run_follower(settings: Settings, spec: GroupSpec) -> int:
         return EXIT_GROUP_LOST
     running = Running(stats=EngineStats(), step_tokens=member.engine.step_tokens, max_rows=member.engine.max_rows,
                       prefix_cache_bytes=0)
-
-    def stalled(why: str) -> None:
-        print(f"provider: rank {spec.rank}: {why}; exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_GROUP_LOST)  # the loop is inside a collective that will not return
-
-    watchdog = Watchdog(settings.group_step_timeout_s, stalled)
-    watchdog.arm()
+    watchdog.expect("a step of the group", settings.group_step_timeout_s)
     print(f"provider: rank {spec.rank} of {spec.size} serving {model_id} for rank 0", flush=True)
     status = f"rank {spec.rank} of {spec.size} serving {model_id} for rank 0"
     service.notify(f"READY=1\nSTATUS={status}")

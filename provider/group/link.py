@@ -2,29 +2,27 @@
 timeout, and what the node sends over it besides the model's own collectives: rank 0's plan for each step, and
 a check that every rank produced the same tokens.
 
+MLX's ring carries bytes unauthenticated, so what rank 0 sends is sealed: JSON (never objects by name: nothing a
+rank receives becomes code), numbered so that no message can be replayed or reordered, under a MAC keyed by the
+group's secret (provider.group.secret). A message that fails any of it ends the group.
+
 MLX's collectives have no timeout and no broadcast: a broadcast is an all_sum the followers feed zeros, and a
-rank that stalls is found by the watchdog (provider.group.watchdog), not here. Every call here is a collective:
+rank that stalls is found by the watchdog (provider.group.member.Watchdog), not here. Every call here is a collective:
 all ranks make the same calls in the same order, from one thread (the engine's, or the follower's loop).
 """
 
 from __future__ import annotations
 
-import io
+import json
 import os
-import pickle
-from typing import Any
 
+from ..engine.collective import GroupLost
+from .plan import PlanError, StepPlan, decode_plan, encode_plan
+from .secret import TAG_BYTES, GroupKey
 from .spec import GroupSpec
 
-
-class GroupLost(RuntimeError):
-    """A rank is gone, stalled or out of step: the group cannot go on. Every rank exits for its supervisor."""
-
-
-def collective_failure(e: BaseException) -> bool:
-    """A failure of the group's wire (a peer gone, a connection lost), not of one job."""
-    return isinstance(e, GroupLost) or (isinstance(e, RuntimeError) and str(e).startswith(("[ring]", "[jaccl]",
-                                                                                            "[distributed]")))
+MAGIC = b"PGM1"  # provider group message, version 1
+MAX_MESSAGE_BYTES = 256 << 20  # a plan of many long prompts; a length past it is refused before any allocation
 
 
 def join(spec: GroupSpec, timeout_s: float):
@@ -66,6 +64,40 @@ def join(spec: GroupSpec, timeout_s: float):
     return group
 
 
+def seal(key: GroupKey, counter: int, kind: str, body: dict) -> bytes:
+    """A message as it travels: MAGIC, its number, its kind, its JSON, and their MAC under the group's secret."""
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    head = MAGIC + counter.to_bytes(8, "little") + bytes([len(kind)]) + kind.encode()
+    return head + data + key.tag("message", counter, kind, data)
+
+
+def unseal(key: GroupKey, expected: int, kind: str, message: bytes) -> dict:
+    """The JSON object of a sealed message, if it is rank 0's `expected`-th and of `kind`; else GroupLost."""
+    head = len(MAGIC) + 9 + len(kind)
+    if len(message) < head + TAG_BYTES or not message.startswith(MAGIC):
+        raise GroupLost("a message on the group's wire is not the group's: the group stops")
+    counter = int.from_bytes(message[4:12], "little")
+    data, tag = message[head:-TAG_BYTES], message[-TAG_BYTES:]
+    if message[12] != len(kind) or message[13:head] != kind.encode() \
+            or not key.check(tag, "message", counter, kind, data):
+        raise GroupLost(f"a {kind} message on the group's wire is not proven by the group's secret (forged or "
+                        f"altered on the way): the group stops")
+    if counter != expected:
+        raise GroupLost(f"a {kind} message on the group's wire came out of order (number {counter}, expected "
+                        f"{expected}: replayed or reordered): the group stops")
+    try:
+        body = json.loads(data, parse_constant=_refuse_constant)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise GroupLost(f"a {kind} message is not a JSON object: the group stops")
+    return body
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 class Link:
     """Rank 0's messages to every rank, and agreement checks, over the group's collectives.
 
@@ -73,37 +105,56 @@ class Link:
     asynchronously on mlx-lm's generation stream, and collectives on two streams would pair up across ranks in
     whatever order each rank's streams reach them."""
 
-    def __init__(self, group):
+    def __init__(self, group, key: GroupKey):
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
+        self.key = key
+        self.messages = 0  # rank 0's messages so far, the same count on every rank: each names its number
         self.doorbell = None  # provider.group.doorbell, once joined: followers sleep between plans
 
-    def send_plan(self, plan: Any) -> None:
+    def send_plan(self, plan: StepPlan) -> None:
         """Rank 0: wake every follower, then share `plan`."""
         if self.doorbell is not None:
             self.doorbell.ring()
-        self.share(plan)
+        self.share("plan", encode_plan(plan))
 
-    def next_plan(self) -> Any:
-        """A follower: sleep until rank 0 rings, then take its plan."""
+    def next_plan(self, vocab_size: int) -> StepPlan:
+        """A follower: sleep until rank 0 rings, then take its plan, checked against the model's vocabulary."""
         if self.doorbell is not None:
             self.doorbell.wait()
-        return self.share()
+        try:
+            return decode_plan(self.share("plan"), vocab_size)
+        except PlanError as e:
+            raise GroupLost(f"rank 0's plan does not parse ({e}): the group stops") from None
 
-    def share(self, obj: Any = None) -> Any:
-        """Rank 0's `obj`, on every rank (the others pass nothing). Two collectives: its length, then its bytes."""
+    def share_port(self, port: int | None = None) -> int:
+        """Rank 0's wake-up port, on every rank."""
+        got = self.share("port", {"port": port})["port"]
+        if type(got) is not int or not 0 < got < 65536:
+            raise GroupLost("rank 0's wake-up port is not a port: the group stops")
+        return got
+
+    def share(self, kind: str, body: dict | None = None) -> dict:
+        """Rank 0's JSON object `body`, sealed (`seal`), on every rank (the others pass nothing and check what
+        comes). Two collectives: its length, then its bytes: MLX's ring authenticates neither, and in a group of
+        three or more any rank can add to the sum, so only the seal says the bytes are rank 0's."""
         import mlx.core as mx
 
         stream = _settled()
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
+        number, self.messages = self.messages, self.messages + 1
+        data = seal(self.key, number, kind, body) if self.rank == 0 else b""
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise GroupLost(f"a {kind} message of {len(data)} bytes is past the group's limit of {MAX_MESSAGE_BYTES}")
         size = mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=self.group, stream=stream).item()
+        if not 0 < size <= MAX_MESSAGE_BYTES:  # checked before the buffer is made: the length is not sealed
+            raise GroupLost(f"a {kind} message of {size} bytes announced on the group's wire: the group stops")
         payload = mx.array(memoryview(data), dtype=mx.uint8) if self.rank == 0 else mx.zeros(size, dtype=mx.uint8)
         received = mx.distributed.all_sum(payload, group=self.group, stream=stream)
         if self.rank == 0:
             mx.eval(received)
-            return obj
-        return _load(bytes(memoryview(received)))
+            return body
+        return unseal(self.key, number, kind, bytes(memoryview(received)))
 
     def agree(self, values: list[int]) -> bool:
         """Whether every rank passed the same values (one all_gather)."""
@@ -131,25 +182,3 @@ def _settled():
     mx.synchronize()
     mx.synchronize(generation_stream)
     return generation_stream
-
-
-_BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool", "complex",
-             "slice", "range", "bytearray"}
-
-
-class _Unpickler(pickle.Unpickler):
-    """Plans come from rank 0, but over a port anyone on the network can reach: only the node's own types and
-    plain containers are made, never a function."""
-
-    def find_class(self, module: str, name: str):
-        if (module == "builtins" and name in _BUILTINS) or (module == "copyreg" and name == "__newobj__"):
-            return super().find_class(module, name)
-        if module == "provider" or module.startswith("provider."):
-            found = super().find_class(module, name)
-            if isinstance(found, type):
-                return found
-        raise pickle.UnpicklingError(f"a group plan may not hold {module}.{name}")
-
-
-def _load(data: bytes) -> Any:
-    return _Unpickler(io.BytesIO(data)).load()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import zlib
-from dataclasses import dataclass
 from typing import Callable
 
 from .. import logs
@@ -26,29 +25,11 @@ from ..jobs import Done, Error, Job, JobError, Tokens
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..types import Cause
-from .link import GroupLost, Link
+from ..engine.collective import GroupLost
+from .link import Link
+from .plan import CancelRow, StartRow, StepPlan
 
 log = logs.get("group")
-
-
-@dataclass(frozen=True)
-class StartRow:
-    job: Job  # its seed fixed by rank 0
-    prompt: tuple[int, ...]
-    max_tokens: int
-    plan: SpecPlan
-    shared_prefix: int  # where its prompt's reads split: the same on every rank, or the forwards differ
-
-
-@dataclass(frozen=True)
-class CancelRow:
-    job_id: str
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    changes: tuple[StartRow | CancelRow, ...] = ()
-    stop: bool = False  # rank 0's engine ended: the followers end too
 
 
 def step_digest(deliveries: list[Delivery]) -> list[int]:
@@ -120,7 +101,7 @@ def follow(link: Link, running: Running, lm: LoadedModel, grammar_for: Callable[
         pass
 
     while True:
-        plan: StepPlan = link.next_plan()
+        plan = link.next_plan(lm.logits_width)
         beat()
         for change in plan.changes:
             if isinstance(change, CancelRow):

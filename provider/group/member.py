@@ -3,6 +3,7 @@ and learn every rank's memory; then a watchdog on step progress, since MLX's col
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import zlib
@@ -13,7 +14,8 @@ from typing import Callable
 from .. import logs
 from ..memory.budget import Budget
 from .doorbell import open_doorbell
-from .link import GroupLost, Link, join
+from ..engine.collective import GroupLost
+from .link import Link, join
 from .spec import GroupSpec
 
 log = logs.get("group")
@@ -26,6 +28,13 @@ class EngineShape:
 
     step_tokens: int
     max_rows: int
+
+
+def _engine_shape(raw: dict) -> EngineShape:
+    """Rank 0's engine shape as it came: two counts in range, or the group cannot agree on its steps."""
+    if set(raw) != {"step_tokens", "max_rows"} or not all(type(v) is int and 0 < v <= 1 << 20 for v in raw.values()):
+        raise GroupLost("rank 0's engine shape is not two counts in range: the group stops")
+    return EngineShape(**raw)
 
 
 @dataclass(frozen=True)
@@ -43,19 +52,19 @@ class Membership:
                                                  f"(rank {smallest})")
 
 
-def join_group(spec: GroupSpec, timeout_s: float, model_id: str, model_path: Path, engine: EngineShape,
-               budget: Budget, total_memory: int) -> Membership:
+def join_group(spec: GroupSpec, timeout_s: float, step_timeout_s: float, model_id: str, model_path: Path,
+               engine: EngineShape, budget: Budget, total_memory: int) -> Membership:
     """Connect to the other ranks, then check in three collectives that every rank serves the same checkpoint
     (its id and config), take rank 0's engine shape, and learn every rank's memory."""
-    link = Link(join(spec, timeout_s))
+    link = Link(join(spec, timeout_s), spec.key)
     config = (model_path / "config.json").read_bytes() if (model_path / "config.json").exists() else b""
     if not link.agree([zlib.crc32(model_id.encode()) & 0x7FFFFFFF, zlib.crc32(config) & 0x7FFFFFFF]):
         raise GroupLost(f"the ranks of {spec.hostfile} were started with different models (this rank: {model_id} "
                         f"from {model_path}); start every rank with the same --model")
-    engine = link.share(engine)
+    engine = _engine_shape(link.share("engine", dataclasses.asdict(engine)))
     budgets = link.gather(budget.usable)
     memory = link.gather(total_memory)
-    link.doorbell = open_doorbell(link, spec, timeout_s)
+    link.doorbell = open_doorbell(link, spec, timeout_s, step_timeout_s)
     log.info("group_joined", rank=spec.rank, ranks=spec.size, backend=spec.backend, model=model_id,
              budgets=[int(b) for b in budgets])
     return Membership(spec, link, engine, tuple(int(b) for b in budgets), tuple(int(m) for m in memory))
@@ -80,25 +89,33 @@ def join_with_settings(settings, spec: GroupSpec, budget: Budget, step_tokens: i
     catalog = Catalog(store.discover(settings, primary_models(settings))[:1])
     model_id = catalog.default_id
     path, _ = catalog.checkpoint(model_id)
-    membership = join_group(spec, settings.group_timeout_s, model_id, path,
+    membership = join_group(spec, settings.group_timeout_s, settings.group_step_timeout_s, model_id, path,
                             EngineShape(step_tokens, settings.max_concurrent_jobs), budget,
                             system_facts().total_memory)
     return Joined(membership, model_id, path, catalog.tokenizer_files)
 
 
 class Watchdog:
-    """Calls `on_stall(why)` once if no step beats for `timeout_s` after `arm()`: a rank alive but stuck holds
-    every other rank inside a collective, which no error will ever end."""
+    """Calls `on_stall(why)` once if what it awaits does not beat for `timeout_s` after `arm()`: a rank alive but
+    stuck holds every other rank inside a collective, which no error will ever end. What is awaited changes over
+    a rank's life (`expect`): joining, loading its share, then each step."""
 
-    def __init__(self, timeout_s: float, on_stall: Callable[[str], None]):
+    def __init__(self, timeout_s: float, on_stall: Callable[[str], None], awaiting: str = "a step of the group"):
         self.timeout_s = timeout_s
+        self.awaiting = awaiting
         self._on_stall = on_stall
         self._last = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="group-watchdog", daemon=True)
 
     def arm(self) -> None:
         self.beat()
-        self._thread.start()
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def expect(self, awaiting: str, timeout_s: float) -> None:
+        """From now on, `awaiting` must beat within `timeout_s`."""
+        self.awaiting, self.timeout_s = awaiting, timeout_s
+        self.arm()
 
     def beat(self) -> None:
         self._last = time.monotonic()
@@ -108,7 +125,7 @@ class Watchdog:
             time.sleep(min(1.0, self.timeout_s / 4))
             quiet = time.monotonic() - self._last
             if quiet > self.timeout_s:
-                why = f"no step of the group completed in {quiet:.0f} s: a rank is stalled or gone"
-                log.critical("group_stalled", seconds=round(quiet, 1))
+                why = f"{self.awaiting} did not complete in {quiet:.0f} s: a rank is stalled or gone"
+                log.critical("group_stalled", awaiting=self.awaiting, seconds=round(quiet, 1))
                 self._on_stall(why)
                 return

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
+
+from .secret import GroupKey, GroupSecretError, load_secret, secret_path
 
 MAX_RANKS = 64
 
@@ -23,6 +25,7 @@ class GroupSpec:
     hosts: tuple[tuple[str, ...], ...]  # per rank, the "ip:port" addresses it listens on
     rank: int
     backend: str  # "ring" or "jaccl"
+    key: GroupKey = field(repr=False, compare=False)  # the group's secret: what every rank proves itself with
 
     @property
     def size(self) -> int:
@@ -34,8 +37,10 @@ class GroupSpec:
         return self.rank == 0
 
 
-def group_spec(hostfile: str, rank: int, backend: str, environ: Mapping[str, str]) -> GroupSpec | None:
-    """The group these settings name, or None. A hostfile without a rank (or the reverse) is an error."""
+def group_spec(hostfile: str, rank: int, backend: str, environ: Mapping[str, str], secret_file: str = ""
+               ) -> GroupSpec | None:
+    """The group these settings name, or None. A hostfile without a rank (or the reverse) is an error, and so is
+    a group without its secret (`secret_file`, or the state directory's group-secret)."""
     if not hostfile and "MLX_HOSTFILE" in environ and "MLX_RANK" in environ:
         hostfile = environ["MLX_HOSTFILE"]
         rank = _rank(environ["MLX_RANK"], "MLX_RANK")
@@ -58,7 +63,26 @@ def group_spec(hostfile: str, rank: int, backend: str, environ: Mapping[str, str
     hosts = parse_hosts(raw, str(path))
     if rank >= len(hosts):
         raise GroupSpecError(f"rank {rank} is not in {path}, which names {len(hosts)} ranks (0 to {len(hosts) - 1})")
-    return GroupSpec(path, hosts, rank, backend)
+    try:
+        key = GroupKey(load_secret(secret_path(secret_file)), hosts)
+    except GroupSecretError as e:
+        raise GroupSpecError(str(e)) from None
+    return GroupSpec(path, hosts, rank, backend, key)
+
+
+# Tailscale and other carrier-grade NAT overlays (100.64.0.0/10) are WireGuard-encrypted links: private enough.
+_SHARED = ipaddress.ip_network("100.64.0.0/10")
+
+
+def public_addresses(hosts: tuple[tuple[str, ...], ...]) -> list[str]:
+    """The hostfile's addresses outside private, loopback and link-local ranges: links MLX's ring would carry,
+    unauthenticated and in plaintext, across networks the operator does not own."""
+    out = []
+    for address in (a for entry in hosts for a in entry):
+        ip = ipaddress.ip_address(address.rpartition(":")[0].strip("[]"))
+        if not (ip.is_private or ip.is_loopback or ip.is_link_local or (ip.version == 4 and ip in _SHARED)):
+            out.append(address)
+    return out
 
 
 def parse_hosts(raw: object, where: str) -> tuple[tuple[str, ...], ...]:

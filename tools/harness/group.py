@@ -1,6 +1,6 @@
 """A node group on loopback, started with the documented commands: rank 0 is `provider start --local --group
 HOSTFILE --rank 0` (a LocalServer), every other rank `provider start --group HOSTFILE --rank R` in a process of
-its own, each with a home (state, config, cache) of its own."""
+its own, each with a home (state, config, cache) of its own, all with one group secret."""
 
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ def write_hostfile(path: Path, ranks: int) -> Path:
     for s in sockets:
         s.close()
     path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
+
+
+def write_secret(path: Path) -> Path:
+    """A group secret as `provider group init` writes it (0600), for every rank of a test group to share."""
+    from provider.group.secret import create_secret
+
+    if not path.exists():
+        create_secret(path)
     return path
 
 
@@ -63,6 +72,7 @@ def start_group(model: Path, home: Path, ranks: int = 2, *extra: str, env: dict 
     """Rank 0 serving the local API, and its followers; the followers first (rank 0 waits for them to join)."""
     home.mkdir(parents=True, exist_ok=True)
     hostfile = write_hostfile(home / "hostfile.json", ranks)
+    env = {"PROVIDER_GROUP_SECRET_FILE": str(write_secret(home / "group-secret"))} | (env or {})
     followers = [Follower(model, home / f"rank{r}", hostfile, r, *extra, env=env) for r in range(1, ranks)]
     (home / "rank0").mkdir(parents=True, exist_ok=True)
     try:
