@@ -63,6 +63,19 @@ def test_transports_do_not_reach_below_the_node():
     assert not {m: t for m, t in bad.items() if t}, bad
 
 
+def test_the_group_sits_beside_the_node_tied_one_way():
+    """The node leads a group and the group drives the engine: nothing below the group imports it (the engine owns
+    the failure type the group raises), and the group imports nothing above it (a worker rank is built from the
+    parts below the node)."""
+    below = ("provider.engine", "provider.models", "provider.memory", "provider.machine")
+    above = ("provider.node", "provider.daemon", "provider.cli", "provider.local", "coordinator_client")
+    graph = _graph()
+    bad = {m: sorted(t for t in ts if t.startswith("provider.group")) for m, ts in graph.items() if m.startswith(below)}
+    bad |= {m: sorted(t for t in ts if t.startswith(above)) for m, ts in graph.items()
+            if m.startswith("provider.group")}
+    assert not {m: t for m, t in bad.items() if t}, bad
+
+
 def test_tools_do_not_import_tests():
     # What tools and tests share lives in tools/harness/; tests may import it, not the reverse.
     found = {str(p.relative_to(ROOT)): sorted(t for t in _imports(_tool_module(p), p, {}) if t.split(".")[0] == "tests")

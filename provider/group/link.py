@@ -137,13 +137,17 @@ class Link:
 
     def share(self, kind: str, body: dict | None = None) -> dict:
         """Rank 0's JSON object `body`, sealed (`seal`), on every rank (the others pass nothing and check what
-        comes). Two collectives: its length, then its bytes: MLX's ring authenticates neither, and in a group of
-        three or more any rank can add to the sum, so only the seal says the bytes are rank 0's."""
+        comes): MLX's ring authenticates nothing, and in a group of three or more any rank can add to the sum,
+        so only the seal says the bytes are rank 0's."""
+        number, self.messages = self.messages, self.messages + 1
+        received = self.transfer(seal(self.key, number, kind, body) if self.rank == 0 else b"", kind)
+        return body if self.rank == 0 else unseal(self.key, number, kind, received)
+
+    def transfer(self, data: bytes, kind: str = "message") -> bytes:
+        """Rank 0's bytes, on every rank, as they came: two collectives, their length, then the bytes."""
         import mlx.core as mx
 
         stream = _settled()
-        number, self.messages = self.messages, self.messages + 1
-        data = seal(self.key, number, kind, body) if self.rank == 0 else b""
         if len(data) > MAX_MESSAGE_BYTES:
             raise GroupLost(f"a {kind} message of {len(data)} bytes is past the group's limit of {MAX_MESSAGE_BYTES}")
         size = mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=self.group, stream=stream).item()
@@ -151,10 +155,8 @@ class Link:
             raise GroupLost(f"a {kind} message of {size} bytes announced on the group's wire: the group stops")
         payload = mx.array(memoryview(data), dtype=mx.uint8) if self.rank == 0 else mx.zeros(size, dtype=mx.uint8)
         received = mx.distributed.all_sum(payload, group=self.group, stream=stream)
-        if self.rank == 0:
-            mx.eval(received)
-            return body
-        return unseal(self.key, number, kind, bytes(memoryview(received)))
+        mx.eval(received)
+        return data if self.rank == 0 else bytes(memoryview(received))
 
     def agree(self, values: list[int]) -> bool:
         """Whether every rank passed the same values (one all_gather)."""
