@@ -20,7 +20,7 @@ from provider import __version__, logs
 from provider.node import Node
 from provider.settings import Settings
 
-from .backoff import Backoff
+from .backoff import MAX_RETRY_AFTER_S, Backoff, reconnect_delay
 from .channel import open_channel, plan_channel
 from .identity import Identity, next_session_epoch
 from .outbox import CoordinatorNotReading, Outbox
@@ -104,7 +104,8 @@ class CoordinatorSession:
             try:
                 healthy = await self._session(stop)
             except SessionRejected as e:
-                log.error("coordinator_rejected", reason=str(e), permanent=e.permanent, retry_after_s=e.retry_after_s)
+                log.error("coordinator_rejected", reason=str(e), permanent=e.permanent, retry_after_s=e.retry_after_s,
+                          capped=e.retry_after_s > MAX_RETRY_AFTER_S)
                 if e.permanent:
                     self.rejected = str(e)
                     return
@@ -123,7 +124,7 @@ class CoordinatorSession:
                 break
             if healthy:
                 self.backoff.reset()
-            delay = max(self.backoff.next_delay(), retry_after)
+            delay = reconnect_delay(self.backoff.next_delay(), retry_after)
             self.stats.reconnect_delays.append(delay)
             log.info("coordinator_reconnecting", delay_s=round(delay, 3), attempt=self.backoff.attempt)
             try:

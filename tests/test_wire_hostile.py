@@ -1,0 +1,72 @@
+"""Issue 36, the coordinator's half: the wire against a hostile coordinator. Drain floods, hashes that let a
+relaying coordinator confirm a sealed job's content, a result signature that was not canonical, work done before
+a frame's bounds were checked, logs a coordinator can fill, a Reject that parks the node for ever, and sealed
+values echoed in error messages. Real gRPC on loopback against the reference coordinator; the held pin check is
+an injected fault, named as such."""
+
+import asyncio
+import gc
+import threading
+import time
+import tracemalloc
+
+import psutil
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from structlog.testing import capture_logs
+
+from coordinator_client import convert
+from coordinator_client.backoff import MAX_RETRY_AFTER_S, reconnect_delay
+from coordinator_client.identity import Identity
+from coordinator_client.outcomes import InvalidResult, request_digest, result_bytes, token_digest, verify_result
+from coordinator_client.pb import provider_pb2 as pb
+from coordinator_client.reference_coordinator import ReferenceCoordinator
+from coordinator_client.sealing import seal_job
+from provider.jobs import MAX_PROMPT_IDS
+from provider.settings import Settings
+from provider.types import JobError
+from tests.helpers import run
+from tools.harness.nodes import harness, job
+
+PIN = "0" * 64
+MARKER = "SEALEDMARKER7"
+
+
+def _models(fixtures_dir):
+    return {"g": fixtures_dir / "gemma4-tiny"}
+
+
+async def _until(predicate, what: str, timeout: float = 120) -> None:
+    """Poll until `predicate()`; the timeout only bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def _round_trip(coord, s, ping_id: int) -> None:
+    """A Ping after earlier frames: its Pong means the node has read every frame sent before it (in order)."""
+    coord.send(s, pb.CoordinatorFrame(ping=pb.Ping(id=ping_id)))
+    await _until(lambda: any(kind == "pong" and f.pong.id == ping_id for _, kind, f in coord.frames[-50:]),
+                 f"no pong {ping_id}")
+
+
+# --- finding 10: Reject.retry_after_s -----------------------------------------------------------------------
+
+
+def test_a_reject_s_retry_after_is_capped(fixtures_dir, tmp_path):
+    """The node waits the longer of its backoff and a Reject's retry_after_s, which is capped."""
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=200)
+        await coord.start()
+        coord.next_reject = pb.Reject(reason="come back in 136 years", retry_after_s=2**32 - 1)
+        async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, _n, session):
+            await _until(lambda: session.stats.reconnect_delays, "no reconnect")
+            delay = session.stats.reconnect_delays[0]
+        assert delay == MAX_RETRY_AFTER_S, delay  # not 2^32 - 1 s (136 years)
+        assert reconnect_delay(0.5, 2**32 - 1) == MAX_RETRY_AFTER_S
+        assert reconnect_delay(0.5, 7) == 7 and reconnect_delay(12.0, 7) == 12.0 and reconnect_delay(3.0, 0) == 3.0
+
+    run(main())
+
+
