@@ -94,7 +94,9 @@ class CoordinatorSession:
         self.rejected: str | None = None  # set when a Reject said retrying cannot succeed; the node stops dialing
         self.welcomed = asyncio.Event()
         self.jobs = CoordinatorJobs(node, settings, identity, self.sealing, coalesce_s=coalesce_ms / 1000)
-        self._background: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
+        # The one pending drain report: a Drain while it waits joins it, so a flood of Drain frames holds one
+        # task, not one each (60,000 of them held 124 MiB outside the outbox's bound).
+        self._drain_report: asyncio.Task | None = None
 
     # --- the reconnect loop ---------------------------------------------------------
 
@@ -162,8 +164,10 @@ class CoordinatorSession:
             return self._healthy(welcomed_at)
         finally:
             self.welcomed.clear()
-            for t in tasks:
-                t.cancel()
+            for t in [*tasks, self._drain_report]:
+                if t is not None:
+                    t.cancel()
+            self._drain_report = None
             await self.jobs.abandon()
             await channel.close(grace=None)
             if welcomed_at is not None:
@@ -249,9 +253,8 @@ class CoordinatorSession:
                 self.jobs.outcomes.ack(frame.job_ack.job_ids)
             elif kind == "drain":
                 self.jobs.draining = True
-                task = asyncio.create_task(self._report_drained(outbox))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                if self._drain_report is None or self._drain_report.done():
+                    self._drain_report = asyncio.create_task(self._report_drained(outbox), name="drain-report")
             elif kind == "ping":
                 outbox.put_nowait(pb.ProviderFrame(pong=pb.Pong(id=frame.ping.id)))
             elif kind in HANDSHAKE_FRAMES:

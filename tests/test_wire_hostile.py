@@ -51,6 +51,52 @@ async def _round_trip(coord, s, ping_id: int) -> None:
                  f"no pong {ping_id}")
 
 
+# --- finding 5: Drain frames ------------------------------------------------------------------------------------
+
+
+def test_a_drain_flood_keeps_one_pending_report_and_memory_within_the_outbox_bound(fixtures_dir, tmp_path):
+    """100,000 Drain frames while a job runs: the node holds one pending drain report, not one task each."""
+    frames, batch = 100_000, 1000
+
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            loop, held, release = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
+
+            def held_pin(model, expected):  # fault: a first hash of a large model takes minutes; the job stays running
+                loop.call_soon_threadsafe(held.set)
+                release.wait(300)
+                return model
+
+            node.check_pin = held_pin
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("held", "g", max_tokens=2, model_sha256=PIN))
+            await asyncio.wait_for(held.wait(), 60)
+            await _round_trip(coord, s, 0)
+            proc = psutil.Process()
+            gc.collect()
+            rss_before, tasks_before = proc.memory_info().rss, len(asyncio.all_tasks())
+            peak = rss_before
+            drain = pb.CoordinatorFrame(drain=pb.Drain()).SerializeToString()  # one bytes object, sent many times
+            for i in range(frames // batch):
+                for _ in range(batch):
+                    coord.send(s, drain)
+                await _round_trip(coord, s, i + 1)  # every Drain so far has been read
+                peak = max(peak, proc.memory_info().rss)
+            tasks_after = len(asyncio.all_tasks())
+            release.set()
+            await _until(lambda: coord.drained, "no Drained")
+            await _round_trip(coord, s, 10**6)
+            growth = peak - rss_before
+            print(f"{frames} Drain frames: RSS {rss_before / 2**20:.0f} -> peak {peak / 2**20:.0f} MiB "
+                  f"(+{growth / 2**20:.1f} MiB), tasks {tasks_before} -> {tasks_after}")
+            assert tasks_after <= tasks_before + 1, (tasks_before, tasks_after)  # one pending report at most
+            assert growth < Settings().coordinator_outbox_bytes, growth / 2**20
+            assert [d.jobs_finished for d in coord.drained] == [1]  # the held job, reported once
+            assert session.stats.sessions == 1
+
+    run(main())
+
+
 # --- finding 10: Reject.retry_after_s -----------------------------------------------------------------------
 
 
