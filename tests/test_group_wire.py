@@ -16,34 +16,20 @@ from pathlib import Path
 import pytest
 import structlog
 
-from provider.constraints import OutputRules, ResponseFormat, Tool, ToolChoice
 from provider.engine.collective import GroupLost
 from provider.group import handshake
 from provider.group.doorbell import Doorbell, accept_followers, dial_leader
 from provider.group.link import seal, unseal
-from provider.group.plan import CancelRow, PlanError, StartRow, StepPlan, decode_plan, encode_plan
+from provider.group.plan import CancelRow, PlanError, StartRow, decode_plan, encode_plan
 from provider.group.rendezvous import meet
 from provider.group.secret import GroupKey
 from provider.group.spec import group_spec, public_addresses
-from provider.jobs import Job, SamplingParams
-from provider.speculation import SpecPlan
-from provider.types import SpecMode, SpecReason
+from provider.types import SpecMode
 from tools.harness.group import write_hostfile, write_secret
+from tools.harness.plans import CHAT_LINE, a_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
-
-
-def a_plan() -> StepPlan:
-    rules = OutputRules(ResponseFormat("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}},
-                                       "thing"),
-                        (Tool("get", {"type": "object", "properties": {"x": {"type": "string"}}}, "gets"),),
-                        ToolChoice("function", "get"))
-    job = Job("job-1", "m", SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=12345, stop=("\n\n",),
-                                           stop_token_ids=(3,), logit_bias=((5, -1.5),), logprobs=2),
-              messages=({"role": "user", "content": "a line of the chat"},), rules=rules)
-    start = StartRow(job, (1, 2, 3, 4), 9, SpecPlan(SpecMode.OFF, SpecReason.GROUP_MODE), 2)
-    return StepPlan((start, CancelRow("job-0")))
 
 
 @pytest.fixture
@@ -61,7 +47,7 @@ def test_a_plan_crosses_as_json_and_comes_back_the_same(key):
     assert start.job.sampling == want.job.sampling and start.job.rules == want.job.rules
     assert (start.job.id, start.job.model, start.job.speculation) == (want.job.id, want.job.model, want.job.speculation)
     assert (start.plan.mode, start.plan.reason, start.plan.k) == (SpecMode.OFF, "group_mode", 0)
-    assert b"a line of the chat" not in sealed  # the chat stays on rank 0: followers get the rendered ids
+    assert CHAT_LINE.encode() not in sealed  # the chat stays on rank 0: followers get the rendered ids
 
 
 def test_no_pickle_on_the_groups_wire():
@@ -283,3 +269,17 @@ def test_public_addresses_are_found_and_private_ones_pass():
     hosts = (("192.168.1.2:1",), ("10.0.0.2:1",), ("127.0.0.1:1",), ("169.254.0.2:1",), ("100.100.1.1:1",),
              ("[fd00::1]:1",), ("8.8.8.8:1",), ("[2001:4860::1]:1",))
     assert public_addresses(hosts) == ["8.8.8.8:1", "[2001:4860::1]:1"]
+
+
+def test_start_refuses_a_group_over_public_addresses_without_the_flag(tmp_path):
+    import subprocess
+    import sys
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["8.8.8.8:5000"], ["127.0.0.1:5001"]]))
+    env = {"PROVIDER_GROUP_SECRET_FILE": str(write_secret(tmp_path / "secret")), "XDG_STATE_HOME": str(tmp_path),
+           "XDG_CONFIG_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-m", "provider", "start", "--group", str(hostfile), "--rank", "1"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and "public addresses (8.8.8.8:5000)" in run.stderr, run.stderr
+    assert "--group-public-network" in run.stderr
