@@ -6,8 +6,9 @@ import json
 
 from provider.constraints import (MAX_SCHEMA_BYTES, MAX_TOOLS, TOOL_CHOICE_MODES, ConstraintError, OutputRules,
                                   ResponseFormat, Tool, ToolChoice)
-from provider.content import IMAGE_MEDIA, IMAGE_PART, ImageInput
-from provider.jobs import Done, Error, Job, JobError, SamplingParams, ToolCall, Tokens, Usage, resolve_max_tokens
+from provider.content import IMAGE_MEDIA, IMAGE_PART, MAX_IMAGES, ImageInput
+from provider.jobs import (MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Done, Error, Job, JobError,
+                           SamplingParams, ToolCall, Tokens, Usage, resolve_max_tokens)
 from provider.types import Cause, Policy
 
 from provider.telemetry import Telemetry
@@ -16,6 +17,9 @@ from .pb import provider_pb2 as pb
 from .sealing import JobKeys
 
 MAX_JOB_ID = 128
+# Messages, their content parts and their tool calls together, in one chat. The local API's body bound holds
+# this count; a 64 MiB frame would hold eight million empty messages, each a dict once converted.
+MAX_CHAT_ITEMS = 1 << 16
 
 POLICY = {pb.SPECULATION_POLICY_AUTO: Policy.AUTO, pb.SPECULATION_POLICY_ON: Policy.ON,
           pb.SPECULATION_POLICY_OFF: Policy.OFF}
@@ -43,15 +47,38 @@ def valid_job_id(job_id: str) -> bool:
     return 0 < len(job_id) <= MAX_JOB_ID
 
 
+def check_job_id(job_id: str) -> None:
+    """First of all, before a sealed body is opened (its keys and associated data hash the id)."""
+    if not valid_job_id(job_id):
+        raise JobError(Cause.INVALID_REQUEST, f"job_id must be 1 to {MAX_JOB_ID} characters", "job_id")
+
+
 def _invalid(message: str) -> JobError:
     return JobError(Cause.INVALID_REQUEST, message)
 
 
+def check_counts(req: pb.JobRequest) -> None:
+    """Every repeated field's length against its bound, before any element becomes a Python object: `len` of a
+    repeated field is free, and building a tuple of a 15 MiB frame's prompt ids held 122 MiB. The bounds are the
+    Job's (the local API's), and MAX_CHAT_ITEMS for a chat."""
+    for param, n, limit in (("prompt", len(req.prompt_ids.ids), MAX_PROMPT_IDS),
+                            ("stop", len(req.stop), MAX_STOP_STRINGS),
+                            ("stop_token_ids", len(req.stop_token_ids), MAX_STOP_TOKEN_IDS),
+                            ("tools", len(req.tools), MAX_TOOLS),
+                            ("chat.messages", len(req.chat.messages), MAX_CHAT_ITEMS)):
+        if n > limit:
+            raise JobError(Cause.INVALID_REQUEST, f"{param} may hold at most {limit} items, got {n}", param)
+    items = sum(1 + len(m.parts) + len(m.tool_calls) for m in req.chat.messages)
+    if items > MAX_CHAT_ITEMS:
+        raise JobError(Cause.INVALID_REQUEST, f"chat may hold at most {MAX_CHAT_ITEMS} messages, content parts and "
+                       f"tool calls together, got {items}", "chat.messages")
+
+
 def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_tokens: int) -> Job:
     """Validate a JobRequest and build the Job; a bad field raises JobError(INVALID_REQUEST) naming it.
-    The value bounds are SamplingParams' and Job's, the same as the local API's."""
-    if not valid_job_id(req.job_id):
-        raise _invalid(f"job_id must be 1 to {MAX_JOB_ID} characters")
+    The value bounds are SamplingParams' and Job's, the same as the local API's; counts come first."""
+    check_job_id(req.job_id)
+    check_counts(req)
     which = req.WhichOneof("input")
     if which is None:
         raise _invalid("the job has neither chat messages nor a prompt")
@@ -62,7 +89,7 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
             raise _invalid("prompt is empty")
         prompt = req.prompt
     elif which == "prompt_ids":
-        prompt_ids = tuple(req.prompt_ids.ids)  # Job bounds the count; the vocabulary is checked when prepared
+        prompt_ids = tuple(req.prompt_ids.ids)  # counted above; the vocabulary is checked when prepared
     else:
         if not req.chat.messages:
             raise _invalid("chat.messages is empty")
@@ -111,6 +138,8 @@ def _content(m: pb.ChatMessage, i: int, images: list[ImageInput]) -> list[dict]:
             if image.mime_type and image.mime_type.lower() not in IMAGE_MEDIA:
                 raise JobError(Cause.INVALID_REQUEST, f"{at}.image.mime_type must be one of {', '.join(IMAGE_MEDIA)}",
                                at)
+            if len(images) == MAX_IMAGES:  # before copying one more image's bytes
+                raise JobError(Cause.INVALID_REQUEST, f"messages may hold at most {MAX_IMAGES} images", "messages")
             images.append(ImageInput(image.data, image.detail or "auto", at))
             out.append(dict(IMAGE_PART))
         else:
@@ -122,8 +151,6 @@ def output_rules(req: pb.JobRequest) -> OutputRules:
     """response_format, tools and tool_choice off the wire; OutputRules checks every value (the local API's
     bounds). Schemas arrive as JSON text: bounded in bytes before they are parsed."""
     rf = req.response_format if req.HasField("response_format") else None
-    if len(req.tools) > MAX_TOOLS:
-        raise ConstraintError("tools", f"tools must be at most {MAX_TOOLS}")
     tools = tuple(Tool(t.name, _schema("tools", t.parameters_json or '{"type": "object", "properties": {}}'),
                        t.description) for t in req.tools)
     choice = req.tool_choice or ("auto" if tools else "none")

@@ -110,6 +110,7 @@ class CoordinatorJobs:
         s = self.settings
         keys = None
         try:
+            convert.check_job_id(req.job_id)  # before opening: the id is hashed into the keys and associated data
             req, keys = open_request(req, self.sealing, required=s.require_sealed_jobs)
             job = convert.job_from_request(req, max_tokens_limit=s.max_tokens_limit,
                                            default_max_tokens=s.default_max_tokens)

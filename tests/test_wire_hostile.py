@@ -97,6 +97,62 @@ def test_a_drain_flood_keeps_one_pending_report_and_memory_within_the_outbox_bou
     run(main())
 
 
+# --- finding 8: bounds before work -------------------------------------------------------------------------------
+
+
+def _chat(**message) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(**message)])
+
+
+def _huge_requests():
+    many = 200_000
+    yield "prompt_ids", pb.JobRequest(job_id="j", prompt_ids=pb.PromptTokens(ids=[1000] * (MAX_PROMPT_IDS + 1)))
+    yield "stop", pb.JobRequest(job_id="j", prompt="x", stop=[""] * many)
+    yield "stop_token_ids", pb.JobRequest(job_id="j", prompt="x", stop_token_ids=[1000] * many)
+    yield "chat.messages", pb.JobRequest(job_id="j", chat=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="x")] * many))
+    yield "parts", pb.JobRequest(job_id="j", chat=_chat(role="user", parts=[pb.ContentPart(text="x")] * many))
+    yield "tool_calls", pb.JobRequest(job_id="j", chat=_chat(role="assistant", tool_calls=[
+        pb.ToolCall(id="c", name="f", arguments="{}")] * many))
+
+
+@pytest.mark.parametrize("field, req", list(_huge_requests()), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_repeated_field_past_its_bound_is_refused_before_its_elements_are_built(field, req):
+    """The count is checked before a single element is turned into a Python object: the refusal allocates almost
+    nothing, where building the tuple first held the whole field (1M prompt ids: +122 MiB from a 15 MiB frame)."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(JobError) as refused:
+            convert.job_from_request(req, max_tokens_limit=100, default_max_tokens=10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert refused.value.cause.value == "invalid_request"
+    assert peak < 1 << 20, f"{field}: {peak / 2**20:.1f} MiB allocated before the refusal"
+
+
+def test_a_huge_job_id_is_refused_before_its_sealed_body_is_opened(fixtures_dir, tmp_path):
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            long_id = "x" * (1 << 20)
+            sealed, _ = seal_job(s.registration.sealing_key, long_id, job(long_id, "g"))  # a seal that would open
+            coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=long_id, model="g", sealed=sealed)))
+            await _until(lambda: coord.outcomes.get(long_id), "no outcome")
+            err = coord.outcomes[long_id][-1].job_error
+            assert err.cause == pb.ERROR_CAUSE_INVALID_REQUEST and "job_id" in err.message
+            assert sealed.sender_key not in session.sealing._seen, "the body was opened before the id was checked"
+            # And a frame of 2M prompt ids, over the wire: refused by count.
+            coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(
+                job_id="many-ids", model="g", prompt_ids=pb.PromptTokens(ids=[1000] * (2 * MAX_PROMPT_IDS)))))
+            err = (await coord.outcome("many-ids")).job_error
+            assert err.cause == pb.ERROR_CAUSE_INVALID_REQUEST and str(MAX_PROMPT_IDS) in err.message
+            coord.dispatch(s, job("after", "g", max_tokens=2))
+            assert (await coord.outcome("after")).job_done.finish_reason == "length"
+
+    run(main())
+
+
 # --- finding 10: Reject.retry_after_s -----------------------------------------------------------------------
 
 
