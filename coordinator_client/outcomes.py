@@ -29,6 +29,11 @@ MAX_FINISHED = 10_000  # outcomes kept to answer a repeated JobRequest (ids olde
 MAX_FINISHED_BYTES = 64 << 20  # and at most this much of them, completions included
 
 
+def is_sha256_hex(s: str) -> bool:
+    """The one spelling of a SHA-256 on the wire: 64 lowercase hex digits."""
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
 def token_digest(token_ids) -> bytes:
     return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in token_ids)).digest()
 
@@ -72,15 +77,18 @@ def request_digest(req: pb.JobRequest) -> bytes:
 
 
 class InvalidResult(ValueError):
-    """A JobDone whose signed fields cannot be what a node signs (another layout, a digest of the wrong size),
-    or that answers another request."""
+    """A JobDone whose signed fields cannot be what a node signs (another layout, a digest of the wrong size, a
+    model hash not spelled as 64 lowercase hex digits), or that answers another request."""
 
 
 def result_bytes(done: pb.JobDone) -> bytes:
     """What JobDone.signature signs: layout 2 (the proto, above `JobDone.signature`), every field
-    length-prefixed."""
+    length-prefixed. InvalidResult for a model hash that is not canonical: "", a short one and "0" * 64 all
+    signed 32 zero bytes, and upper and lower case the same bytes."""
     c, u = done.completion, done.usage
-    model = bytes.fromhex(done.model_sha256) if len(done.model_sha256) == 64 else bytes(32)
+    if not is_sha256_hex(done.model_sha256):
+        raise InvalidResult("model_sha256 must be 64 lowercase hex digits (the manifest hash of the weights)")
+    model = bytes.fromhex(done.model_sha256)
     fields = (done.job_id.encode(), done.finish_reason.encode(), c.token_ids_sha256, done.request_sha256, model)
     counts = (c.chunks, u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
     return (RESULT_DOMAIN + SIGNATURE_LAYOUT.to_bytes(4, "big")
@@ -89,16 +97,20 @@ def result_bytes(done: pb.JobDone) -> bytes:
 
 
 def verify_result(done: pb.JobDone, public_key: bytes, request: pb.JobRequest | None = None) -> None:
-    """Raise InvalidResult unless `done` is in the signing layout this code knows, with 32-byte digests, and
-    answers `request` (the JobRequest the coordinator sent, when given); InvalidSignature unless it is signed
-    by `public_key` (the node's Registration.public_key)."""
+    """Raise InvalidResult unless `done` is in the signing layout this code knows, with 32-byte digests and a
+    canonical model hash, and answers `request` (the JobRequest the coordinator sent, when given);
+    InvalidSignature unless it is signed by `public_key` (the node's Registration.public_key). Nothing else:
+    a malformed result is a typed refusal, never a ValueError out of a coordinator's reader."""
     if done.signature_layout != SIGNATURE_LAYOUT:
         raise InvalidResult(f"signature layout {done.signature_layout}; only {SIGNATURE_LAYOUT} is accepted")
     if len(done.completion.token_ids_sha256) != 32 or len(done.request_sha256) != 32:
         raise InvalidResult("token_ids_sha256 and request_sha256 must be 32 bytes")
     if request is not None and request_digest(request) != done.request_sha256:
         raise InvalidResult("the result answers another request than the one sent under its job id")
-    Ed25519PublicKey.from_public_bytes(public_key).verify(done.signature, result_bytes(done))
+    signed = result_bytes(done)
+    if len(public_key) != 32:
+        raise InvalidResult("the node's public key must be 32 bytes")
+    Ed25519PublicKey.from_public_bytes(public_key).verify(done.signature, signed)
 
 
 def brief(frame: pb.ProviderFrame) -> pb.ProviderFrame:

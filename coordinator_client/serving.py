@@ -21,7 +21,7 @@ from provider.settings import Settings
 
 from . import convert
 from .identity import Identity
-from .outcomes import SIGNATURE_LAYOUT, Outcomes, Transcript, request_digest, result_bytes
+from .outcomes import SIGNATURE_LAYOUT, Outcomes, Transcript, is_sha256_hex, request_digest, result_bytes
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys, SealingError, SealingKey
 
@@ -118,7 +118,7 @@ class CoordinatorJobs:
                 raise JobError(Cause.DRAINING, "the node is draining and accepts no new jobs")
             if req.deadline_ms and req.deadline_ms <= time.time() * 1000:
                 raise JobError(Cause.DEADLINE_EXCEEDED, "the job's deadline passed before it started")
-            if req.model_sha256 and not _is_sha256(req.model_sha256):
+            if req.model_sha256 and not is_sha256_hex(req.model_sha256):
                 raise JobError(Cause.INVALID_REQUEST, "model_sha256 must be 64 lowercase hex digits (the hash the "
                                "node registered for the model)", "model_sha256")
         except JobError as e:
@@ -171,7 +171,9 @@ class CoordinatorJobs:
                     outbox.put_nowait(convert.chunk_frame(job_id, transcript.chunks, body, keys))
                     transcript.add(body)
                 if last is not None:
-                    end(self._ending(last, transcript, model, keys, deadline_passed=bool(expired),
+                    weights = await self._weights_hash(model or self.node.resolve_model(job.model)) \
+                        if isinstance(last, Done) else ""
+                    end(self._ending(last, transcript, weights, keys, deadline_passed=bool(expired),
                                      request_sha256=request_digest(req)))
         except asyncio.CancelledError:
             # The session was abandoned under this job (during its pin check, before its first step, or while
@@ -195,7 +197,14 @@ class CoordinatorJobs:
             if stream is not None:
                 await stream.aclose()  # a job whose serving failed stops generating; an ended one is untouched
 
-    def _ending(self, end, transcript: Transcript, model: str, keys: JobKeys | None, *,
+    async def _weights_hash(self, model: str) -> str:
+        """The manifest hash a JobDone signs: the one registered, or, for a model that was not on disk then,
+        computed now (off the event loop). A model whose files cannot be hashed leaves "", which no result signs."""
+        if not self.node.model_hash(model):
+            await asyncio.to_thread(self.node.hash_models)
+        return self.node.model_hash(model)
+
+    def _ending(self, end, transcript: Transcript, weights: str, keys: JobKeys | None, *,
                 deadline_passed: bool, request_sha256: bytes) -> pb.ProviderFrame:
         completion = transcript.completion(end.job_id, keys)
         if isinstance(end, Done) and deadline_passed and end.finish_reason == "cancelled":
@@ -206,7 +215,7 @@ class CoordinatorJobs:
             frame = convert.done_frame(end)
             done = frame.job_done
             done.completion.CopyFrom(completion)
-            done.model_sha256 = self.node.model_hash(model) if model else ""
+            done.model_sha256 = weights
             done.signature_layout, done.request_sha256 = SIGNATURE_LAYOUT, request_sha256
             done.signature = self.identity.sign(result_bytes(done))
         elif isinstance(end, Error):
@@ -239,7 +248,3 @@ class CoordinatorJobs:
         while self._running:
             await asyncio.gather(*list(self._running.values()), return_exceptions=True)
         return finished
-
-
-def _is_sha256(s: str) -> bool:
-    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)

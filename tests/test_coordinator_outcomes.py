@@ -109,8 +109,8 @@ def test_no_two_results_sign_the_same_bytes():
     """Finding 4: job ids may hold NUL; the old layout joined fields with NUL, so these two signed alike."""
     from coordinator_client.outcomes import result_bytes
 
-    a = pb.JobDone(job_id="j\0length", finish_reason="stop", request_sha256=bytes(32))
-    b = pb.JobDone(job_id="j", finish_reason="length\0stop", request_sha256=bytes(32))
+    a = pb.JobDone(job_id="j\0length", finish_reason="stop", request_sha256=bytes(32), model_sha256="a" * 64)
+    b = pb.JobDone(job_id="j", finish_reason="length\0stop", request_sha256=bytes(32), model_sha256="a" * 64)
     for done in (a, b):
         done.completion.token_ids_sha256 = bytes(32)
     assert result_bytes(a) != result_bytes(b)
@@ -122,7 +122,8 @@ def test_a_result_in_another_layout_with_a_short_digest_or_for_another_request_i
 
     identity = Identity.load_or_create(tmp_path)
     request = pb.JobRequest(job_id="j", model="m", prompt="The cache")
-    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=2, request_sha256=request_digest(request))
+    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=2, request_sha256=request_digest(request),
+                      model_sha256="a" * 64)
     done.completion.token_ids_sha256 = bytes(32)
     done.signature = identity.sign(result_bytes(done))
     verify_result(done, identity.public_key, request)  # the real thing verifies

@@ -97,6 +97,59 @@ def test_a_drain_flood_keeps_one_pending_report_and_memory_within_the_outbox_bou
     run(main())
 
 
+# --- finding 7: a canonical model hash in the signature ---------------------------------------------------------
+
+
+GOOD_HASH = "0123456789abcdef" * 4
+BAD_HASHES = ["", "ab", GOOD_HASH[:63], GOOD_HASH + "0", GOOD_HASH.upper(), "g" * 64, " " * 64, "0x" + GOOD_HASH[2:]]
+
+
+def _signed(identity, model_sha256: str, request: pb.JobRequest) -> pb.JobDone:
+    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=2, request_sha256=request_digest(request),
+                      model_sha256=GOOD_HASH)
+    done.completion.token_ids_sha256 = bytes(32)
+    done.signature = identity.sign(result_bytes(done))
+    done.model_sha256 = model_sha256  # what a forger or a buggy node puts there, after signing
+    return done
+
+
+@pytest.mark.parametrize("model_sha256", BAD_HASHES)
+def test_a_result_whose_model_hash_is_not_64_lowercase_hex_is_refused_typed(tmp_path, model_sha256):
+    """"", short hashes and "0" * 64 signed the same bytes; upper and lower case too; a 64-character non-hex hash
+    raised ValueError out of verify_result. Each is now refused with InvalidResult, by the signer and the
+    verifier."""
+    identity = Identity.load_or_create(tmp_path)
+    request = pb.JobRequest(job_id="j", model="m", prompt="The cache")
+    done = _signed(identity, model_sha256, request)
+    with pytest.raises(InvalidResult):
+        result_bytes(done)
+    with pytest.raises(InvalidResult):
+        verify_result(done, identity.public_key, request)
+
+
+def test_no_two_model_hashes_sign_alike_and_the_reference_coordinator_refuses_malformed_results(fixtures_dir,
+                                                                                                tmp_path):
+    zeros = pb.JobDone(job_id="j", finish_reason="stop", request_sha256=bytes(32), model_sha256="0" * 64)
+    zeros.completion.token_ids_sha256 = bytes(32)
+    assert result_bytes(zeros)  # a real (if unlikely) hash: 32 zero bytes, and nothing else signs them
+
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, job("one", "g", max_tokens=3))
+            done = (await coord.outcome("one")).job_done
+            for bad in BAD_HASHES:
+                forged = pb.JobDone()
+                forged.CopyFrom(done)
+                forged.model_sha256 = bad
+                assert "model_sha256" in coord.check_result(s, forged), bad  # typed, not a ValueError
+            coord.dispatch(s, job("two", "g", max_tokens=3))  # the node and the coordinator go on
+            assert (await coord.outcome("two")).job_done.model_sha256 == done.model_sha256
+            assert session.stats.sessions == 1
+
+    run(main())
+
+
 # --- finding 8: bounds before work -------------------------------------------------------------------------------
 
 
