@@ -10,6 +10,7 @@ layout is in the proto, above `JobDone.signature`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -34,8 +35,11 @@ def is_sha256_hex(s: str) -> bool:
     return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
 
 
-def token_digest(token_ids) -> bytes:
-    return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in token_ids)).digest()
+def token_digest(token_ids, keys: JobKeys | None = None) -> bytes:
+    """SHA-256 over the token ids (each a 4-byte little-endian uint32); for a sealed job, HMAC-SHA256 under the
+    run's digest key instead: a plain hash in the clear let a relaying coordinator confirm a guessed output."""
+    data = b"".join(int(t).to_bytes(4, "little") for t in token_ids)
+    return hashlib.sha256(data).digest() if keys is None else hmac.new(keys.digest, data, hashlib.sha256).digest()
 
 
 @dataclass
@@ -60,7 +64,7 @@ class Transcript:
 
     def completion(self, job_id: str, keys: JobKeys | None = None) -> pb.Completion:
         """The whole completion, sealed back to the sender for a sealed job."""
-        out = pb.Completion(chunks=self.chunks, token_ids_sha256=token_digest(self.token_ids))
+        out = pb.Completion(chunks=self.chunks, token_ids_sha256=token_digest(self.token_ids, keys))
         body = pb.Completion(text="".join(self.text), token_ids=self.token_ids, tool_calls=self.tool_calls,
                              logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
         if keys is not None:
@@ -72,7 +76,8 @@ class Transcript:
 
 
 def request_digest(req: pb.JobRequest) -> bytes:
-    """The hash a result commits to: the request as the node opened it, serialized deterministically."""
+    """The hash a result commits to: the request as the node received it (a sealed one as sealed, so the hash
+    in the clear is of ciphertext), serialized deterministically."""
     return hashlib.sha256(req.SerializeToString(deterministic=True)).digest()
 
 

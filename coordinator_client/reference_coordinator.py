@@ -136,8 +136,7 @@ class ReferenceCoordinator:
         sealed, keys = seal_job(session.registration.sealing_key, request.job_id, request)
         outer.sealed.CopyFrom(sealed)
         self._job_keys[request.job_id] = keys
-        self.dispatch(session, outer)
-        self.requests[request.job_id] = request  # the node opens it to this: its result answers this one
+        self.dispatch(session, outer)  # its result answers the sealed request, as sent
         return request.job_id
 
     async def outcome(self, job_id: str, timeout: float = 120) -> pb.ProviderFrame:
@@ -160,14 +159,14 @@ class ReferenceCoordinator:
         outcome = frame.job_done if frame.HasField("job_done") else frame.job_error
         if not outcome.HasField("completion"):
             return "", []  # an error before the job ran
-        c = outcome.completion
+        c, keys = outcome.completion, self._keys(job_id, outcome.completion.seal_salt)
         if c.sealed:
-            c = self._job_keys[job_id].for_run(c.seal_salt).open_completion(job_id, c.sealed)
+            c = keys.open_completion(job_id, c.sealed)
         if c.token_ids or c.text:
             text, ids = c.text, list(c.token_ids)
         else:
             text, ids = self.text(job_id), self.token_ids(job_id)
-        if token_digest(ids) != outcome.completion.token_ids_sha256:
+        if token_digest(ids, keys) != outcome.completion.token_ids_sha256:
             raise ValueError(f"{job_id}: {len(ids)} tokens do not match the outcome's digest (a truncated result)")
         return text, ids
 
@@ -180,13 +179,21 @@ class ReferenceCoordinator:
             return "the result's signature does not verify with the node's key"
         except InvalidResult as e:
             return f"the result is refused: {e}"
-        c = done.completion
-        if c.sealed or c.token_ids or c.text:
-            return None if c.sealed or token_digest(c.token_ids) == c.token_ids_sha256 else \
+        c, keys = done.completion, self._keys(done.job_id, done.completion.seal_salt)
+        if c.sealed and keys is None:
+            return None  # relayed for another sender: only it can open the completion and check the keyed digest
+        if c.sealed:
+            try:
+                c = keys.open_completion(done.job_id, c.sealed)
+            except SealingError:
+                return "the sealed completion does not open with the job's keys"
+        if c.token_ids or c.text:
+            return None if token_digest(c.token_ids, keys) == done.completion.token_ids_sha256 else \
                 "the completion does not match its digest"
-        if len(self.chunks[done.job_id]) != c.chunks:
-            return f"{len(self.chunks[done.job_id])} of {c.chunks} chunks arrived and the outcome has no completion"
-        if token_digest(self.token_ids(done.job_id)) != c.token_ids_sha256:
+        sent = done.completion.chunks
+        if len(self.chunks[done.job_id]) != sent:
+            return f"{len(self.chunks[done.job_id])} of {sent} chunks arrived and the outcome has no completion"
+        if token_digest(self.token_ids(done.job_id), keys) != done.completion.token_ids_sha256:
             return "the chunks that arrived do not match the result's digest"
         return None
 
@@ -293,6 +300,12 @@ class ReferenceCoordinator:
                 self.drained.append(frame.drained)
             elif kind == "protocol_error":
                 self.protocol_errors.append(frame.protocol_error)
+
+    def _keys(self, job_id: str, seal_salt: bytes) -> JobKeys | None:
+        """A sealed job's keys for the run that announced `seal_salt`, which open its answers and key its digest;
+        None for a plain job (or one sealed by another sender)."""
+        sender = self._job_keys.get(job_id)
+        return sender.for_run(seal_salt) if sender is not None and seal_salt else None
 
     def _opened(self, chunk: pb.TokenChunk) -> pb.TokenChunk:
         if not chunk.sealed:

@@ -23,6 +23,7 @@ from .pb import provider_pb2 as pb
 AAD_PREFIX = b"provider.v1.seal\0"
 REQUEST_INFO = b"provider.v1.seal request"
 RESPONSE_INFO = b"provider.v1.seal response"
+DIGEST_INFO = b"provider.v1.seal digest"  # the key of a sealed run's token digest (HMAC-SHA256), sender and node only
 COMPLETION_COUNTER = 2**64 - 1
 KEY_BYTES = 32
 RUN_SALT_BYTES = 16  # drawn for every run of a sealed job: no (key, nonce) pair is ever used twice
@@ -46,29 +47,32 @@ def aad(job_id: str, kind: str) -> bytes:
 
 
 def derive_keys(shared: bytes, sender_key: bytes, sealing_key: bytes, job_id: str,
-                run_salt: bytes) -> tuple[bytes, bytes]:
-    """The raw request key of one sealed job and the response key of one run of it."""
+                run_salt: bytes) -> tuple[bytes, bytes, bytes]:
+    """The raw request key of one sealed job, and the response key and digest key of one run of it."""
     def hkdf(info: bytes) -> bytes:
         return HKDF(hashes.SHA256(), 32, sender_key + sealing_key, info).derive(shared)
 
-    job = job_id.encode()
-    return hkdf(REQUEST_INFO + b"\0" + job), hkdf(RESPONSE_INFO + b"\0" + job + b"\0" + run_salt)
+    job, run = job_id.encode(), b"\0" + run_salt
+    return (hkdf(REQUEST_INFO + b"\0" + job), hkdf(RESPONSE_INFO + b"\0" + job + run),
+            hkdf(DIGEST_INFO + b"\0" + job + run))
 
 
 @dataclass(frozen=True)
 class JobKeys:
     """The keys of one run of a sealed job: sender -> node (`request`), node -> sender (`response`, fresh for
-    every run: its `run_salt` is drawn by the node when it opens the job and sent in the clear)."""
+    every run: its `run_salt` is drawn by the node when it opens the job and sent in the clear), and the key of
+    the run's token digest (`digest`), so the digest in the clear says nothing to anyone without the job's keys."""
 
     request: ChaCha20Poly1305
     response: ChaCha20Poly1305
     run_salt: bytes
+    digest: bytes
 
     @classmethod
     def derive(cls, shared: bytes, sender_key: bytes, sealing_key: bytes, job_id: str,
                run_salt: bytes) -> "JobKeys":
-        request, response = derive_keys(shared, sender_key, sealing_key, job_id, run_salt)
-        return cls(ChaCha20Poly1305(request), ChaCha20Poly1305(response), run_salt)
+        request, response, digest = derive_keys(shared, sender_key, sealing_key, job_id, run_salt)
+        return cls(ChaCha20Poly1305(request), ChaCha20Poly1305(response), run_salt, digest)
 
     def seal_chunk(self, job_id: str, seq: int, body: pb.TokenChunk) -> bytes:
         """A chunk's body (its text, token ids, tool calls and logprobs; nothing else set) sealed as chunk `seq`."""

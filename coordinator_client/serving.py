@@ -108,7 +108,7 @@ class CoordinatorJobs:
             outbox.put_nowait(finished)
             return
         s = self.settings
-        keys = None
+        keys, received = None, req
         try:
             convert.check_job_id(req.job_id)  # before opening: the id is hashed into the keys and associated data
             req, keys = open_request(req, self.sealing, required=s.require_sealed_jobs)
@@ -129,11 +129,12 @@ class CoordinatorJobs:
                 outbox.put_nowait(frame)
             return
         self._started[job.id] = time.perf_counter()
-        task = asyncio.create_task(self._serve(job, req, keys, outbox))
+        task = asyncio.create_task(self._serve(job, req, keys, outbox, request_digest(received)))
         self._running[job.id] = task
         task.add_done_callback(lambda _: self._running.pop(job.id, None))
 
-    async def _serve(self, job, req: pb.JobRequest, keys: JobKeys | None, outbox: asyncio.Queue) -> None:
+    async def _serve(self, job, req: pb.JobRequest, keys: JobKeys | None, outbox: asyncio.Queue,
+                     request_sha256: bytes) -> None:
         """The job's whole life, pin check included, in one `try`: every way out records exactly one outcome
         (its end, an error, or COORDINATOR_LOST when the session is abandoned) and stops the engine job."""
         job_id = job.id
@@ -174,7 +175,7 @@ class CoordinatorJobs:
                     weights = await self._weights_hash(model or self.node.resolve_model(job.model)) \
                         if isinstance(last, Done) else ""
                     end(self._ending(last, transcript, weights, keys, deadline_passed=bool(expired),
-                                     request_sha256=request_digest(req)))
+                                     request_sha256=request_sha256))
         except asyncio.CancelledError:
             # The session was abandoned under this job (during its pin check, before its first step, or while
             # it ran): stop generating, report it on the next session.

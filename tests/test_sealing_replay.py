@@ -40,8 +40,7 @@ def _send_sealed(coord, session, inner: pb.JobRequest, sender: X25519PrivateKey)
     """Seal `inner` with a given ephemeral key (dispatch_sealed draws a fresh one): the attacker reuses it."""
     sealed, keys = seal_job(session.registration.sealing_key, inner.job_id, inner, sender)
     coord.dispatch(session, pb.JobRequest(job_id=inner.job_id, model=inner.model, sealed=sealed))
-    coord._job_keys[inner.job_id] = keys  # to open what comes back
-    coord.requests[inner.job_id] = inner  # what the node opens it to: its result answers this
+    coord._job_keys[inner.job_id] = keys  # to open what comes back (its result answers the sealed request sent)
 
 
 async def _outcomes(coord, job_id: str, n: int, timeout: float = 60) -> list[pb.ProviderFrame]:

@@ -2,6 +2,8 @@
 at-least-once delivery, ProtocolError, Reject, sealed jobs (with golden vectors) and signed results."""
 
 import asyncio
+import hashlib
+import hmac
 import json
 from pathlib import Path
 
@@ -188,7 +190,8 @@ def test_the_golden_sealing_vectors_open():
     job = v["job_id"].encode()
     request = _hkdf(shared, salt, b"provider.v1.seal request\0" + job)
     response = _hkdf(shared, salt, b"provider.v1.seal response\0" + job + b"\0" + h(v["run_salt"]))
-    assert (request.hex(), response.hex()) == (v["request_key"], v["response_key"])
+    digest = _hkdf(shared, salt, b"provider.v1.seal digest\0" + job + b"\0" + h(v["run_salt"]))
+    assert (request.hex(), response.hex(), digest.hex()) == (v["request_key"], v["response_key"], v["digest_key"])
     prefix = b"provider.v1.seal\0" + v["job_id"].encode() + b"\0"
     plain = ChaCha20Poly1305(request).decrypt(bytes(12), h(v["job"]["ciphertext"]), prefix + b"job")
     assert plain.hex() == v["job"]["plaintext"]
@@ -198,12 +201,16 @@ def test_the_golden_sealing_vectors_open():
     completion = pb.Completion.FromString(ChaCha20Poly1305(response).decrypt(
         bytes(4) + b"\xff" * 8, h(v["completion"]["ciphertext"]), prefix + b"completion"))
     assert (completion.text, list(completion.token_ids)) == (v["completion"]["text"], v["completion"]["token_ids"])
+    # A sealed run's token digest: HMAC-SHA256 under the digest key, over the ids as 4-byte little-endian.
+    ids = b"".join(t.to_bytes(4, "little") for t in completion.token_ids)
+    assert hmac.new(digest, ids, hashlib.sha256).hexdigest() == v["completion"]["token_ids_sha256"]
     # The node's code opens the same bytes, and seals the answers to the same bytes.
     body, keys = SealingKey(node).open_job(v["job_id"], pb.Sealed(sender_key=h(v["sender_key"]),
                                                                     ciphertext=h(v["job"]["ciphertext"])),
                                            run_salt=h(v["run_salt"]))
     assert body.SerializeToString().hex() == v["job"]["plaintext"]
     assert keys.seal_chunk(v["job_id"], v["chunk"]["seq"], chunk).hex() == v["chunk"]["ciphertext"]
+    assert token_digest(completion.token_ids, keys).hex() == v["completion"]["token_ids_sha256"]
 
 
 def test_sealed_jobs_round_trip_and_bad_seals_fail_closed(fixtures_dir, tmp_path):
@@ -218,7 +225,9 @@ def test_sealed_jobs_round_trip_and_bad_seals_fail_closed(fixtures_dir, tmp_path
             wire = [f.token_chunk for _, kind, f in coord.frames if kind == "token_chunk"
                     and f.token_chunk.job_id == "sealed"]
             assert wire and all(c.sealed and not c.text and not c.token_ids for c in wire)
-            assert done.completion.token_ids_sha256 == token_digest(coord.token_ids("plain"))
+            # Its digest is keyed by the run's keys: in the clear, a plain SHA-256 would confirm a guessed output.
+            assert done.completion.token_ids_sha256 == token_digest(coord.token_ids("plain"), coord._run_keys["sealed"])
+            assert done.completion.token_ids_sha256 != token_digest(coord.token_ids("plain"))
             # Tampered ciphertext: refused, never run in plaintext; then the node serves the next job.
             good, _ = seal_job(s.registration.sealing_key, "tampered", job("tampered", "g", max_tokens=4))
             flipped = good.ciphertext[:-1] + bytes([good.ciphertext[-1] ^ 1])

@@ -97,6 +97,44 @@ def test_a_drain_flood_keeps_one_pending_report_and_memory_within_the_outbox_bou
     run(main())
 
 
+# --- finding 6: sealed jobs' hashes -----------------------------------------------------------------------------
+
+
+def test_a_sealed_job_s_hashes_are_keyed_not_the_plaintext_s_sha256(fixtures_dir, tmp_path):
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            body = job("plain", "g", max_tokens=8, prompt="Yes")
+            coord.dispatch(s, body)
+            plain = (await coord.outcome("plain")).job_done
+            sealed_ids = []
+            for jid in ("sealed-a", "sealed-b"):  # the same prompt from two senders
+                inner = job(jid, "g", max_tokens=8, prompt="Yes")
+                coord.dispatch_sealed(s, inner)
+                sealed_ids.append(jid)
+            a, b = [(await coord.outcome(jid)).job_done for jid in sealed_ids]
+            ids = coord.token_ids("plain")
+            assert coord.token_ids("sealed-a") == ids == coord.token_ids("sealed-b")  # opened: the same greedy output
+            # A relaying coordinator can neither confirm a guess nor link the two senders' identical prompts.
+            assert plain.completion.token_ids_sha256 == token_digest(ids)
+            for done in (a, b):
+                inner = job(done.job_id, "g", max_tokens=8, prompt="Yes")
+                assert done.completion.token_ids_sha256 != token_digest(ids)
+                assert done.request_sha256 != request_digest(inner)
+            assert a.completion.token_ids_sha256 != b.completion.token_ids_sha256
+            assert a.request_sha256 != b.request_sha256
+            # The sender, which holds the job's keys, checks both; the relaying coordinator checks the request it
+            # sent (the sealed one) and the signature.
+            assert not coord.bad_results, coord.bad_results
+            for done in (a, b):
+                keys = coord._run_keys[done.job_id]
+                assert done.completion.token_ids_sha256 == token_digest(ids, keys)
+                verify_result(done, s.registration.public_key, coord.requests[done.job_id])
+                assert coord.requests[done.job_id].HasField("sealed")
+
+    run(main())
+
+
 # --- finding 7: a canonical model hash in the signature ---------------------------------------------------------
 
 

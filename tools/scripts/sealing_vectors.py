@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from coordinator_client.outcomes import token_digest
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.sealing import COMPLETION_COUNTER, SealingKey, aad, derive_keys, nonce, seal_job
 
@@ -33,7 +34,7 @@ def vectors() -> dict:
     sealed, sender_keys = seal_job(node.public_key, JOB_ID, body, sender)
     keys = sender_keys.for_run(RUN_SALT)
     shared = sender.exchange(X25519PublicKey.from_public_bytes(node.public_key))
-    request_key, response_key = derive_keys(shared, sealed.sender_key, node.public_key, JOB_ID, RUN_SALT)
+    request_key, response_key, digest_key = derive_keys(shared, sealed.sender_key, node.public_key, JOB_ID, RUN_SALT)
     chunk = {"seq": 3, "text": " tokens", "token_ids": [17, 4, 250]}
     completion = {"text": "Hello back", "token_ids": [9, 8, 7, 6]}
     return {
@@ -41,6 +42,7 @@ def vectors() -> dict:
         "node_secret": NODE_SECRET.hex(), "sealing_key": node.public_key.hex(),
         "sender_secret": SENDER_SECRET.hex(), "sender_key": sealed.sender_key.hex(),
         "shared_secret": shared.hex(), "request_key": request_key.hex(), "response_key": response_key.hex(),
+        "digest_key": digest_key.hex(),
         "job_id": JOB_ID, "run_salt": RUN_SALT.hex(),
         "job": {"plaintext": body.SerializeToString().hex(), "nonce": nonce(0).hex(),
                 "aad": aad(JOB_ID, "job").hex(), "ciphertext": sealed.ciphertext.hex()},
@@ -49,7 +51,8 @@ def vectors() -> dict:
                               text=chunk["text"], token_ids=chunk["token_ids"])).hex()},
         "completion": completion | {"nonce": nonce(COMPLETION_COUNTER).hex(), "aad": aad(JOB_ID, "completion").hex(),
                                     "ciphertext": keys.seal_completion(JOB_ID, pb.Completion(
-                                        text=completion["text"], token_ids=completion["token_ids"])).hex()},
+                                        text=completion["text"], token_ids=completion["token_ids"])).hex(),
+                                    "token_ids_sha256": token_digest(completion["token_ids"], keys).hex()},
     }
 
 
