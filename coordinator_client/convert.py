@@ -14,6 +14,7 @@ from provider.types import Cause, Policy
 from provider.telemetry import Telemetry
 
 from .pb import provider_pb2 as pb
+from .sealed_errors import sealed_message
 from .sealing import JobKeys
 
 MAX_JOB_ID = 128
@@ -233,12 +234,15 @@ def done_frame(ev: Done) -> pb.ProviderFrame:
         telemetry=telemetry_to_pb(ev.telemetry)))
 
 
-def error_frame(job_id: str, cause: Cause, message: str, usage: Usage | None = None) -> pb.ProviderFrame:
-    frame = pb.ProviderFrame(job_error=pb.JobError(job_id=job_id, cause=CAUSE_TO_PB[cause], message=message))
+def error_frame(job_id: str, cause: Cause, message: str, usage: Usage | None = None, *, sealed: bool = False,
+                param: str | None = None) -> pb.ProviderFrame:
+    """A JobError; a sealed job's carries its cause's fixed message instead (sealed_errors), never a value."""
+    text = sealed_message(cause, message, param) if sealed else message
+    frame = pb.ProviderFrame(job_error=pb.JobError(job_id=job_id, cause=CAUSE_TO_PB[cause], message=text))
     if usage is not None:
         frame.job_error.usage.CopyFrom(usage_to_pb(usage))
     return frame
 
 
-def event_error_frame(ev: Error) -> pb.ProviderFrame:
-    return error_frame(ev.job_id, ev.cause, ev.message)
+def event_error_frame(ev: Error, *, sealed: bool = False) -> pb.ProviderFrame:
+    return error_frame(ev.job_id, ev.cause, ev.message, sealed=sealed, param=ev.param)

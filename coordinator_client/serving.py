@@ -108,7 +108,7 @@ class CoordinatorJobs:
             outbox.put_nowait(finished)
             return
         s = self.settings
-        keys, received = None, req
+        keys, received, sealed = None, req, req.HasField("sealed")
         try:
             convert.check_job_id(req.job_id)  # before opening: the id is hashed into the keys and associated data
             req, keys = open_request(req, self.sealing, required=s.require_sealed_jobs)
@@ -122,7 +122,7 @@ class CoordinatorJobs:
                 raise JobError(Cause.INVALID_REQUEST, "model_sha256 must be 64 lowercase hex digits (the hash the "
                                "node registered for the model)", "model_sha256")
         except JobError as e:
-            frame = convert.error_frame(req.job_id, e.cause, e.message)
+            frame = convert.error_frame(req.job_id, e.cause, e.message, sealed=sealed, param=e.param)
             if convert.valid_job_id(req.job_id):
                 self._outcome(outbox, frame, req.job_id)
             else:  # answered under the id it came with, never stored: no coordinator can ack it
@@ -137,7 +137,7 @@ class CoordinatorJobs:
                      request_sha256: bytes) -> None:
         """The job's whole life, pin check included, in one `try`: every way out records exactly one outcome
         (its end, an error, or COORDINATOR_LOST when the session is abandoned) and stops the engine job."""
-        job_id = job.id
+        job_id, sealed = job.id, keys is not None
         transcript, model, stream, timer = Transcript(), "", None, None
         expired = []  # set when the deadline cancelled the job: its end is then DEADLINE_EXCEEDED, not "cancelled"
         ended = []
@@ -180,16 +180,17 @@ class CoordinatorJobs:
             # The session was abandoned under this job (during its pin check, before its first step, or while
             # it ran): stop generating, report it on the next session.
             self.stats.coordinator_lost += 1
-            frame = convert.error_frame(job_id, Cause.COORDINATOR_LOST,
-                                        "the coordinator stream died while the job ran; it was cancelled")
+            frame = convert.error_frame(job_id, Cause.COORDINATOR_LOST, "the coordinator stream died while the job "
+                                        "ran; it was cancelled", sealed=sealed)
             frame.job_error.completion.CopyFrom(transcript.completion(job_id, keys))
             end(frame, None)
             raise
         except JobError as e:  # the pin did not match, or could not be checked
-            end(convert.error_frame(job_id, e.cause, e.message))
+            end(convert.error_frame(job_id, e.cause, e.message, sealed=sealed, param=e.param))
         except Exception as e:  # a bug (converting, signing, sealing): the job still gets its one outcome
             log.exception("coordinator_job_failed", job_id=job_id)
-            end(convert.error_frame(job_id, Cause.INTERNAL, f"serving the job failed: {type(e).__name__}"))
+            end(convert.error_frame(job_id, Cause.INTERNAL, f"serving the job failed: {type(e).__name__}",
+                                    sealed=sealed))
         finally:
             self._cancelled.discard(job_id)
             self._started.pop(job_id, None)
@@ -210,7 +211,7 @@ class CoordinatorJobs:
         completion = transcript.completion(end.job_id, keys)
         if isinstance(end, Done) and deadline_passed and end.finish_reason == "cancelled":
             frame = convert.error_frame(end.job_id, Cause.DEADLINE_EXCEEDED, "the job's deadline passed after "
-                                        f"{end.usage.completion_tokens} tokens", end.usage)
+                                        f"{end.usage.completion_tokens} tokens", end.usage, sealed=keys is not None)
             frame.job_error.completion.CopyFrom(completion)
         elif isinstance(end, Done):
             frame = convert.done_frame(end)
@@ -220,7 +221,7 @@ class CoordinatorJobs:
             done.signature_layout, done.request_sha256 = SIGNATURE_LAYOUT, request_sha256
             done.signature = self.identity.sign(result_bytes(done))
         elif isinstance(end, Error):
-            frame = convert.event_error_frame(end)
+            frame = convert.event_error_frame(end, sealed=keys is not None)
             if transcript.chunks:
                 frame.job_error.completion.CopyFrom(completion)
         else:

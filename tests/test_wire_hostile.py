@@ -263,3 +263,58 @@ def test_a_reject_s_retry_after_is_capped(fixtures_dir, tmp_path):
     run(main())
 
 
+# --- finding 11: sealed values echoed in error messages ---------------------------------------------------------
+
+
+def _leaky(jid: str) -> dict[str, pb.JobRequest]:
+    """Requests whose errors name values from the request (useful for a plain job, a leak for a sealed one)."""
+    chat = _chat(role="user", content="x")
+    return {
+        "tool_choice": pb.JobRequest(job_id=f"{jid}-tc", model="g", chat=chat, tools=[pb.Tool(name="f")],
+                                     tool_choice=MARKER),
+        "tool_name": pb.JobRequest(job_id=f"{jid}-tn", model="g", chat=chat, tools=[pb.Tool(name=MARKER + " x")]),
+        "response_format": pb.JobRequest(job_id=f"{jid}-rf", model="g", prompt="x",
+                                         response_format=pb.ResponseFormat(type=MARKER)),
+        # Refused by the grammar compiler, in the engine's preparation: the error comes back as the job's Error.
+        "schema": pb.JobRequest(job_id=f"{jid}-sc", model="g", prompt="x", max_tokens=4,
+                                response_format=pb.ResponseFormat(type="json_schema", schema_name="r",
+                                                                  schema_json='{"type": "string", "format": "'
+                                                                              + MARKER + '"}')),
+    }
+
+
+FIELDS = {"tool_choice": "tool_choice", "tool_name": "tools", "response_format": "response_format",
+          "schema": "response_format"}  # what each sealed error still names: the field, not its value
+
+
+def test_a_sealed_job_s_error_message_carries_nothing_from_its_sealed_body(fixtures_dir, tmp_path):
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            plain, sealed = _leaky("plain"), _leaky("sealed")
+            for req in plain.values():
+                coord.dispatch(s, req)
+            for req in sealed.values():
+                coord.dispatch_sealed(s, req)
+            for name in sealed:
+                p = (await coord.outcome(plain[name].job_id)).job_error
+                e = (await coord.outcome(sealed[name].job_id)).job_error
+                assert e.cause == p.cause == pb.ERROR_CAUSE_INVALID_REQUEST, (name, p, e)
+                assert MARKER not in e.message and f"(field {FIELDS[name]})" in e.message, (name, e.message)
+                assert MARKER in p.message, (name, p.message)  # a plain job's message stays specific
+
+    run(main())
+
+
+@pytest.mark.parametrize("param, kept", [
+    ("tool_choice", True), ("chat.messages[2].parts[0]", True), ("messages[0].role", True), ("top_p", True),
+    ("job_id", True), ("get_weather", False), (MARKER, False), (f"tools[{MARKER}]", False), ("tools.x y", False),
+    ("", False), (None, False)])
+def test_a_sealed_error_names_its_param_only_when_that_is_a_field_s_name(param, kept):
+    from coordinator_client.sealed_errors import sealed_message
+    from provider.types import Cause
+
+    message = sealed_message(Cause.INVALID_REQUEST, f"{param} is wrong, got {MARKER!r}", param)
+    assert MARKER not in message and (f"(field {param})" in message) == kept, message
+    envelope = "the sealed job did not open: the sealed bytes do not open with this job's key"
+    assert sealed_message(Cause.SEALING_FAILED, envelope, None) == envelope  # about the envelope: kept
