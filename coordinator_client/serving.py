@@ -36,8 +36,10 @@ class ServingStats:
     coordinator_lost: int = 0
 
 
-def _access_log(job_id: str, frame: pb.ProviderFrame, started: float | None) -> None:
-    """One line per coordinator job: how it ended, how long it took, its token counts; never its text."""
+def _access_log(job_id: str, frame: pb.ProviderFrame, started: float | None,
+                throttle: logs.Throttle | None = None) -> None:
+    """One line per coordinator job: how it ended, how long it took, its token counts; never its text. Jobs
+    refused at the door cost their sender nothing, so their lines pass `throttle`, per cause."""
     kind = frame.WhichOneof("frame")
     fields = {"job_id": job_id, "outcome": kind,
               "duration_ms": round((time.perf_counter() - started) * 1000, 3) if started else 0.0}
@@ -47,7 +49,10 @@ def _access_log(job_id: str, frame: pb.ProviderFrame, started: float | None) -> 
                    "completion_tokens": u.completion_tokens}
     else:
         fields["cause"] = pb.ErrorCause.Name(frame.job_error.cause)
-    log.info("coordinator_job", **fields)
+    if throttle is None:
+        log.info("coordinator_job", **fields)
+    else:
+        throttle.log(log, "info", "coordinator_job", f"refused:{fields.get('cause', '')}", **fields)
 
 
 def open_request(req: pb.JobRequest, sealing: SealingKey, *, required: bool) -> tuple[pb.JobRequest, JobKeys | None]:
@@ -76,7 +81,7 @@ def open_request(req: pb.JobRequest, sealing: SealingKey, *, required: bool) -> 
 
 class CoordinatorJobs:
     def __init__(self, node: Node, settings: Settings, identity: Identity, sealing: SealingKey, *,
-                 coalesce_s: float):
+                 coalesce_s: float, throttle: logs.Throttle | None = None):
         self.node = node
         self.coalesce_s = coalesce_s
         self.settings = settings
@@ -85,6 +90,7 @@ class CoordinatorJobs:
         self.outcomes = Outcomes()
         self.stats = ServingStats()
         self.draining = False
+        self.throttle = throttle or logs.Throttle()
         self._running: dict[str, asyncio.Task] = {}
         self._started: dict[str, float] = {}  # job id -> when it was accepted, for the access log
         self._cancelled: set[str] = set()  # cancels that came before the job reached the engine
@@ -100,11 +106,12 @@ class CoordinatorJobs:
     def on_request(self, req: pb.JobRequest, outbox: asyncio.Queue) -> None:
         self.stats.jobs_received += 1
         if req.job_id in self._running:
-            log.info("coordinator_duplicate_job", job_id=req.job_id, state="running")
+            self.throttle.log(log, "info", "coordinator_duplicate_job", "running", job_id=req.job_id, state="running")
             return
         finished = self.outcomes.finished(req.job_id)
         if finished is not None:
-            log.info("coordinator_duplicate_job", job_id=req.job_id, state="finished")
+            self.throttle.log(log, "info", "coordinator_duplicate_job", "finished", job_id=req.job_id,
+                              state="finished")
             outbox.put_nowait(finished)
             return
         s = self.settings
@@ -124,7 +131,7 @@ class CoordinatorJobs:
         except JobError as e:
             frame = convert.error_frame(req.job_id, e.cause, e.message, sealed=sealed, param=e.param)
             if convert.valid_job_id(req.job_id):
-                self._outcome(outbox, frame, req.job_id)
+                self._outcome(outbox, frame, req.job_id, refused=True)
             else:  # answered under the id it came with, never stored: no coordinator can ack it
                 outbox.put_nowait(frame)
             return
@@ -228,9 +235,10 @@ class CoordinatorJobs:
             raise TypeError(f"not a job's end: {end!r}")
         return frame
 
-    def _outcome(self, outbox: asyncio.Queue | None, frame: pb.ProviderFrame, job_id: str) -> None:
+    def _outcome(self, outbox: asyncio.Queue | None, frame: pb.ProviderFrame, job_id: str, *,
+                 refused: bool = False) -> None:
         """Record a job's single outcome until the coordinator acks it, and send it if a stream is up."""
-        _access_log(job_id, frame, self._started.pop(job_id, None))
+        _access_log(job_id, frame, self._started.pop(job_id, None), self.throttle if refused else None)
         first = self.outcomes.record(job_id, frame)
         self.stats.outcomes_sent += 1
         if outbox is not None:

@@ -93,7 +93,9 @@ class CoordinatorSession:
         self.coordinator_version = ""
         self.rejected: str | None = None  # set when a Reject said retrying cannot succeed; the node stops dialing
         self.welcomed = asyncio.Event()
-        self.jobs = CoordinatorJobs(node, settings, identity, self.sealing, coalesce_s=coalesce_ms / 1000)
+        self.throttle = logs.Throttle()  # for the lines a coordinator can make the node repeat
+        self.jobs = CoordinatorJobs(node, settings, identity, self.sealing, coalesce_s=coalesce_ms / 1000,
+                                    throttle=self.throttle)
         # The one pending drain report: a Drain while it waits joins it, so a flood of Drain frames holds one
         # task, not one each (60,000 of them held 124 MiB outside the outbox's bound).
         self._drain_report: asyncio.Task | None = None
@@ -170,6 +172,7 @@ class CoordinatorSession:
             self._drain_report = None
             await self.jobs.abandon()
             await channel.close(grace=None)
+            self.throttle.flush(log)
             if welcomed_at is not None:
                 log.info("coordinator_session_ended", session_id=self.session_id,
                          seconds=round(time.monotonic() - welcomed_at, 3))
@@ -195,11 +198,11 @@ class CoordinatorSession:
             raise SessionRejected("the coordinator closed the stream or sent garbage during the handshake")
         if reply.WhichOneof("frame") == "reject":
             r = reply.reject
-            raise SessionRejected(r.reason, retry_after_s=float(r.retry_after_s), permanent=r.permanent)
+            raise SessionRejected(logs.clip(r.reason), retry_after_s=float(r.retry_after_s), permanent=r.permanent)
         if reply.WhichOneof("frame") != "welcome":
             raise SessionRejected(f"expected Welcome, got {reply.WhichOneof('frame')}")
         w = reply.welcome
-        self.session_id, self.coordinator_version = w.session_id, w.coordinator_version
+        self.session_id, self.coordinator_version = logs.clip(w.session_id), logs.clip(w.coordinator_version)
         self.stats.sessions += 1
         self.jobs.draining = False  # a Drain holds for the session it came on
         self.welcomed.set()
@@ -208,7 +211,7 @@ class CoordinatorSession:
         if interval != asked:
             log.warning("coordinator_heartbeat_clamped", asked_s=asked, used_s=interval)
         log.info("coordinator_welcomed", session_id=self.session_id, epoch=w.session_epoch,
-                 node_id=self.identity.node_id, heartbeat_s=interval, coordinator_version=w.coordinator_version,
+                 node_id=self.identity.node_id, heartbeat_s=interval, coordinator_version=self.coordinator_version,
                  protocol_version=w.protocol_version or 1)
         return interval
 
@@ -242,7 +245,7 @@ class CoordinatorSession:
             if isinstance(frame, Garbled):
                 self.stats.garbled_frames += 1
                 self._protocol_error(outbox, f"the frame did not decode as a CoordinatorFrame: {frame.error}",
-                                     frame.size)
+                                     frame.size, why="garbled")
                 continue
             kind = frame.WhichOneof("frame")
             if kind == "job_request":
@@ -259,15 +262,17 @@ class CoordinatorSession:
                 outbox.put_nowait(pb.ProviderFrame(pong=pb.Pong(id=frame.ping.id)))
             elif kind in HANDSHAKE_FRAMES:
                 self._protocol_error(outbox, f"{kind} is a handshake frame; the session is already up",
-                                     frame.ByteSize(), kind)
+                                     frame.ByteSize(), kind, why=kind)
             else:  # no known case: a newer coordinator's frame, or an empty one
                 self._protocol_error(outbox, "the frame has no case this node knows (protocol version "
-                                     f"{PROTOCOL_VERSION})", frame.ByteSize())
+                                     f"{PROTOCOL_VERSION})", frame.ByteSize(), why="unknown")
 
-    def _protocol_error(self, outbox: asyncio.Queue, reason: str, size: int, kind: str = "") -> None:
-        """Tell the coordinator which frame could not be used; drop it and keep the session."""
+    def _protocol_error(self, outbox: asyncio.Queue, reason: str, size: int, kind: str = "", *, why: str) -> None:
+        """Tell the coordinator which frame could not be used; drop it and keep the session. Every one is
+        answered; the log line is throttled per `why` (a closed set), since a coordinator can send them at will."""
         self.stats.protocol_errors += 1
-        log.warning("coordinator_protocol_error", reason=reason, frame_bytes=size, frame_kind=kind)
+        self.throttle.log(log, "warning", "coordinator_protocol_error", why, reason=reason, frame_bytes=size,
+                          frame_kind=kind)
         outbox.put_nowait(pb.ProviderFrame(protocol_error=pb.ProtocolError(reason=reason, frame_bytes=size,
                                                                            frame_kind=kind)))
 

@@ -1,4 +1,5 @@
-"""structlog set-up: console on a TTY, JSON lines otherwise.
+"""structlog set-up: console on a TTY, JSON lines otherwise; a size-bounded file when the node keeps its own log;
+and a throttle for lines a peer can make the node repeat.
 
 House rule: log ids, counts and timings; never prompt or completion text.
 """
@@ -6,40 +7,132 @@ House rule: log ids, counts and timings; never prompt or completion text.
 from __future__ import annotations
 
 import logging
+import logging.handlers
+import os
 import sys
+import time
+from dataclasses import dataclass
 
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
+# Where the node writes its own log, rotated by size, when it is set: the launchd agent sets it (launchd's own
+# redirect never rotates). Read here until it becomes a setting (`log_file`), under the same name.
+LOG_FILE_ENV = "PROVIDER_LOG_FILE"
+LOG_FILE_MAX_BYTES = 16 << 20  # then provider.log becomes provider.log.1, and so on
+LOG_FILE_BACKUPS = 3  # so the files hold at most 64 MiB
+_EVENTS = "provider.events"  # the stdlib logger structlog's lines go through, to the same handler as libraries'
 
-def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
-    stream = stream or sys.stderr
-    use_console = fmt == "console" or (fmt == "auto" and stream.isatty())
+# A line an attacker can make the node repeat (one per unusable frame, per repeated job id) passes a token bucket
+# per key: THROTTLE_BURST at once, then THROTTLE_PER_S a second; what it drops is counted and said in a
+# `log_suppressed` line at most every THROTTLE_SUMMARY_S while it goes on, and when its owner flushes.
+THROTTLE_BURST = 10
+THROTTLE_PER_S = 1.0
+THROTTLE_SUMMARY_S = 60.0
+THROTTLE_KEYS = 64  # keys come from closed sets; past this many, new ones share one bucket
+CLIP_CHARS = 200  # free text from a peer (a Reject's reason, a version string) is cut to this in a log line
+
+
+def configure(level: str = "info", fmt: str = "auto", stream=None, file: str | None = None, *,
+              max_bytes: int = LOG_FILE_MAX_BYTES, backups: int = LOG_FILE_BACKUPS) -> None:
+    """Every line, structlog's and the libraries' (aiohttp, grpc, asyncio), through one handler: `stream`
+    (stderr by default), or `file` rotated at `max_bytes` keeping `backups` old files. `file=None` means
+    LOG_FILE_ENV's value; "" means no file."""
+    file = os.environ.get(LOG_FILE_ENV, "") if file is None else file
+    handler, tty = None, False
+    if file:
+        try:
+            handler = logging.handlers.RotatingFileHandler(file, maxBytes=max_bytes, backupCount=backups,
+                                                           encoding="utf-8")
+        except OSError as e:  # a log that cannot be written must not stop the node: stderr, and say why
+            print(f"provider: cannot write the log file {file} ({e}); logging to stderr", file=sys.stderr)
+    if handler is None:
+        stream = stream or sys.stderr
+        handler, tty = logging.StreamHandler(stream), stream.isatty()
+    use_console = fmt == "console" or (fmt == "auto" and tty)
     renderer = structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
     shared = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
-    # Libraries log through the standard library (aiohttp, grpc, asyncio): render them the same way, so a
-    # JSON log stays one JSON object per line.
-    handler = logging.StreamHandler(stream)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.processors.format_exc_info, renderer]))
     root = logging.getLogger()
+    for old in root.handlers:
+        old.close()
     root.handlers[:] = [handler]
-    root.setLevel(max(_LEVELS[level], logging.INFO))
+    root.setLevel(max(_LEVELS[level], logging.INFO))  # libraries' debug lines stay out even at debug
+    events = logging.getLogger(_EVENTS)
+    events.setLevel(_LEVELS[level])  # structlog has filtered by level already
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             *shared,
             structlog.processors.format_exc_info,
-            renderer,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        logger_factory=lambda *_: events,
         cache_logger_on_first_use=False,
     )
 
 
 def get(name: str):
     return structlog.get_logger(name)
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """Free text a peer chose, cut for a log line: a 64 MiB Reject reason must not become a 64 MiB line."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float  # when `tokens` was last refilled
+    suppressed: int = 0
+    summarized_at: float = 0.0
+
+
+class Throttle:
+    """Token buckets per event key, for lines a peer can make the node repeat. The key is an event name and a
+    kind from a closed set, never a value off the wire. `clock` is injectable, so the decisions are testable."""
+
+    def __init__(self, *, burst: int = THROTTLE_BURST, per_s: float = THROTTLE_PER_S,
+                 summary_s: float = THROTTLE_SUMMARY_S, clock=time.monotonic):
+        self.burst, self.per_s, self.summary_s, self.clock = burst, per_s, summary_s, clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def admit(self, key: str) -> tuple[bool, int]:
+        """Whether a line of `key` goes out now, and how many dropped lines are due to be summarized now (0
+        unless a summary is due: every `summary_s` while lines are dropped)."""
+        now = self.clock()
+        if key not in self._buckets and len(self._buckets) >= THROTTLE_KEYS:
+            key = "other"
+        b = self._buckets.setdefault(key, _Bucket(float(self.burst), now, summarized_at=now))
+        b.tokens, b.at = min(float(self.burst), b.tokens + (now - b.at) * self.per_s), now
+        if b.tokens >= 1:
+            b.tokens -= 1
+            return True, 0
+        b.suppressed += 1
+        if now - b.summarized_at < self.summary_s:
+            return False, 0
+        due, b.suppressed, b.summarized_at = b.suppressed, 0, now
+        return False, due
+
+    def log(self, logger, level: str, event: str, kind: str = "", **fields) -> None:
+        """`logger.<level>(event, **fields)` unless throttled under the key `event:kind`."""
+        key = f"{event}:{kind}" if kind else event
+        admitted, due = self.admit(key)
+        if admitted:
+            getattr(logger, level)(event, **fields)
+        elif due:
+            logger.warning("log_suppressed", key=key, suppressed=due, seconds=self.summary_s)
+
+    def flush(self, logger) -> None:
+        """Say what was dropped and not yet summarized (at the end of a session, say)."""
+        for key, b in self._buckets.items():
+            if b.suppressed:
+                logger.warning("log_suppressed", key=key, suppressed=b.suppressed,
+                               seconds=round(self.clock() - b.summarized_at, 3))
+                b.suppressed, b.summarized_at = 0, self.clock()

@@ -81,7 +81,7 @@ def test_the_rendered_plist_parses_with_the_expected_keys(tmp_path):
     args = plist["ProgramArguments"]
     assert Path(args[0]).is_file() and args[1:3] == ["start", "--config"] and args[-2:] == ["--log-format", "json"]
     state = tmp_path / "state" / "provider"
-    assert plist["StandardErrorPath"] == str(state / "provider.log")  # logs in the state directory
+    assert plist["StandardErrorPath"] == str(state / "provider.err.log")  # logs in the state directory
     assert plist["StandardOutPath"] == str(state / "provider.out.log")
     assert plist["EnvironmentVariables"]["XDG_STATE_HOME"] == str(tmp_path / "state")
 

@@ -23,6 +23,8 @@ from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.sealing import seal_job
 from provider.jobs import MAX_PROMPT_IDS
+from provider.logs import get as logs_get
+from provider.logs import THROTTLE_BURST, THROTTLE_PER_S, THROTTLE_SUMMARY_S, Throttle
 from provider.settings import Settings
 from provider.types import JobError
 from tests.helpers import run
@@ -244,6 +246,59 @@ def test_a_huge_job_id_is_refused_before_its_sealed_body_is_opened(fixtures_dir,
     run(main())
 
 
+# --- finding 9: logs a coordinator can fill ------------------------------------------------------------------
+
+
+def test_repeated_garbage_frames_give_a_bounded_number_of_log_lines(fixtures_dir, tmp_path):
+    """Every unusable frame is still answered with a ProtocolError; its log line is throttled per kind, and what
+    is dropped is counted in `log_suppressed` lines (the last when the session ends)."""
+    per_kind = 5000
+    kinds = {"garbled": b"\xff\xff\xff garbled \x00\x01", "empty": pb.CoordinatorFrame().SerializeToString(),
+             "welcome": pb.CoordinatorFrame(welcome=pb.Welcome(session_id="again")).SerializeToString()}
+
+    async def main():
+        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+            s = await coord.wait_for_node()
+            started = time.monotonic()
+            for i in range(per_kind):
+                for frame in kinds.values():
+                    coord.send(s, frame)
+                if i % 500 == 499:
+                    await _round_trip(coord, s, i)
+            await _round_trip(coord, s, 10**6)
+            assert session.stats.protocol_errors == per_kind * len(kinds)  # each still answered on the wire
+            assert session.stats.sessions == 1
+            return time.monotonic() - started
+
+    with capture_logs() as logged:
+        elapsed = run(main())
+    lines = [e for e in logged if e["event"].startswith("coordinator_protocol_error") or e["event"] == "log_suppressed"]
+    frames = per_kind * len(kinds)
+    print(f"{frames} unusable frames in {elapsed:.1f} s: {len(lines)} log lines")
+    assert len(lines) < frames / 10, len(lines)
+    # Per kind: the burst, the refill over the run, one summary per period and the last one at the session's end.
+    bound = len(kinds) * (THROTTLE_BURST + THROTTLE_PER_S * elapsed + elapsed / THROTTLE_SUMMARY_S + 2)
+    assert len(lines) <= bound, (len(lines), bound)
+    summaries = [e for e in logged if e["event"] == "log_suppressed"]
+    assert summaries and sum(e["suppressed"] for e in summaries) + len(lines) - len(summaries) == frames
+
+
+
+
+def test_the_throttle_passes_a_burst_then_a_rate_and_counts_what_it_drops():
+    now = [0.0]
+    t = Throttle(burst=3, per_s=1.0, summary_s=10.0, clock=lambda: now[0])
+    assert [t.admit("k")[0] for _ in range(5)] == [True, True, True, False, False]
+    assert t.admit("other-key") == (True, 0)  # each key has its own bucket
+    now[0] = 1.0
+    assert t.admit("k") == (True, 0) and t.admit("k") == (False, 0)  # one more after a second
+    now[0] = 10.5
+    assert [t.admit("k")[0] for _ in range(3)] == [True, True, True]  # refilled to the burst, not past it
+    assert t.admit("k") == (False, 4)  # a summary is due: the three dropped before and this one
+    with capture_logs() as logged:
+        t.admit("k")
+        t.flush(logs_get("test"))
+    assert [(e["event"], e["key"], e["suppressed"]) for e in logged] == [("log_suppressed", "k", 1)]
 # --- finding 10: Reject.retry_after_s -----------------------------------------------------------------------
 
 
