@@ -31,6 +31,8 @@ from .sealing import JobKeys, SealingError, SenderKeys, seal_job
 MAX_SKEW_MS = 60_000
 VERSION = "reference-coordinator/1"
 SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),  # docs/protocol.md: 64 MiB frames each way (grpc's default: 4)
+    ("grpc.max_send_message_length", 64 << 20),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 1),
@@ -180,8 +182,9 @@ class ReferenceCoordinator:
         except InvalidResult as e:
             return f"the result is refused: {e}"
         c, keys = done.completion, self._keys(done.job_id, done.completion.seal_salt)
-        if c.sealed and keys is None:
-            return None  # relayed for another sender: only it can open the completion and check the keyed digest
+        if c.sealed and keys is None:  # relayed for another sender, which alone can open it and check its digest
+            sent = self.requests.get(done.job_id)
+            return "a sealed completion for a job sent in the clear" if sent and not sent.HasField("sealed") else None
         if c.sealed:
             try:
                 c = keys.open_completion(done.job_id, c.sealed)

@@ -104,6 +104,7 @@ class CoordinatorJobs:
             self.node.cancel(job_id)
 
     def on_request(self, req: pb.JobRequest, outbox: asyncio.Queue) -> None:
+        """A JobRequest whose job id the session has checked (it answers a bad one with a ProtocolError)."""
         self.stats.jobs_received += 1
         if req.job_id in self._running:
             self.throttle.log(log, "info", "coordinator_duplicate_job", "running", job_id=req.job_id, state="running")
@@ -129,11 +130,9 @@ class CoordinatorJobs:
                 raise JobError(Cause.INVALID_REQUEST, "model_sha256 must be 64 lowercase hex digits (the hash the "
                                "node registered for the model)", "model_sha256")
         except JobError as e:
-            frame = convert.error_frame(req.job_id, e.cause, e.message, sealed=sealed, param=e.param)
-            if convert.valid_job_id(req.job_id):
-                self._outcome(outbox, frame, req.job_id, refused=True)
-            else:  # answered under the id it came with, never stored: no coordinator can ack it
-                outbox.put_nowait(frame)
+            if convert.valid_job_id(req.job_id):  # a bad id is never stored, nor echoed (see the session)
+                self._outcome(outbox, convert.error_frame(req.job_id, e.cause, e.message, sealed=sealed,
+                                                          param=e.param), req.job_id, refused=True)
             return
         self._started[job.id] = time.perf_counter()
         task = asyncio.create_task(self._serve(job, req, keys, outbox, request_digest(received)))

@@ -22,6 +22,7 @@ from provider.settings import Settings
 
 from .backoff import MAX_RETRY_AFTER_S, Backoff, reconnect_delay
 from .channel import open_channel, plan_channel
+from .convert import MAX_JOB_ID, valid_job_id
 from .identity import Identity, next_session_epoch
 from .outbox import CoordinatorNotReading, Outbox
 from .pb import provider_pb2 as pb
@@ -248,7 +249,14 @@ class CoordinatorSession:
                                      frame.size, why="garbled")
                 continue
             kind = frame.WhichOneof("frame")
-            if kind == "job_request":
+            if kind == "job_request" and not valid_job_id(frame.job_request.job_id):
+                # Answered without echoing the id: a JobError under a 64 MiB id is over the frame limit (the node's,
+                # or a coordinator's 4 MiB default), and the stream dies.
+                job_id = frame.job_request.job_id
+                self._protocol_error(outbox, f"job_id must be 1 to {MAX_JOB_ID} characters; this one has {len(job_id)}"
+                                     + (f" (it starts {job_id[:40]!r})" if job_id else ""), frame.ByteSize(), kind,
+                                     why="job_id")
+            elif kind == "job_request":
                 self.jobs.on_request(frame.job_request, outbox)
             elif kind == "cancel":
                 self.jobs.cancel(frame.cancel.job_id)

@@ -164,7 +164,7 @@ def test_a_stored_result_sent_for_another_request_under_its_id_is_refused(fixtur
 
 def test_unacked_outcomes_are_bounded_in_bytes_and_bad_ids_are_not_recorded(fixtures_dir, tmp_path):
     """Finding 3: a coordinator that never acks holds the node to MAX_UNACKED_BYTES of outcomes (oldest dropped
-    first); a job id over the limit is answered but never stored."""
+    first); a job id over the limit is answered with a ProtocolError, never stored nor echoed."""
     from coordinator_client.outcomes import MAX_UNACKED_BYTES, Outcomes
 
     store = Outcomes()
@@ -183,8 +183,11 @@ def test_unacked_outcomes_are_bounded_in_bytes_and_bad_ids_are_not_recorded(fixt
             s = await coord.wait_for_node()
             long_id = "y" * 10_000
             coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=long_id, model="g", prompt="x")))
-            frame = await _one_outcome(coord, long_id)
-            assert frame.job_error.cause == pb.ERROR_CAUSE_INVALID_REQUEST
+            deadline = time.monotonic() + 20
+            while not coord.protocol_errors:
+                assert time.monotonic() < deadline, "no ProtocolError"
+                await asyncio.sleep(0.01)
+            assert coord.protocol_errors[-1].frame_kind == "job_request" and "10000" in coord.protocol_errors[-1].reason
             assert long_id not in session.jobs.outcomes.unacked and session.jobs.outcomes.finished(long_id) is None
 
     run(main())

@@ -108,6 +108,13 @@ def _good_job(c, job_id):
     assert c.call(c.coord.outcome(job_id)).WhichOneof("frame") == "job_done"
 
 
+async def _pong(coord, ping_id: int, timeout: float = 60) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not any(kind == "pong" and f.pong.id == ping_id for _, kind, f in coord.frames[-50:]):
+        assert asyncio.get_running_loop().time() < deadline, f"no pong {ping_id}"
+        await asyncio.sleep(0.01)
+
+
 def test_grpc_job_request_fuzz(coordinated):
     c = coordinated
     ids = itertools.count()
@@ -117,7 +124,13 @@ def test_grpc_job_request_fuzz(coordinated):
     def one(req):
         n = next(ids)
         req.job_id = f"fz-{n}" if n % 10 else "x" * 130 + str(n)  # now and then an id too long
+        before = len(c.coord.protocol_errors)
         c.send(pb.CoordinatorFrame(job_request=req))
+        if n % 10 == 0:  # answered with a ProtocolError giving its length, never echoed (docs/protocol.md)
+            c.send(pb.CoordinatorFrame(ping=pb.Ping(id=n)))  # its Pong comes after the ProtocolError
+            c.call(_pong(c.coord, n))
+            assert [e.frame_kind for e in c.coord.protocol_errors[before:]] == ["job_request"]
+            return
         out = c.call(c.coord.outcome(req.job_id))
         if out.WhichOneof("frame") == "job_error":
             assert out.job_error.cause in TYPED, (out.job_error, req)

@@ -224,17 +224,25 @@ def test_a_repeated_field_past_its_bound_is_refused_before_its_elements_are_buil
     assert peak < 1 << 20, f"{field}: {peak / 2**20:.1f} MiB allocated before the refusal"
 
 
-def test_a_huge_job_id_is_refused_before_its_sealed_body_is_opened(fixtures_dir, tmp_path):
+def test_a_huge_job_id_is_refused_before_its_sealed_body_is_opened_and_never_echoed(fixtures_dir, tmp_path):
+    """A bad job id is answered with a ProtocolError that says its length, not with a JobError under it: echoed,
+    an id near the 64 MiB frame limit made an answer over it, and the session died (a coordinator on grpc's
+    default 4 MiB limit lost its stream to a 4 MiB id)."""
     async def main():
         async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
             s = await coord.wait_for_node()
             long_id = "x" * (1 << 20)
             sealed, _ = seal_job(s.registration.sealing_key, long_id, job(long_id, "g"))  # a seal that would open
             coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=long_id, model="g", sealed=sealed)))
-            await _until(lambda: coord.outcomes.get(long_id), "no outcome")
-            err = coord.outcomes[long_id][-1].job_error
-            assert err.cause == pb.ERROR_CAUSE_INVALID_REQUEST and "job_id" in err.message
+            await _until(lambda: coord.protocol_errors, "no ProtocolError")
+            err = coord.protocol_errors[-1]
+            assert err.frame_kind == "job_request" and f"has {1 << 20}" in err.reason and len(err.reason) < 200
             assert sealed.sender_key not in session.sealing._seen, "the body was opened before the id was checked"
+            near_limit = "y" * ((64 << 20) - 20)  # a frame just under 64 MiB; a JobError echoing it, 28 bytes over
+            coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=near_limit, model="g", prompt="x")))
+            del near_limit
+            await _until(lambda: len(coord.protocol_errors) == 2, "no second ProtocolError")
+            assert not coord.outcomes.get(long_id) and not session.jobs.outcomes.unacked
             # And a frame of 2M prompt ids, over the wire: refused by count.
             coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(
                 job_id="many-ids", model="g", prompt_ids=pb.PromptTokens(ids=[1000] * (2 * MAX_PROMPT_IDS)))))
@@ -242,6 +250,7 @@ def test_a_huge_job_id_is_refused_before_its_sealed_body_is_opened(fixtures_dir,
             assert err.cause == pb.ERROR_CAUSE_INVALID_REQUEST and str(MAX_PROMPT_IDS) in err.message
             coord.dispatch(s, job("after", "g", max_tokens=2))
             assert (await coord.outcome("after")).job_done.finish_reason == "length"
+            assert session.stats.sessions == 1  # the stream never dropped
 
     run(main())
 
