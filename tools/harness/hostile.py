@@ -262,3 +262,61 @@ def garbage_frames() -> st.SearchStrategy[bytes]:
                      st.integers(1, len(data) - 1).map(lambda n: data[:n]),
                      st.binary(min_size=1, max_size=20).map(lambda junk: data + junk),
                      st.just(b"\xff" * 64))
+
+
+# --- coordinator attacks (issue 36): oversized requests and malformed results ------------------------------------
+
+# Spellings of a weights hash no result may sign: the empty and short ones signed 32 zero bytes, case was ignored,
+# and a 64-character non-hex one raised ValueError out of the verifier.
+HASH_SPELLINGS = ["", "ab", "0" * 63, "0" * 65, "A" * 64, "g" * 64, " " * 64, "0x" + "0" * 62, "é" * 64,
+                  "\x00" * 64, "0" * 64]
+
+
+def oversized_requests(model: str, prefix: str) -> list[tuple[str, pb.JobRequest]]:
+    """Requests past a count or a length, each refused before its elements are built (named, for the report).
+    Ids from 129 characters to 4 MiB; repeated fields far past their bounds (a few MiB on the wire each)."""
+    chat = pb.ChatMessages
+    cases = [(f"job_id_{n}", pb.JobRequest(job_id=f"{prefix}-" + "i" * n, model=model, prompt="x"))
+             for n in (129, 1 << 16, 4 << 20)]
+    many = 400_000
+    for name, req in (
+            ("prompt_ids", pb.JobRequest(model=model, prompt_ids=pb.PromptTokens(ids=[1000] * (2 << 20)))),
+            ("stop", pb.JobRequest(model=model, prompt="x", stop=[""] * many)),
+            ("stop_token_ids", pb.JobRequest(model=model, prompt="x", stop_token_ids=[7] * many)),
+            ("messages", pb.JobRequest(model=model, chat=chat(messages=[pb.ChatMessage(role="user")] * many))),
+            ("parts", pb.JobRequest(model=model, chat=chat(messages=[pb.ChatMessage(
+                role="user", parts=[pb.ContentPart(text="")] * many)]))),
+            ("tool_calls", pb.JobRequest(model=model, chat=chat(messages=[pb.ChatMessage(
+                role="assistant", tool_calls=[pb.ToolCall(name="f")] * many)]))),
+            ("tools", pb.JobRequest(model=model, prompt="x", tools=[pb.Tool(name="f")] * many))):
+        req.job_id = f"{prefix}-{name}"
+        cases.append((name, req))
+    return cases
+
+
+def malformed_results(done: pb.JobDone) -> st.SearchStrategy[pb.JobDone]:
+    """`done` (a real, signed JobDone) with one or more signed fields made malformed: a weights hash spelled
+    wrong, digests of the wrong size, another layout, junk signatures, odd ids and counts. A verifier must
+    refuse each with a typed error; none may raise anything else."""
+    digests = st.one_of(st.binary(max_size=40), st.sampled_from([b"", bytes(31), bytes(33), bytes(32)]))
+    mutations = {
+        "model_sha256": lambda d, draw: setattr(d, "model_sha256", draw(st.one_of(st.sampled_from(HASH_SPELLINGS),
+                                                                                  proto_texts))),
+        "token_ids_sha256": lambda d, draw: setattr(d.completion, "token_ids_sha256", draw(digests)),
+        "request_sha256": lambda d, draw: setattr(d, "request_sha256", draw(digests)),
+        "signature_layout": lambda d, draw: setattr(d, "signature_layout", draw(uint32s)),
+        "signature": lambda d, draw: setattr(d, "signature", draw(st.binary(max_size=100))),
+        "job_id": lambda d, draw: setattr(d, "job_id", draw(st.one_of(proto_texts, st.just("j\x00" * 200)))),
+        "counts": lambda d, draw: setattr(d.completion, "chunks", draw(st.integers(0, 2**64 - 1))),
+        "completion": lambda d, draw: setattr(d.completion, "sealed", draw(st.binary(max_size=64))),
+    }
+
+    @st.composite
+    def one(draw) -> pb.JobDone:
+        out = pb.JobDone()
+        out.CopyFrom(done)
+        for name in draw(st.lists(st.sampled_from(sorted(mutations)), min_size=1, max_size=3, unique=True)):
+            mutations[name](out, draw)
+        return out
+
+    return one()

@@ -3,9 +3,13 @@
 The node runs as `provider start --local --coordinator grpc://127.0.0.1:PORT` (a real process, llama-tiny,
 vocabulary 512) with the reference coordinator in this process. Hostile HTTP requests and hostile coordinator
 frames come from tools/harness/hostile.py (the fuzz tests' strategies, unbounded here). A good request is sent after
-every 100 cases. Expected: 0 5xx, 0 INTERNAL, 0 crashes, 0 hangs, every good request served.
+every 100 cases. Then the coordinator's attacks (issue 36): requests past their bounds (ids up to 4 MiB, sealed
+ones too; repeated fields of hundreds of thousands of items), malformed results against the reference
+coordinator's verifier, and a flood of Drain frames. Expected: 0 5xx, 0 INTERNAL, 0 crashes, 0 tracebacks in the
+node's log, 0 hangs, every good request served, every oversized request refused, every malformed result refused
+with a typed error, the node's log lines far fewer than its unusable frames.
 
-    python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--seed N]
+    python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--results 500] [--drains 20000] [--seed N]
 """
 
 from __future__ import annotations
@@ -27,11 +31,17 @@ from hypothesis import HealthCheck, given, settings, seed as hseed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from coordinator_client.convert import MAX_JOB_ID  # noqa: E402
+from coordinator_client.identity import InvalidSignature  # noqa: E402
+from coordinator_client.outcomes import InvalidResult, verify_result  # noqa: E402
 from coordinator_client.pb import provider_pb2 as pb  # noqa: E402
 from coordinator_client.reference_coordinator import ReferenceCoordinator  # noqa: E402
+from coordinator_client.sealing import seal_job  # noqa: E402
+from provider.logs import THROTTLE_BURST, THROTTLE_PER_S, THROTTLE_SUMMARY_S  # noqa: E402
 from provider.models import fixtures  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
-from tools.harness.hostile import garbage_frames, http_cases, job_requests  # noqa: E402
+from tools.harness.hostile import (garbage_frames, http_cases, job_requests, malformed_results,  # noqa: E402
+                                   oversized_requests)
 
 HANG_S = 30.0
 GOOD = {"prompt": "The cache", "max_tokens": 3, "temperature": 0.7}
@@ -141,6 +151,111 @@ def grpc_phase(coord: ReferenceCoordinator, loop, session, n: int, seed: int, t:
     good("good-last")
 
 
+def coordinator_attack_phase(coord: ReferenceCoordinator, loop, session, n_results: int, n_drains: int, seed: int,
+                             t: Tally, srv: LocalServer):
+    """Issue 36's coordinator cases. Returns the session the node is on afterwards: the Drain flood ends with the
+    coordinator restarted (a drained session refuses jobs until it ends), so the node dials a new one."""
+    def call(coro, timeout=HANG_S + 5):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def send(frame):
+        loop.call_soon_threadsafe(coord.send, session, frame)
+
+    def outcome(job_id):
+        try:
+            return call(coord.outcome(job_id, HANG_S))
+        except Exception:
+            t.bad("crashes" if srv.proc.poll() is not None else "hangs", f"no outcome for {job_id[:80]}")
+            return None
+
+    def protocol_error_after(before: int) -> bool:
+        deadline = time.monotonic() + HANG_S
+        while not any(e.frame_kind == "job_request" for e in coord.protocol_errors[before:]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    # Requests past their bounds: each refused as INVALID_REQUEST, the sealed ones before their body is opened;
+    # a job id past its bound with a ProtocolError that gives its length (an echo would be as large as the id).
+    cases = oversized_requests("llama-tiny", "over")
+    for n in (129, 1 << 16, 4 << 20):
+        huge = f"over-sealed-{n}-" + "s" * n
+        sealed, _ = seal_job(session.registration.sealing_key, huge, pb.JobRequest(job_id=huge, prompt="x"))
+        cases.append((f"sealed_job_id_{n}", pb.JobRequest(job_id=huge, model="llama-tiny", sealed=sealed)))
+    for name, req in cases:
+        before = len(coord.protocol_errors)
+        send(pb.CoordinatorFrame(job_request=req))
+        t.counts["oversized"] += 1
+        if len(req.job_id) > MAX_JOB_ID:
+            if protocol_error_after(before):
+                t.counts["oversized_refused"] += 1
+            else:
+                t.bad("crashes" if srv.proc.poll() is not None else "hangs", f"no ProtocolError for {name}")
+            continue
+        out = outcome(req.job_id)
+        if out is not None and out.WhichOneof("frame") == "job_error" \
+                and out.job_error.cause == pb.ERROR_CAUSE_INVALID_REQUEST:
+            t.counts["oversized_refused"] += 1
+        elif out is not None:
+            t.bad("oversized_not_refused", f"{name}: {str(out)[:200]}")
+
+    # Malformed results, against the reference coordinator's verifier: a typed refusal each, nothing raised.
+    good = "attack-signed"  # dispatched: the coordinator keeps the request its result must answer
+    loop.call_soon_threadsafe(coord.dispatch, session, pb.JobRequest(job_id=good, model="llama-tiny",
+                                                                     prompt="The cache", max_tokens=3))
+    done = outcome(good)
+    if done is not None and done.WhichOneof("frame") == "job_done":
+        key, request = session.registration.public_key, coord.requests[good]
+
+        @_campaign_settings(n_results, seed)
+        @given(forged=malformed_results(done.job_done))
+        def one_result(forged):
+            t.counts["results"] += 1
+            try:
+                why = coord.check_result(session, forged)
+                try:
+                    verify_result(forged, key, request)
+                except (InvalidResult, InvalidSignature) as e:
+                    why = why or str(e)
+            except Exception as e:  # what would end a coordinator's reader
+                t.bad("result_exceptions", f"{type(e).__name__}: {e} <- {forged}")
+                return
+            if why:
+                t.counts["results_refused"] += 1
+            elif forged.SerializeToString(deterministic=True) != done.job_done.SerializeToString(deterministic=True):
+                t.bad("results_accepted", str(forged))
+            else:
+                t.counts["results_unchanged"] += 1  # the draw set every field to the value it had
+
+        one_result()
+
+    # A Drain flood while a job runs: one pending report, memory flat; then a new session to serve again.
+    proc = psutil.Process(srv.proc.pid)
+    rss_before = proc.memory_info().rss
+    send(pb.CoordinatorFrame(job_request=pb.JobRequest(job_id="attack-running", model="llama-tiny",
+                                                       prompt="The cache", max_tokens=16)))
+    drain = pb.CoordinatorFrame(drain=pb.Drain()).SerializeToString()
+    for i in range(n_drains):
+        send(drain)
+        if i % 1000 == 999:  # let the node read them: a Pong after them means every one before was read
+            ping = 10**9 + i
+            send(pb.CoordinatorFrame(ping=pb.Ping(id=ping)))
+            deadline = time.monotonic() + HANG_S
+            while not any(k == "pong" and f.pong.id == ping for _, k, f in coord.frames[-200:]):
+                if time.monotonic() > deadline:
+                    t.bad("hangs", f"no pong after {i + 1} Drain frames")
+                    break
+                time.sleep(0.01)
+    outcome("attack-running")
+    t.counts["drains"] += n_drains
+    t.counts["drain_rss_growth_mib"] = int((proc.memory_info().rss - rss_before) / 2**20)
+    before = session.session_id
+    call(coord.restart())
+    t.counts["deliberate_restarts"] += 1
+    return call(coord.wait_for_node(60, after=before), 70)
+
+
 def _stream_gaps(srv: LocalServer, max_tokens: int) -> list[float]:
     """One streamed completion on `srv`: the seconds between its chunks."""
     arrivals = []
@@ -217,6 +332,48 @@ def schema_phase(n: int, seed: int, t: Tally, root: Path) -> dict:
     return {"plain_gap_ms": plain * 1000, "hostile_gap_ms": attacked * 1000, "ratio": attacked / plain}
 
 
+def _good_job(coord: ReferenceCoordinator, loop, session, job_id: str, t: Tally) -> None:
+    t.good_checks += 1
+    loop.call_soon_threadsafe(coord.send, session, pb.CoordinatorFrame(job_request=pb.JobRequest(
+        job_id=job_id, model="llama-tiny", prompt="The cache", max_tokens=3)))
+    try:
+        out = asyncio.run_coroutine_threadsafe(coord.outcome(job_id, HANG_S), loop).result(HANG_S + 5)
+        t.good_ok += out.WhichOneof("frame") == "job_done"
+    except Exception:
+        pass
+
+
+def _protocol_error_lines(log_text: str) -> int:
+    return log_text.count('"coordinator_protocol_error"')
+
+
+def _protocol_error_bound(node_s: float) -> float:
+    """What the node's throttle lets through over its life, for each kind of unusable frame (undecodable, no
+    known case, each of the three handshake frames, a bad job id)."""
+    return 6 * (THROTTLE_BURST + THROTTLE_PER_S * node_s + node_s / THROTTLE_SUMMARY_S + 2)
+
+
+def print_coordinator_attacks(t: Tally, seconds: float, log_text: str, node_s: float) -> None:
+    c = t.counts
+    print(f"  coordinator attacks in {seconds:.0f} s (issue 36)")
+    print(f"    oversized requests  {c['oversized']:4d}, refused (INVALID_REQUEST, or ProtocolError for an id): "
+          f"{c['oversized_refused']}  (must be all)")
+    print(f"    malformed results   {c['results']:4d}, typed refusals: {c['results_refused']} (unchanged by their "
+          f"draw: {c['results_unchanged']}), exceptions: {c['result_exceptions']}  (must be 0)")
+    print(f"    Drain frames      {c['drains']:6d}, node RSS growth {c['drain_rss_growth_mib']:+d} MiB")
+    print(f"    malformed results accepted: {c['results_accepted']}  (must be 0)")
+    print(f"    log lines for unusable frames: {_protocol_error_lines(log_text)} for {c['garbage_frames']} garbage "
+          f"frames (throttle's bound over the node's {node_s:.0f} s: {_protocol_error_bound(node_s):.0f}), "
+          f"{log_text.count('log_suppressed')} log_suppressed lines")
+
+
+def coordinator_attacks_ok(t: Tally, log_text: str, node_s: float) -> bool:
+    c = t.counts
+    return (c["oversized_refused"] == c["oversized"] and not c["oversized_not_refused"]
+            and not c["result_exceptions"] and not c["results_accepted"] and c["results_refused"] > 0
+            and _protocol_error_lines(log_text) <= _protocol_error_bound(node_s))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--http", type=int, default=2000, help="HTTP cases (default 2000)")
@@ -224,9 +381,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=int(time.time()), help="hypothesis seed (default: the time)")
     ap.add_argument("--streams", type=int, default=3,
                     help="streams measured beside plain and beside hostile-schema requests (default 3)")
+    ap.add_argument("--results", type=int, default=500,
+                    help="malformed results given to the reference coordinator's verifier (default 500)")
+    ap.add_argument("--drains", type=int, default=20_000, help="Drain frames in the flood (default 20000)")
     args = ap.parse_args()
-    if args.http < 1 or args.frames < 5:
-        ap.error("--http must be >= 1 and --frames >= 5")
+    if args.http < 1 or args.frames < 5 or args.results < 1 or args.drains < 1:
+        ap.error("--http, --results and --drains must be >= 1 and --frames >= 5")
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -236,6 +396,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         fixtures.write_all(root / "fixtures")
+        node_started = time.monotonic()
         srv = LocalServer(root / "fixtures" / "llama-tiny", root, "--coordinator", coord.url,
                           env={"PROVIDER_MAX_TOKENS_LIMIT": "16", "PROVIDER_DEFAULT_MAX_TOKENS": "4"})
         try:
@@ -247,12 +408,17 @@ def main() -> int:
             http_s = time.monotonic() - started
             grpc_phase(coord, loop, session, args.frames, args.seed, t, srv)
             grpc_s = time.monotonic() - started - http_s
+            session = coordinator_attack_phase(coord, loop, session, args.results, args.drains, args.seed, t, srv)
+            _good_job(coord, loop, session, "good-after-attacks", t)
+            attacks_s = time.monotonic() - started - http_s - grpc_s
             gaps = schema_phase(args.streams, args.seed, t, root)
             alive = srv.proc.poll() is None
             rss_end = proc.memory_info().rss if alive else 0
             sessions = len({sid for sid, *_ in coord.frames})
         finally:
             code = srv.stop()
+        node_s = time.monotonic() - node_started
+        log_text = srv.logs()
     c = t.counts
     crashes = c["crashes"] + (not alive)
     print(f"fuzz campaign (seed {args.seed}) against a live node daemon, llama-tiny (vocabulary 512)")
@@ -269,16 +435,22 @@ def main() -> int:
           + ", ".join(f"{k[7:]}: {v}" for k, v in sorted(c.items()) if k.startswith("schema_") and k[7:].isdigit()))
     print(f"    the stream's longest gap: {gaps['plain_gap_ms']:.1f} ms beside their plain twins, "
           f"{gaps['hostile_gap_ms']:.1f} ms beside hostile ones: x{gaps['ratio']:.2f}  (goal <= 2)")
+    tracebacks = log_text.count("Traceback")
+    print_coordinator_attacks(t, attacks_s, log_text, node_s)
     print(f"  crashes             {crashes:6d}  (must be 0)")
+    print(f"  tracebacks in the node's log {tracebacks:3d}  (must be 0)")
     print(f"  hangs (> {HANG_S:.0f} s)      {c['hangs']:6d}  (must be 0)")
     print(f"  good request after every 100 cases: {t.good_ok}/{t.good_checks} served")
-    print(f"  coordinator sessions: {sessions} (1 = the stream never dropped)")
+    expected_sessions = 1 + c["deliberate_restarts"]
+    print(f"  coordinator sessions: {sessions} ({expected_sessions} = the stream dropped only when the coordinator "
+          "restarted on purpose)")
     print(f"  node RSS {rss_start / 2**20:.0f} MiB -> {rss_end / 2**20:.0f} MiB "
           f"({(rss_end - rss_start) / 2**20:+.0f} MiB); exit code on SIGTERM {code}")
     for kind, example in t.examples.items():
         print(f"  first {kind}: {example}")
-    ok = (not c["http_5xx"] and not c["grpc_internal"] and not crashes and not c["hangs"]
-          and t.good_ok == t.good_checks and code == 0 and gaps["ratio"] <= 2)
+    ok = (not c["http_5xx"] and not c["grpc_internal"] and not crashes and not c["hangs"] and not tracebacks
+          and t.good_ok == t.good_checks and code == 0 and gaps["ratio"] <= 2
+          and coordinator_attacks_ok(t, log_text, node_s))
     print("verdict:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
