@@ -59,7 +59,8 @@ def configure(level: str = "info", fmt: str = "auto", stream=None, file: str | N
                     structlog.processors.format_exc_info, renderer]))
     root = logging.getLogger()
     for old in root.handlers:
-        old.close()
+        if isinstance(old, logging.FileHandler):  # ours, from an earlier call: its file is let go
+            old.close()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS[level], logging.INFO))  # libraries' debug lines stay out even at debug
     events = logging.getLogger(_EVENTS)
