@@ -274,7 +274,7 @@ def _start(args: argparse.Namespace) -> int:
               "anyone who reaches the port could use the node; drop --no-auth, bind to 127.0.0.1, or pass "
               "--allow-unauthenticated-public if that is really meant", file=sys.stderr)
         return 2
-    logs.configure(settings.log_level, settings.log_format)
+    logs.configure(settings.log_level, settings.log_format, file=settings.log_file)
     if public_without_auth:
         logs.get("cli").warning("unauthenticated_public_api", bind=settings.bind)
         print(f"provider: WARNING: serving without auth on {settings.bind}; anyone who reaches the port can use "

@@ -153,7 +153,7 @@ async def _generate(args: argparse.Namespace, job: Job) -> int:
     from .node import Node, build_models
 
     settings = _settings(args)
-    logs.configure(settings.log_level, settings.log_format)
+    logs.configure(settings.log_level, settings.log_format, file=settings.log_file)
     node = Node(settings, build_models(settings, primary_models(settings)))
     model_id = node.resolve_model(args.model)
     _check_daemon(model_id)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -17,8 +16,8 @@ import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
-# Where the node writes its own log, rotated by size, when it is set: the launchd agent sets it (launchd's own
-# redirect never rotates). Read here until it becomes a setting (`log_file`), under the same name.
+# The setting `log_file` (PROVIDER_LOG_FILE) names the node's own log file, rotated by size: the launchd agent
+# sets it, since launchd's own redirect never rotates.
 LOG_FILE_ENV = "PROVIDER_LOG_FILE"
 LOG_FILE_MAX_BYTES = 16 << 20  # then provider.log becomes provider.log.1, and so on
 LOG_FILE_BACKUPS = 3  # so the files hold at most 64 MiB
@@ -34,12 +33,10 @@ THROTTLE_KEYS = 64  # keys come from closed sets; past this many, new ones share
 CLIP_CHARS = 200  # free text from a peer (a Reject's reason, a version string) is cut to this in a log line
 
 
-def configure(level: str = "info", fmt: str = "auto", stream=None, file: str | None = None, *,
+def configure(level: str = "info", fmt: str = "auto", stream=None, file: str = "", *,
               max_bytes: int = LOG_FILE_MAX_BYTES, backups: int = LOG_FILE_BACKUPS) -> None:
     """Every line, structlog's and the libraries' (aiohttp, grpc, asyncio), through one handler: `stream`
-    (stderr by default), or `file` rotated at `max_bytes` keeping `backups` old files. `file=None` means
-    LOG_FILE_ENV's value; "" means no file."""
-    file = os.environ.get(LOG_FILE_ENV, "") if file is None else file
+    (stderr by default), or `file` (the `log_file` setting) rotated at `max_bytes` keeping `backups` old files."""
     handler, tty = None, False
     if file:
         try:

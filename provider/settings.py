@@ -157,6 +157,9 @@ class Settings:
     # Logs.
     log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
     log_format: str = field(default="auto", metadata=_choice("auto", "console", "json"))
+    # Where the node writes its own log, rotated by size (logs.LOG_FILE_MAX_BYTES, LOG_FILE_BACKUPS); empty:
+    # stderr. The launchd agent sets it (PROVIDER_LOG_FILE), since launchd never rotates what it redirects.
+    log_file: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
