@@ -7,9 +7,13 @@ every 100 cases. Then the coordinator's attacks (issue 36): requests past their 
 ones too; repeated fields of hundreds of thousands of items), malformed results against the reference
 coordinator's verifier, and a flood of Drain frames. Expected: 0 5xx, 0 INTERNAL, 0 crashes, 0 tracebacks in the
 node's log, 0 hangs, every good request served, every oversized request refused, every malformed result refused
-with a typed error, the node's log lines far fewer than its unusable frames.
+with a typed error, the node's log lines far fewer than its unusable frames. Last, a node group's own wire
+(tools/harness/hostile_group.py): hostile lines at the rendezvous and the wake-up port while honest ranks meet
+there, and damaged or hostile sealed plans at a follower's decoder; the honest ranks must still meet, every
+hostile case end in a typed refusal.
 
-    python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--results 500] [--drains 20000] [--seed N]
+    python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--results 500] [--drains 20000]
+                                          [--group 1000] [--seed N]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from coordinator_client.sealing import seal_job  # noqa: E402
 from provider.logs import THROTTLE_BURST, THROTTLE_PER_S, THROTTLE_SUMMARY_S  # noqa: E402
 from provider.models import fixtures  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
+from tools.harness.hostile_group import group_campaign  # noqa: E402
 from tools.harness.hostile import (garbage_frames, http_cases, job_requests, malformed_results,  # noqa: E402
                                    oversized_requests)
 
@@ -384,9 +389,11 @@ def main() -> int:
     ap.add_argument("--results", type=int, default=500,
                     help="malformed results given to the reference coordinator's verifier (default 500)")
     ap.add_argument("--drains", type=int, default=20_000, help="Drain frames in the flood (default 20000)")
+    ap.add_argument("--group", type=int, default=1000,
+                    help="hostile cases per part of a node group's wire (rendezvous, wake-up port, plans; default 1000)")
     args = ap.parse_args()
-    if args.http < 1 or args.frames < 5 or args.results < 1 or args.drains < 1:
-        ap.error("--http, --results and --drains must be >= 1 and --frames >= 5")
+    if args.http < 1 or args.frames < 5 or args.results < 1 or args.drains < 1 or args.group < 1:
+        ap.error("--http, --results, --drains and --group must be >= 1 and --frames >= 5")
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -419,6 +426,9 @@ def main() -> int:
             code = srv.stop()
         node_s = time.monotonic() - node_started
         log_text = srv.logs()
+        group_started = time.monotonic()
+        group = group_campaign(args.group, args.seed, root / "group")
+        group_s = time.monotonic() - group_started
     c = t.counts
     crashes = c["crashes"] + (not alive)
     print(f"fuzz campaign (seed {args.seed}) against a live node daemon, llama-tiny (vocabulary 512)")
@@ -437,6 +447,14 @@ def main() -> int:
           f"{gaps['hostile_gap_ms']:.1f} ms beside hostile ones: x{gaps['ratio']:.2f}  (goal <= 2)")
     tracebacks = log_text.count("Traceback")
     print_coordinator_attacks(t, attacks_s, log_text, node_s)
+    print(f"  a node group's wire: {group.cases} hostile cases in {group_s:.0f} s (lines at the rendezvous and the "
+          f"wake-up port, sealed plans)")
+    print(f"    typed refusals    {group.refused:6d}  (plans; lines are refused by the ranks, logged)")
+    print(f"    hostile JSON that was still a plan a request could make: {group.accepted}")
+    print(f"    honest meetings   {group.meetings:6d}  (must be 6: two rendezvous of two ranks, one wake-up)")
+    print(f"    exceptions {len(group.crashes)}, hangs {group.hangs}, error logs {group.error_logs}  (must be 0)")
+    for crash in group.crashes[:3]:
+        print(f"    first exceptions: {crash}")
     print(f"  crashes             {crashes:6d}  (must be 0)")
     print(f"  tracebacks in the node's log {tracebacks:3d}  (must be 0)")
     print(f"  hangs (> {HANG_S:.0f} s)      {c['hangs']:6d}  (must be 0)")
@@ -450,7 +468,8 @@ def main() -> int:
         print(f"  first {kind}: {example}")
     ok = (not c["http_5xx"] and not c["grpc_internal"] and not crashes and not c["hangs"] and not tracebacks
           and t.good_ok == t.good_checks and code == 0 and gaps["ratio"] <= 2
-          and coordinator_attacks_ok(t, log_text, node_s))
+          and coordinator_attacks_ok(t, log_text, node_s)
+          and group.meetings == 6 and not group.crashes and not group.hangs and not group.error_logs)
     print("verdict:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
