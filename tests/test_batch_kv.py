@@ -6,6 +6,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from provider.memory.batch_kv import STEP, held, plain_batch_bytes, prefill_transient_bytes, spec_batch_bytes
 from provider.memory.estimate import ActivationShape, KVShape
+from tools.harness.isolated import run_isolated
 
 FULL = KVShape(bytes_per_token_full=100, bytes_per_token_sliding=0, sliding_window=None)
 SLIDING = KVShape(bytes_per_token_full=100, bytes_per_token_sliding=10, sliding_window=64)
@@ -46,9 +47,9 @@ def test_held_bounds_mlx_lms_own_buffers_read_in_any_chunks_then_joined_and_deco
         assert filled > -(-1500 // STEP) * STEP
 
 
-def test_a_join_holds_a_second_copy_of_the_batch_for_the_step_that_makes_it():
-    """Why PlainBatch.copying books a copy: mlx-lm's join pads every row to the longest and concatenates, and
-    MLX holds both while it runs. Its size is known from the lazy caches' shapes before they are evaluated."""
+def _join_peak() -> dict:
+    """A 1,500-token row joins 15 short ones; the joined batch's size from its lazy shapes, and MLX's peak over
+    the step that evaluates it (run in a process of its own: the figures are process-wide)."""
     short, long = BatchKVCache([0] * 15), BatchKVCache([0])
     for cache, rows, tokens in ((short, 15, 40), (long, 1, 1500)):
         for start in range(0, tokens, 124):
@@ -58,11 +59,18 @@ def test_a_join_holds_a_second_copy_of_the_batch_for_the_step_that_makes_it():
     short.extend(long)
     del long
     joined = short.nbytes  # from the shapes, before anything is evaluated
-    assert joined == 2 * 16 * short.keys.shape[2] * 8 * 32 * 4
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     mx.eval(short.keys, short.values)
-    assert mx.get_peak_memory() - before >= 1.8 * joined  # the padded rows and the joined batch, both held
+    return {"joined": joined, "padded": short.keys.shape[2], "held": mx.get_peak_memory() - before}
+
+
+def test_a_join_holds_a_second_copy_of_the_batch_for_the_step_that_makes_it():
+    """Why PlainBatch.copying books a copy: mlx-lm's join pads every row to the longest and concatenates, and
+    MLX holds both while it runs. Its size is known from the lazy caches' shapes before they are evaluated."""
+    m = run_isolated(_join_peak)
+    assert m["joined"] == 2 * 16 * m["padded"] * 8 * 32 * 4
+    assert m["held"] >= 1.8 * m["joined"], m  # the padded rows and the joined batch, both held
 
 
 def test_speculating_rows_own_their_caches_and_a_round_merges_a_padded_copy():

@@ -1,19 +1,23 @@
-"""The memory ledger against what MLX really holds, in this process (`mx.get_active_memory()`), on the fixture
-factory's KV-heavy Llama (8 KiB of KV per token, so KV dominates).
+"""The memory ledger against what MLX really holds (`mx.get_active_memory()`), on the fixture factory's
+KV-heavy Llama (8 KiB of KV per token, so KV dominates).
 
-Each test measures MLX's active memory as a difference from before the node existed, so what other tests in
-the same worker hold does not count; the bound is the ledger's own target: at most 10 % + 16 MiB over.
+MLX's active memory is process-wide, so a node whose books are checked against it runs in a process of its own
+(tools.harness.isolated), where nothing else allocates or frees: not another test's threads in the same
+pytest-xdist worker, nor MLX work they left queued. Each check measures it as a difference from before the node
+existed; the bound is the ledger's own target: at most 10 % + 16 MiB over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+from pathlib import Path
 
 import mlx.core as mx
 
 from provider.jobs import Done, Job
 from tests.helpers import collect, greedy, make_node, run
+from tools.harness.isolated import run_isolated
 
 MiB = 1 << 20
 WORDS = "cache batch token prompt model stream window prefix memory budget node server request reply".split()
@@ -32,23 +36,30 @@ def _within(active: int, ledger: int) -> bool:
     return active <= ledger * 1.10 + 16 * MiB
 
 
-def test_prefix_entries_hold_only_their_own_bytes(fixtures_dir):
+def _prefix_entries_held(fixtures: str) -> dict:
+    """Eight prompts served, then idle: what MLX holds beside the node's books (weights, prefix entries)."""
     base = _active()
-    node = make_node({"m": fixtures_dir / "llama-kv-heavy"}, max_concurrent_jobs=8, prefix_cache_gb=1.0)
+    node = make_node({"m": Path(fixtures) / "llama-kv-heavy"}, max_concurrent_jobs=8, prefix_cache_gb=1.0)
 
     async def main():
         ends = await asyncio.gather(*(collect(node, Job(f"j{i}", "m", greedy(32), prompt=_prompt(i, 300 + 13 * i)))
                                       for i in range(8)))
         assert all(isinstance(end, Done) for _, _, end, _ in ends)
         st = node.status()
-        held, weights, prefix = _active() - base, st.models[0].measured_weight_bytes, st.memory.prefix_cache_bytes
-        assert st.memory.jobs_kv_bytes == 0 and prefix > 0
-        # Idle: MLX holds the weights and the prefix entries, and no more (an entry that is a slice of its
-        # batch's buffers keeps the whole buffer: here about 40 MiB more).
-        assert _within(held, weights + prefix), (held / MiB, weights / MiB, prefix / MiB)
+        out = {"held": _active() - base, "weights": st.models[0].measured_weight_bytes,
+               "prefix": st.memory.prefix_cache_bytes, "jobs_kv": st.memory.jobs_kv_bytes}
         await node.stop()
+        return out
 
-    run(main())
+    return run(main())
+
+
+def test_prefix_entries_hold_only_their_own_bytes(fixtures_dir):
+    m = run_isolated(_prefix_entries_held, str(fixtures_dir))
+    assert m["jobs_kv"] == 0 and m["prefix"] > 0
+    # Idle: MLX holds the weights and the prefix entries, and no more (an entry that is a slice of its
+    # batch's buffers keeps the whole buffer: here about 40 MiB more).
+    assert _within(m["held"], m["weights"] + m["prefix"]), {k: v / MiB for k, v in m.items()}
 
 
 def test_a_draft_model_reads_a_cached_prefix_a_chunk_per_step(fixtures_dir, monkeypatch):
@@ -79,10 +90,10 @@ def test_a_draft_model_reads_a_cached_prefix_a_chunk_per_step(fixtures_dir, monk
     run(main())
 
 
-def test_a_long_prompt_beside_short_jobs_is_booked_as_the_padded_batch_it_makes(fixtures_dir):
+def _padded_batch_books(fixtures: str) -> dict:
+    """Fifteen short jobs and a long one on one model, MLX's memory sampled against the books all along."""
     base = _active()
-    node = make_node({"m": fixtures_dir / "llama-kv-heavy"}, max_concurrent_jobs=16, prefix_cache_gb=0)
-    per_token = 8 * 1024  # llama-kv-heavy: 4 layers x K,V x 8 heads x 32, float32
+    node = make_node({"m": Path(fixtures) / "llama-kv-heavy"}, max_concurrent_jobs=16, prefix_cache_gb=0)
     over: list = []
     peak_booked = 0
 
@@ -104,14 +115,21 @@ def test_a_long_prompt_beside_short_jobs_is_booked_as_the_padded_batch_it_makes(
         stop.set()
         await sampler
         assert all(isinstance(end, Done) for _, _, end, _ in ends)
-        long_tokens = ends[0][2].usage.prompt_tokens + 8
-        # Every row is padded to the long one: the batch is booked as 16 of it, not as 1 long + 15 short.
-        assert peak_booked >= 16 * long_tokens * per_token, (peak_booked / MiB, long_tokens)
-        assert not over, over
-        assert node.status().memory.jobs_kv_bytes == 0
+        out = {"peak_booked": peak_booked, "over": over, "long_tokens": ends[0][2].usage.prompt_tokens + 8,
+               "jobs_kv_after": node.status().memory.jobs_kv_bytes}
         await node.stop()
+        return out
 
-    run(main())
+    return run(main())
+
+
+def test_a_long_prompt_beside_short_jobs_is_booked_as_the_padded_batch_it_makes(fixtures_dir):
+    m = run_isolated(_padded_batch_books, str(fixtures_dir))
+    per_token = 8 * 1024  # llama-kv-heavy: 4 layers x K,V x 8 heads x 32, float32
+    # Every row is padded to the long one: the batch is booked as 16 of it, not as 1 long + 15 short.
+    assert m["peak_booked"] >= 16 * m["long_tokens"] * per_token, (m["peak_booked"] / MiB, m["long_tokens"])
+    assert not m["over"], m["over"]
+    assert m["jobs_kv_after"] == 0
 
 
 def test_drafter_headroom_counts_what_running_jobs_hold(fixtures_dir):
