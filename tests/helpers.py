@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from provider.jobs import Done, Error, Job, SamplingParams, Tokens
 from provider.node import Node
@@ -30,3 +31,20 @@ async def collect(node: Node, job: Job):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def until(predicate, what="", timeout: float = 120) -> None:
+    """Wait for `predicate()` to hold, polling every 10 ms, instead of sleeping and hoping it does. The deadline
+    only bounds a hang; `what` (a string, or a callable for the state at the time) says what never came."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what() if callable(what) else what
+        await asyncio.sleep(0.01)
+
+
+def until_blocking(predicate, what="", timeout: float = 120) -> None:
+    """`until` for tests outside an event loop (a daemon in a subprocess, polled over HTTP)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what() if callable(what) else what
+        time.sleep(0.05)

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from provider.engine.plain_batch import PlainBatch
 from provider.jobs import Done, Error, Job, JobError, Tokens
 from provider.types import Cause
 from provider.models import manifest
 from provider.models.checkpoint import read_config
 from provider.models.footprint import estimate_footprint
 from provider.models.store import StoredModel
-from tests.helpers import collect, greedy, make_node, run
+from tests.helpers import collect, greedy, make_node, run, until
 from tools.harness.isolated import run_isolated
 
 SMALL = {"kv_reserve_tokens": 256, "prefill_step": 64}
@@ -53,17 +54,24 @@ def test_third_model_evicts_least_recently_used(fixtures_dir):
     run(main())
 
 
-def test_busy_models_are_never_evicted(fixtures_dir):
+def test_busy_models_are_never_evicted(fixtures_dir, monkeypatch):
     node = node_for(fixtures_dir, two_of_three_budget(fixtures_dir))
+    busy = ("gemma4-tiny", "llama-tiny")
+    paused = set(busy)  # the long jobs' models: they stay in flight until the load is refused, however fast
+    real_step = PlainBatch.step
+
+    def step(self):  # injected: a paused model's step decodes nothing; the engine thread goes on admitting
+        return [] if self.lm.id in paused else real_step(self)
+
+    monkeypatch.setattr(PlainBatch, "step", step)
 
     async def main():
-        long_jobs = [asyncio.create_task(collect(node, Job(f"long-{n}", n, greedy(150), prompt="hi")))
-                     for n in ("gemma4-tiny", "llama-tiny")]
-        while node.engine.stats.active < 2:
-            await asyncio.sleep(0.02)
+        long_jobs = [asyncio.create_task(collect(node, Job(f"long-{n}", n, greedy(150), prompt="hi"))) for n in busy]
+        await until(lambda: node.engine.stats.active == 2, lambda: f"{node.engine.stats.active} of 2 jobs active")
         _, _, refused, _ = await collect(node, Job("q", "qwen3-tiny", greedy(3), prompt="hi"))
         assert isinstance(refused, Error) and refused.cause == Cause.INSUFFICIENT_MEMORY
         assert "needs" in refused.message and "MiB free" in refused.message and "budget" in refused.message
+        paused.clear()
         for task in long_jobs:  # the jobs in flight were not disturbed
             _, _, done, _ = await task
             assert isinstance(done, Done) and done.finish_reason in ("length", "stop")
@@ -156,11 +164,7 @@ def test_idle_models_unload_after_timeout(fixtures_dir):
     async def main():
         await collect(node, Job("a", "qwen3-tiny", greedy(2), prompt="hi"))
         assert node.models.resident() == ["qwen3-tiny"]
-        for _ in range(60):
-            await asyncio.sleep(0.1)
-            if not node.models.resident():
-                break
-        assert node.models.resident() == []
+        await until(lambda: not node.models.resident(), lambda: f"still resident: {node.models.resident()}")
         await node.stop()
 
     run(main())
