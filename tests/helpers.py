@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from provider.engine.plain_batch import PlainBatch
 from provider.jobs import Done, Error, Job, SamplingParams, Tokens
 from provider.node import Node
 from tools.harness.daemon import LocalServer  # noqa: F401 (tests import it from here)
@@ -27,6 +28,28 @@ async def collect(node: Node, job: Job):
     end = events[-1]
     assert isinstance(end, (Done, Error))
     return ids, "".join(text), end, events
+
+
+async def first_token(stream) -> None:
+    """Read a job's events up to its first Tokens (it is running)."""
+    async for ev in stream:
+        if isinstance(ev, Tokens):
+            return
+
+
+async def drain(stream) -> list:
+    """The rest of a job's events."""
+    return [ev async for ev in stream]
+
+
+def paused_models(monkeypatch) -> set[str]:
+    """The models named in the returned set decode nothing: their plain batch's step (injected over the real
+    one) returns no tokens, while the engine thread goes on admitting, loading and cancelling. A job on one
+    stays in flight, however fast it would decode, until the test says so."""
+    paused: set[str] = set()
+    real_step = PlainBatch.step
+    monkeypatch.setattr(PlainBatch, "step", lambda self: [] if self.lm.id in paused else real_step(self))
+    return paused
 
 
 def run(coro):

@@ -7,7 +7,7 @@ import pytest
 from provider.jobs import Accepted, Done, Error, Job, SamplingParams, Tokens
 from provider.types import Cause
 from tests import reference
-from tests.helpers import collect, greedy, make_node, run
+from tests.helpers import collect, drain, first_token, greedy, make_node, paused_models, run, until
 
 PROMPTS = [
     [{"role": "user", "content": "What is a cache?"}],
@@ -105,8 +105,7 @@ def test_cancel_stops_within_one_step(fixtures_dir):
         assert ev.finish_reason == "cancelled"
         # At most the one step already under way when the cancel arrived.
         assert ev.usage.completion_tokens <= seen + 1
-        await asyncio.sleep(0.1)
-        assert node.engine.stats.active == 0
+        await until(lambda: node.engine.stats.active == 0, "the cancelled job still counts as active")
         # The node keeps serving.
         _, _, done, _ = await collect(node, Job("b", "g", greedy(4), prompt="hi"))
         assert done.finish_reason == "length"
@@ -123,11 +122,8 @@ def test_closing_the_stream_cancels_the_job(fixtures_dir):
             async for ev in stream:
                 if isinstance(ev, Tokens):
                     break  # the client went away
-        for _ in range(50):
-            if node.engine.stats.active == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert node.engine.stats.active == 0 and node.engine.stats.jobs_cancelled == 1
+        await until(lambda: node.engine.stats.active == 0, "the job outlived its stream")
+        assert node.engine.stats.jobs_cancelled == 1
         await node.stop()
 
     run(main())
@@ -171,17 +167,19 @@ def test_concurrent_jobs_all_complete_and_overflow_is_typed(fixtures_dir):
     run(main())
 
 
-def test_stop_cancels_in_flight_after_grace(fixtures_dir):
+def test_stop_cancels_in_flight_after_grace(fixtures_dir, monkeypatch):
     node = make_node({"g": fixtures_dir / "gemma4-tiny"})
+    paused = paused_models(monkeypatch)
 
     async def main():
-        task = asyncio.create_task(collect(node, Job("a", "g", greedy(100000 // 100), prompt="x")))
-        await asyncio.sleep(0.5)
+        running = node.run(Job("a", "g", greedy(1000), prompt="x"))
+        await first_token(running)
+        paused.add("g")  # it cannot end on its own: only the stop ends it
         await node.stop(grace_s=0.2)
-        _, _, end, _ = await asyncio.wait_for(task, 5)
-        assert isinstance(end, Done) and end.finish_reason in ("cancelled", "length")
+        end = (await asyncio.wait_for(drain(running), 60))[-1]  # the bounds only catch a hang
+        assert isinstance(end, Done) and end.finish_reason == "cancelled"
         # A job submitted after stop gets a typed refusal, not a hang.
-        _, _, late, _ = await asyncio.wait_for(collect(node, Job("b", "g", greedy(2), prompt="x")), 5)
+        _, _, late, _ = await asyncio.wait_for(collect(node, Job("b", "g", greedy(2), prompt="x")), 60)
         assert isinstance(late, Error) and late.cause == Cause.DRAINING
 
     run(main())

@@ -14,28 +14,13 @@ import httpx
 from provider.engine.output import JobOutput
 from provider.engine.plain_batch import PlainBatch
 from provider.engine.spec_rounds import Speculator
-from provider.jobs import Accepted, Done, Error, Job, Tokens
+from provider.jobs import Accepted, Done, Error, Job
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.models.residency import Residency
 from provider.types import Cause, FinishReason
-from tests.helpers import collect, greedy, make_node, run
+from tests.helpers import collect, drain, first_token, greedy, make_node, run, until
 
 TIMEOUT_S = 60
-
-
-async def _first_token(stream) -> None:
-    async for ev in stream:
-        if isinstance(ev, Tokens):
-            return
-
-
-async def _until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
-
-
-async def _drain(stream) -> list:
-    return [ev async for ev in stream]
 
 
 def test_a_job_queued_at_shutdown_gets_a_typed_error_and_the_local_api_no_500(fixtures_dir):
@@ -47,14 +32,13 @@ def test_a_job_queued_at_shutdown_gets_a_typed_error_and_the_local_api_no_500(fi
         runner, url = await start_local_api(node, "127.0.0.1", 0, token=None)
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as client:
             long = node.run(Job("long", "q", greedy(4000), prompt="The cache"))
-            await _first_token(long)  # it holds the only slot: the next job queues
+            await first_token(long)  # it holds the only slot: the next job queues
             queued = asyncio.create_task(client.post("/v1/completions", json={
                 "model": "q", "prompt": "The cache", "max_tokens": 4, "temperature": 0}))
-            while node.status().queued_jobs < 1:
-                await asyncio.sleep(0.01)
+            await until(lambda: node.status().queued_jobs >= 1, "the request never queued")
             await node.stop(grace_s=0)
             r = await queued
-            rest = await _drain(long)
+            rest = await drain(long)
         await runner.cleanup()
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining", r.text
         # The running job's real outcome: cancelled, with what it had generated.
@@ -107,11 +91,11 @@ def test_a_failed_speculative_round_still_ends_the_rows_it_had_finished(monkeypa
 
     async def main():
         decoding = node.run(Job("decoding", "demo", greedy(400), prompt="The cache"))
-        await _first_token(decoding)
+        await first_token(decoding)
         monkeypatch.setattr(Speculator, "begin", begin)
         monkeypatch.setattr(Speculator, "round", round_)
         _, _, one, _ = await asyncio.wait_for(collect(node, Job("one", "demo", greedy(1), prompt="A river")), TIMEOUT_S)
-        rest = await asyncio.wait_for(_drain(decoding), TIMEOUT_S)
+        rest = await asyncio.wait_for(drain(decoding), TIMEOUT_S)
         # Exactly one terminal event each: the row that ended in the failed step keeps its Done or gets an
         # Error, but is never left without an outcome; the row the failure hit gets an Error.
         assert isinstance(one, (Done, Error))
@@ -144,18 +128,26 @@ def test_a_row_whose_output_fails_mid_step_fails_alone_and_loses_no_other_row(fi
         monkeypatch.setattr(PlainBatch, "step", gated_step)
         monkeypatch.setattr(JobOutput, "token", token)
         other = node.run(Job("other", "q", greedy(200), prompt="The cache"))
-        await _first_token(other)
+        await first_token(other)
         gate.clear()
+        prepared, real_prepare = [], node.prompts.prepare
+
+        def prepare(job):  # a spy: the futures of the two prompts being made
+            prepared.append(real_prepare(job))
+            return prepared[-1]
+
+        monkeypatch.setattr(node.prompts, "prepare", prepare)
         first = asyncio.create_task(collect(node, Job("first", "q", greedy(1), prompt="A river")))
         bad = asyncio.create_task(collect(node, Job("bad", "q", greedy(4), prompt="A river")))
-        await asyncio.sleep(1.0)  # both prompts prepared and queued behind the held step
+        # Both prompts prepared and queued behind the held step.
+        await until(lambda: len(prepared) == 2 and all(f.done() for f in prepared), "two prompts prepared")
         gate.set()
         (_, _, first_end, first_events), (_, _, bad_end, _) = await asyncio.wait_for(
             asyncio.gather(first, bad), TIMEOUT_S)
         assert isinstance(first_events[0], Accepted) and isinstance(first_end, Done)
         assert isinstance(bad_end, Error) and bad_end.cause == Cause.INTERNAL
         await other.aclose()  # a client that leaves: the engine ends the job on its own thread
-        await asyncio.wait_for(_until(lambda: node.engine.idle), TIMEOUT_S)
+        await until(lambda: node.engine.idle, "the engine never went idle", TIMEOUT_S)
         await node.stop()
 
     run(main())

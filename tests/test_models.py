@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from provider.engine.plain_batch import PlainBatch
 from provider.jobs import Done, Error, Job, JobError, Tokens
 from provider.types import Cause
 from provider.models import manifest
 from provider.models.checkpoint import read_config
 from provider.models.footprint import estimate_footprint
 from provider.models.store import StoredModel
-from tests.helpers import collect, greedy, make_node, run, until
+from tests.helpers import collect, greedy, make_node, paused_models, run, until
 from tools.harness.isolated import run_isolated
 
 SMALL = {"kv_reserve_tokens": 256, "prefill_step": 64}
@@ -57,13 +56,8 @@ def test_third_model_evicts_least_recently_used(fixtures_dir):
 def test_busy_models_are_never_evicted(fixtures_dir, monkeypatch):
     node = node_for(fixtures_dir, two_of_three_budget(fixtures_dir))
     busy = ("gemma4-tiny", "llama-tiny")
-    paused = set(busy)  # the long jobs' models: they stay in flight until the load is refused, however fast
-    real_step = PlainBatch.step
-
-    def step(self):  # injected: a paused model's step decodes nothing; the engine thread goes on admitting
-        return [] if self.lm.id in paused else real_step(self)
-
-    monkeypatch.setattr(PlainBatch, "step", step)
+    paused = paused_models(monkeypatch)
+    paused.update(busy)  # their long jobs stay in flight until the load has been refused
 
     async def main():
         long_jobs = [asyncio.create_task(collect(node, Job(f"long-{n}", n, greedy(150), prompt="hi"))) for n in busy]
