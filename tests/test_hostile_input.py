@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import zlib
 
 import httpx
@@ -125,13 +124,12 @@ def test_top_k_at_or_above_the_vocabulary_is_clamped_and_sampling_stays_healthy(
 
 def test_a_multi_megabyte_prompt_is_refused_without_tokenizing_it(server):
     proc = psutil.Process(server.proc.pid)
-    rss_before = proc.memory_info().rss
-    started = time.monotonic()
+    rss_before = proc.memory_info().rss  # the server's own process: nothing else runs there now
     r = _post(server, {"prompt": "word " * 700_000, "max_tokens": 2})  # 3.5 MB, under the 4 MiB body limit
     assert r.status_code == 400 and "context of 1024" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
-    # Generous bounds for a shared machine: tokenizing it took 7.6 s and 450 MiB before.
-    assert time.monotonic() - started < 5
+    # Refused on its length in characters, before any tokenizing (which took 7.6 s and 450 MiB before).
+    assert "1024 tokens can hold" in r.json()["error"]["message"], r.text
     assert (proc.memory_info().rss - rss_before) < 200 * 2**20
     _still_serving(server)
 
@@ -221,11 +219,10 @@ def test_grpc_big_prompt_and_top_k_are_typed_and_nobody_stalls(fixtures_dir, tmp
             coord.dispatch(s, job("warm", "l", max_tokens=2))
             await coord.outcome("warm")
             coord.dispatch(s, job("stream", "l", max_tokens=200))
-            started = time.monotonic()
             coord.dispatch(s, job("huge", "l", prompt="word " * 600_000))  # 3 MB, under gRPC's 4 MiB
             err = (await coord.outcome("huge")).job_error
             assert err.cause == pb.ERROR_CAUSE_CONTEXT_LENGTH_EXCEEDED and "context of 1024" in err.message
-            assert time.monotonic() - started < 5  # refused, not tokenized (that took 10-15 s before)
+            assert "1024 tokens can hold" in err.message  # refused on its characters, not tokenized (10-15 s)
             big_k = job("top-k", "l", max_tokens=3, temperature=1.0)
             big_k.sampling.top_k = 2**32 - 1
             coord.dispatch(s, big_k)

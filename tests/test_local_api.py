@@ -5,14 +5,13 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
 from tests import reference
-from tests.helpers import LocalServer
+from tests.helpers import LocalServer, until_blocking
 
 MARKER = "zebra-marker-7f3a"  # must never appear in logs
 
@@ -143,11 +142,7 @@ def test_client_disconnect_cancels_the_job(server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break  # leave mid-stream
-    for _ in range(100):
-        if httpx.get(server.url + "/health").json()["active_jobs"] == 0:
-            break
-        time.sleep(0.05)
-    assert httpx.get(server.url + "/health").json()["active_jobs"] == 0
+    until_blocking(lambda: httpx.get(server.url + "/health").json()["active_jobs"] == 0, "the job outlived its client")
     assert '"finish_reason": "cancelled"' in server.logs()
 
 
@@ -173,20 +168,24 @@ def test_logs_never_contain_prompt_or_completion_text(server, client):
 
 def test_sigterm_stops_cleanly_with_a_request_in_flight(fixtures_dir, tmp_path):
     srv = LocalServer(fixtures_dir / "qwen3-tiny", tmp_path, "--no-auth")
-    result = {}
+    lines, streaming = [], threading.Event()
 
     def long_request():
-        body = {"model": "qwen3-tiny", "prompt": "x", "max_tokens": 5000, "stream": True}
+        # Greedy, so that it cannot end on its own (a sampled EOS) before the SIGTERM.
+        body = {"model": "qwen3-tiny", "prompt": "x", "max_tokens": 5000, "stream": True, "temperature": 0}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-            result["lines"] = [line for line in r.iter_lines() if line]
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    streaming.set()
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(1.0)
-    started = time.monotonic()
-    assert srv.stop(signal.SIGTERM, timeout=30) == 0
-    t.join(30)
-    assert not t.is_alive() and time.monotonic() - started < 30
+    assert streaming.wait(120), "the request never started streaming"
+    # The bounds only catch a hang: the daemon drains for up to its 10 s grace, then cancels and exits.
+    assert srv.stop(signal.SIGTERM, timeout=60) == 0
+    t.join(60)
+    assert not t.is_alive()
     # The in-flight stream was ended properly: a finishing chunk, then [DONE].
-    assert result["lines"][-1] == "data: [DONE]"
-    assert json.loads(result["lines"][-2][6:])["choices"][0]["finish_reason"] in ("cancelled", "length", "stop")
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("cancelled", "length", "stop")
