@@ -11,12 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import LocalServer
+from tests.helpers import LocalServer, until_blocking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,14 +104,23 @@ def _notify_socket(tmp_path):
     return sock
 
 
-def _messages(sock, seconds: float) -> list[str]:
-    out, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
+def _messages(sock, enough) -> list[list[str]]:
+    """The daemon's notify messages (each a datagram's lines) until `enough(messages)` holds."""
+    out: list[list[str]] = []
+
+    def more() -> bool:
         try:
-            out += sock.recv(4096).decode().splitlines()
+            out.append(sock.recv(4096).decode().splitlines())
         except socket.timeout:
             pass
+        return enough(out)
+
+    until_blocking(more, lambda: f"not enough; the last ones: {out[-6:]}")
     return out
+
+
+def _lines(messages: list[list[str]]) -> list[str]:
+    return [line for m in messages for line in m]
 
 
 def test_the_rendered_unit_serves_under_systemd_notify_and_its_watchdog_stops_when_the_engine_hangs(
@@ -137,19 +145,20 @@ def test_the_rendered_unit_serves_under_systemd_notify_and_its_watchdog_stops_wh
             assert line, "the daemon exited"
             if "/v1" in line:
                 url = line.split()[-1].removesuffix("/v1")
-        seen = _messages(sock, 4)
+        seen = _lines(_messages(sock, lambda ms: _lines(ms).count("WATCHDOG=1") >= 3))
         extend = [i for i, m in enumerate(seen) if m.startswith("EXTEND_TIMEOUT_USEC=")]
         ready = seen.index("READY=1")
         assert extend and extend[0] < ready, seen  # extended while the model loaded, then ready
         assert any(m.startswith("STATUS=ok, local; models faulty-qwen") for m in seen[ready:]), seen
-        assert seen.count("WATCHDOG=1") >= 3, seen
         import httpx
 
         with pytest.raises(httpx.TimeoutException):  # this prompt wedges the engine's forward
             httpx.post(url + "/v1/completions", json={"prompt": "a prompt that hangs", "max_tokens": 2}, timeout=2)
-        _messages(sock, 6)  # the last pings from before the hang was noticed
-        after = _messages(sock, 5)
-        assert "WATCHDOG=1" not in after and any(m.startswith("STATUS=") for m in after), after
+        # The hang is noticed: a status without a ping (after the last pings from before it) ...
+        _messages(sock, lambda ms: ms and "WATCHDOG=1" not in ms[-1] and any(m.startswith("STATUS=") for m in ms[-1]))
+        # ... and the pings do not come back while the engine stays wedged (six intervals of 0.5 s).
+        after = _lines(_messages(sock, lambda ms: len(ms) >= 6))
+        assert "WATCHDOG=1" not in after, after
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -161,10 +170,8 @@ def test_status_reads_the_live_daemon_and_a_second_instance_is_refused(fixtures_
     assert _provider("status", env=env).returncode == 3  # nothing runs yet
     srv = LocalServer(fixtures_dir / "qwen3-tiny", tmp_path, "--no-auth")
     try:
-        deadline = time.monotonic() + 20
-        while (r := _provider("status", "--json", env=env)).returncode != 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        body = json.loads(r.stdout)
+        until_blocking(lambda: _provider("status", env=env).returncode == 0, "no status of the live daemon")
+        body = json.loads(_provider("status", "--json", env=env).stdout)
         assert body["pid"] == srv.proc.pid and body["mode"] == "local" and body["local_url"] == srv.url
         assert body["health"] == "ok" and body["uptime_s"] >= 0 and "jobs_kv_bytes" in body["memory"]
         assert [m["id"] for m in body["models"] if m["state"] == "ready"] == ["qwen3-tiny"]
