@@ -4,15 +4,12 @@ refused while its sender key is remembered, and when it is not (the memory is bo
 injected fault), the run's fresh salt gives it a new response key. The (key, nonce) pairs are computed on the
 coordinator's side, from what it can know: its own ephemeral secret and each run's announced salt."""
 
-import asyncio
-import time
-
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from coordinator_client.outcomes import MAX_FINISHED
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.sealing import COMPLETION_COUNTER, derive_keys, nonce, seal_job
-from tests.helpers import run
+from tests.helpers import run, until
 from tools.harness.nodes import harness, job
 
 
@@ -44,10 +41,8 @@ def _send_sealed(coord, session, inner: pb.JobRequest, sender: X25519PrivateKey)
 
 
 async def _outcomes(coord, job_id: str, n: int, timeout: float = 60) -> list[pb.ProviderFrame]:
-    deadline = time.monotonic() + timeout
-    while len(coord.outcomes.get(job_id, ())) < n:
-        assert time.monotonic() < deadline, f"{job_id}: {len(coord.outcomes.get(job_id, ()))} of {n} outcomes"
-        await asyncio.sleep(0.01)
+    await until(lambda: len(coord.outcomes.get(job_id, ())) >= n,
+                lambda: f"{job_id}: {len(coord.outcomes.get(job_id, ()))} of {n} outcomes", timeout)
     return coord.outcomes[job_id]
 
 
