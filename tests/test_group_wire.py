@@ -25,7 +25,7 @@ from provider.group.rendezvous import meet
 from provider.group.secret import GroupKey
 from provider.group.spec import group_spec, public_addresses
 from provider.types import SpecMode
-from tools.harness.group import write_hostfile, write_secret
+from tools.harness.group import loopback_specs, write_secret
 from tools.harness.plans import CHAT_LINE, a_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,12 +128,6 @@ def test_a_plan_that_says_what_no_request_could_is_refused(damage):
         decode_plan(raw, VOCAB)
 
 
-def _specs(tmp_path, ranks: int, secret: Path | None = None):
-    hostfile = write_hostfile(tmp_path / "hosts.json", ranks)
-    secret = secret or write_secret(tmp_path / "secret")
-    return [group_spec(str(hostfile), r, "ring", {}, str(secret)) for r in range(ranks)]
-
-
 def _raise_nofile(at_least: int) -> None:
     import resource
 
@@ -169,7 +163,7 @@ def test_a_hostile_peer_never_stops_honest_ranks_meeting(tmp_path):
     """Malformed hellos (the review's '²'), a foreign group's, one claiming the listener's own rank, connections
     held open, and a thousand connections: the two honest ranks still meet, and neither raises."""
     _raise_nofile(4096)
-    specs = _specs(tmp_path, 2)
+    specs = loopback_specs(tmp_path, 2)
     foreign = GroupKey(bytes(32), specs[0].hosts)
     stop, held, errors = threading.Event(), [], []
     attackers = [threading.Thread(target=_attack, args=(specs[r].hosts[r][0], stop, foreign, held))
@@ -205,7 +199,7 @@ def test_a_hostile_peer_never_stops_honest_ranks_meeting(tmp_path):
 
 
 def test_ranks_with_different_secrets_never_meet_and_say_why(tmp_path):
-    specs = _specs(tmp_path, 2)
+    specs = loopback_specs(tmp_path, 2)
     other = group_spec(str(specs[1].hostfile), 1, "ring", {}, str(write_secret(tmp_path / "other")))
     errors: list[BaseException] = []
 
@@ -227,7 +221,7 @@ def test_ranks_with_different_secrets_never_meet_and_say_why(tmp_path):
 def test_the_wake_up_port_is_taken_only_by_the_rank_that_proves_itself(tmp_path):
     """Rank 0's wake-up port: a local process, a stranger with the wrong secret and a connection held open all
     come first; the real worker still takes its place, and the stranger none."""
-    specs = _specs(tmp_path, 2)
+    specs = loopback_specs(tmp_path, 2)
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     got: dict = {}

@@ -39,6 +39,17 @@ def write_secret(path: Path) -> Path:
     return path
 
 
+def loopback_specs(root: Path, ranks: int = 2) -> list:
+    """Every rank's GroupSpec of a group on loopback under `root` (a hostfile and a secret made there), for code
+    that drives the group's sockets directly, without starting ranks."""
+    from provider.group.spec import group_spec
+
+    root.mkdir(parents=True, exist_ok=True)
+    hostfile = write_hostfile(root / "hosts.json", ranks)
+    secret = write_secret(root / "secret")
+    return [group_spec(str(hostfile), r, "ring", {}, str(secret)) for r in range(ranks)]
+
+
 class Follower:
     """`provider start --group HOSTFILE --rank R --model M` in a subprocess, its output kept in a file."""
 

@@ -23,8 +23,7 @@ from provider.group.doorbell import accept_followers, dial_leader
 from provider.group.link import seal, unseal
 from provider.group.plan import PlanError, decode_plan, encode_plan
 from provider.group.rendezvous import meet
-from provider.group.spec import group_spec
-from .group import write_hostfile, write_secret
+from .group import loopback_specs
 
 VOCAB = 512
 MEET_BOUND_S = 60.0
@@ -75,13 +74,6 @@ def _send(address: str, data: bytes) -> None:
         pass
 
 
-def _specs(root: Path):
-    root.mkdir(parents=True, exist_ok=True)
-    hostfile = write_hostfile(root / "hosts.json", 2)
-    secret = write_secret(root / "secret")
-    return [group_spec(str(hostfile), r, "ring", {}, str(secret)) for r in range(2)]
-
-
 def _in_thread(t: GroupTally, what: str, work) -> threading.Thread:
     def run() -> None:
         try:
@@ -98,7 +90,7 @@ def _in_thread(t: GroupTally, what: str, work) -> threading.Thread:
 def rendezvous_phase(n: int, seed: int, t: GroupTally, root: Path) -> None:
     """Each rank in turn listens alone while `n` hostile lines arrive; then the other comes and they meet."""
     for first in (0, 1):
-        specs = _specs(root / f"rendezvous{first}")
+        specs = loopback_specs(root / f"rendezvous{first}")
         waiting = _in_thread(t, f"rank {first} meeting", lambda: meet(specs[first], MEET_BOUND_S))
         time.sleep(0.2)
 
@@ -115,7 +107,7 @@ def rendezvous_phase(n: int, seed: int, t: GroupTally, root: Path) -> None:
 
 def doorbell_phase(n: int, seed: int, t: GroupTally, root: Path) -> None:
     """Rank 0's wake-up port takes `n` hostile lines, then the real worker dials and must be the one taken."""
-    specs = _specs(root / "doorbell")
+    specs = loopback_specs(root / "doorbell")
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     peers: list = []
@@ -141,7 +133,7 @@ def plan_phase(n: int, seed: int, t: GroupTally, root: Path) -> None:
     under the right key (what a rank holding the secret could send)."""
     from tools.harness.plans import a_plan
 
-    key = _specs(root / "plans")[0].key
+    key = loopback_specs(root / "plans")[0].key
     good = seal(key, 5, "plan", encode_plan(a_plan()))
     rng = random.Random(seed)  # where hostile JSON is grafted
 
