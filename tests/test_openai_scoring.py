@@ -143,3 +143,25 @@ def test_prompt_ids_outside_the_vocabulary_get_a_400_and_the_node_serves_on(serv
         client.completions.create(model="llama-tiny", prompt=[[1, 2], [1, 1 << 40]], max_tokens=2)
     assert e.value.body["param"] == "prompt"
     assert client.completions.create(model="llama-tiny", prompt=[1, 2], max_tokens=2).choices[0].text is not None
+
+
+def test_text_offsets_agree_streamed_and_whole_with_a_bos_the_echo_does_not_show(served):
+    """The tokenizer adds a BOS the echoed text does not hold: it takes no room, and each token's offset is where
+    it begins in the choice's text, the same whether streamed or not (issue 37, finding 8)."""
+    _, client = served
+    prompt = "Hi there"
+    args = dict(model="llama-tiny", prompt=prompt, max_tokens=4, logprobs=0, echo=True, temperature=0.0)
+    whole = client.completions.create(**args).choices[0]
+    offsets, tokens, text = [], [], ""
+    for chunk in client.completions.create(stream=True, **args):
+        c = chunk.choices[0]
+        text += c.text
+        if c.logprobs is not None:
+            offsets += c.logprobs.text_offset
+            tokens += c.logprobs.tokens
+    assert text == whole.text and tokens == whole.logprobs.tokens
+    assert offsets == whole.logprobs.text_offset, (tokens, offsets, whole.logprobs.text_offset, whole.text)
+    assert whole.logprobs.tokens[0] == "<bos>" and whole.logprobs.text_offset[:2] == [0, 0]
+    generated = whole.logprobs.tokens[-4:]
+    starts = [len(prompt) + len("".join(generated[:i])) for i in range(4)]
+    assert whole.logprobs.text_offset[-4:] == starts

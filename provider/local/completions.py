@@ -156,10 +156,12 @@ class _Reply:
         logprobs = lps if self.req.logprobs else None
         if self.chat:
             return out.chat_chunk(self.job_id, self.model, self.created, index=index, text=text, logprobs=logprobs)
-        offset = self._offsets.get(index, 0)
-        self._offsets[index] = offset + len(text)
+        lps_json = None
+        if logprobs is not None:
+            echo = self.echoes[index // self.req.n] if self.echoes is not None else ""
+            lps_json, self._offsets[index] = out.completion_logprobs(logprobs, echo, self._offsets.get(index, 0))
         return out.completion_chunk(self.job_id, self.model, self.created, index=index, text=text,
-                                    logprobs=logprobs, offset=offset)
+                                    logprobs_json=lps_json)
 
     def final(self, index: int, done: Done) -> dict[str, Any]:
         """A choice's finishing chunk; usage and telemetry ride on it for every client (the choice's own)."""

@@ -62,7 +62,7 @@ def completion_response(job_id: str, model: str, choices: list[ChoiceResult], cr
     for c in choices:
         echo = echoes[c.index // n] if echoes is not None else ""
         out.append({"index": c.index, "text": echo + c.text, "finish_reason": c.done.finish_reason,
-                    "logprobs": completion_logprobs(c.logprobs) if logprobs else None}
+                    "logprobs": completion_logprobs(c.logprobs, echo)[0] if logprobs else None}
                    | _own_telemetry(choices, c))
     return _envelope(job_id, model, "text_completion", created) | {"choices": out} | _totals(choices, n)
 
@@ -78,10 +78,14 @@ def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
             "refusal": None}
 
 
-def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(lps: list[TokenLogprob], echo: str = "", offset: int = 0) -> tuple[dict[str, Any], int]:
     """The completions shape: parallel lists; each token's alternatives as {text: logprob}, its own token
     included (as vLLM does), so a client can tell whether it was the best. A prompt's first token has
-    null for both. `text_offset` counts characters into the choice's text, from `offset`."""
+    null for both. And where the next token begins.
+
+    `text_offset` is one rule whether streamed or whole: a token begins where the texts of the tokens before
+    it end, from `offset`. (Counting the stream's text instead would differ: it holds back the bytes of a
+    character not yet whole.) A BOS the echoed prompt does not show takes no room."""
     tokens, values, tops, offsets = [], [], [], []
     for t in lps:
         tokens.append(t.text)
@@ -92,8 +96,15 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> dict[str, A
             top.setdefault(t.text, t.logprob)
         tops.append(top)
         offsets.append(offset)
-        offset += len(t.text)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        if not (t.logprob is None and _unshown(t.text, echo)):
+            offset += len(t.text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _unshown(token: str, text: str) -> bool:
+    """A prompt's first token (the one nothing scores) that the text does not show: a BOS the tokenizer added to a prompt sent as text takes no
+    room in the echo (a leading-space token of a SentencePiece vocabulary still does)."""
+    return bool(token) and not text.startswith(token) and not text.startswith(token.lstrip())
 
 
 # --- streams -------------------------------------------------------------------------
@@ -129,11 +140,10 @@ def chat_chunk(job_id: str, model: str, created: int, *, index: int = 0, text: s
 
 
 def completion_chunk(job_id: str, model: str, created: int, *, index: int = 0, text: str = "",
-                     finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None,
-                     offset: int = 0) -> dict[str, Any]:
+                     finish_reason: str | None = None,
+                     logprobs_json: dict[str, Any] | None = None) -> dict[str, Any]:
     return _envelope(job_id, model, "text_completion", created) | {
-        "choices": [{"index": index, "text": text, "finish_reason": finish_reason,
-                     "logprobs": completion_logprobs(logprobs, offset) if logprobs is not None else None}]
+        "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs_json}]
     }
 
 
