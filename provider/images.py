@@ -12,9 +12,10 @@ from __future__ import annotations
 import io
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .content import ImageInput, VideoInput
 from .types import Cause, JobError
@@ -22,11 +23,22 @@ from .types import Cause, JobError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_PIXELS = 32_000_000  # width x height of one decoded image (an 8k x 4k photo)
 MAX_SOURCE_FRAMES = 10_000  # frames of one animated file
-MAX_VIDEO_PIXELS = 400_000_000  # all frames of one animated file: seeking decodes the frames before it
+MAX_VIDEO_PIXELS = 400_000_000  # canvases decoded while seeking one animated file (each frame before the one asked)
+# One request's media as the model reads them (float32 pixels and patches, counted from the headers before any
+# is decoded): eight images at the largest budget (1120 soft tokens: 29.5 MiB each) or four full videos
+# (32 frames at 70 soft tokens: 59 MiB each).
+MAX_MEDIA_BYTES = 256 << 20
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # Gemma 4's per-image budgets
 # "detail": low is a quarter of the checkpoint's default budget, high four times it (Gemma 4's default of 280
 # gives 70 and 1120, its least and most), auto the default itself.
 DETAIL_SCALE = {"low": 0.25, "auto": 1.0, "high": 4.0}
+
+
+def _held(a: Any) -> int:
+    """The bytes an array keeps alive: a view's whole buffer (the processor's outputs are views of a batch)."""
+    while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+        a = a.base
+    return int(getattr(a, "nbytes", 0))
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,11 @@ class PreparedImage:
 
     pixels: Any  # numpy float32 array
     soft_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the prepared pixels hold until the tower has read them."""
+        return _held(self.pixels)
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,11 @@ class PreparedVideo:
     @property
     def soft_tokens(self) -> int:
         return self.tokens_per_frame * len(self.timestamps)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the prepared patches and positions hold until the tower has read them."""
+        return _held(self.patches) + _held(self.positions)
 
 
 @dataclass(frozen=True)
@@ -67,63 +89,125 @@ class VisionPrompt:
         return [(i.soft_tokens, 1) for i in self.images] + [(v.tokens_per_frame, len(v.timestamps))
                                                              for v in self.videos]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes all of the job's prepared media hold."""
+        return sum(m.nbytes for m in (*self.images, *self.videos))
 
-def decode(image: ImageInput):
-    """The image's first frame as an RGB PIL image, or a 400 that names its part."""
+
+def _refused(where: str, why: str) -> JobError:
+    return JobError(Cause.INVALID_REQUEST, f"{where}: {why}", where)
+
+
+def _too_large(where: str, why: str) -> JobError:
+    return JobError(Cause.INVALID_REQUEST, f"{where}: {why}", where)
+
+
+def _check_size(where: str, size: tuple[int, int], frame: int | None = None) -> None:
+    """A canvas Pillow is about to fill: at most MAX_PIXELS, checked before the pixels exist (Pillow's own
+    MAX_IMAGE_PIXELS is process-wide and only warns below twice itself, so it is never what bounds us)."""
+    width, height = size
+    if width < 1 or height < 1 or width * height > MAX_PIXELS:
+        at = f" at frame {frame}" if frame else ""
+        raise _refused(where, f"is {width}x{height} pixels{at}; at most {MAX_PIXELS:,} pixels are taken")
+
+
+def open_image(data: bytes, where: str):
+    """The file opened (its header read, no pixel decoded) and its canvas checked."""
     from PIL import Image, UnidentifiedImageError
 
-    def refused(why: str) -> JobError:
-        return JobError(Cause.INVALID_REQUEST, f"{image.where}: {why}", image.where)
-
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # refused below, or not a bomb
+    # Pillow checks every canvas and GIF disposal buffer it allocates against this module-wide figure, and only
+    # raises past twice it: set (to the same value, on every call) so Pillow refuses past MAX_PIXELS as well
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS // 2
     try:
-        img = Image.open(io.BytesIO(image.data), formats=FORMATS)  # reads the header only
+        img = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
     except UnidentifiedImageError:
-        raise refused("is not a PNG, JPEG, WebP or GIF image") from None
+        raise _refused(where, "is not a PNG, JPEG, WebP or GIF image") from None
     except Image.DecompressionBombError:  # Pillow's own bound, far above ours
-        raise refused(f"claims more pixels than the at most {MAX_PIXELS:,} pixels taken") from None
+        raise _refused(where, f"claims more pixels than the at most {MAX_PIXELS:,} pixels taken") from None
     except Exception as e:  # a header Pillow cannot parse
-        raise refused(f"cannot be read as an image ({type(e).__name__})") from None
-    width, height = img.size
-    if width < 1 or height < 1 or width * height > MAX_PIXELS:
-        raise refused(f"is {width}x{height} pixels; at most {MAX_PIXELS:,} pixels are taken")
+        raise _refused(where, f"cannot be read as an image ({type(e).__name__})") from None
+    _check_size(where, img.size)
+    return img
+
+
+def _rgb(img, where: str, frame: int = 0):
     try:
-        img.seek(0)
         img.load()
         return img.convert("RGB")
     except Exception as e:  # truncated data, a corrupt stream, a decoder error
-        raise refused(f"is truncated or corrupt ({type(e).__name__}: {str(e)[:80]})") from None
+        at = f"frame {frame} " if frame else ""
+        raise _refused(where, f"{at}is truncated or corrupt ({type(e).__name__}: {str(e)[:80]})") from None
 
 
-def video_frames(video: VideoInput, cap: int) -> tuple[list, float]:
+def decode(image: ImageInput):
+    """The image's first frame as an RGB PIL image, or a 400 that names its part."""
+    return _rgb(open_image(image.data, image.where), image.where)
+
+
+def video_frames(video: VideoInput, cap: int, fit: Callable[[int, int], tuple[int, int]] | None = None
+                 ) -> tuple[list, float]:
     """At most `cap` frames sampled evenly from the video, and the rate they were sampled at (frames per
-    second of the video's time), so each frame's timestamp is its real time."""
+    second of the video's time), so each frame's timestamp is its real time. With `fit` ((width, height) of
+    the first frame -> the size the processor reads), each frame is resized to that size as soon as it is
+    decoded, one at a time: no frame is ever held at another frame's size."""
+    size = None
+
+    def fitted(img):
+        nonlocal size
+        size = size or (fit(*img.size) if fit else img.size)
+        return img if img.size == size else img.resize(size, resample=_BICUBIC())
+
     if len(video.files) > 1:
         picked = _evenly(len(video.files), cap)
         fps = video.fps or 1.0
-        frames = [decode(ImageInput(video.files[i], where=f"{video.where}[{i}]")) for i in picked]
+        frames = [fitted(decode(ImageInput(video.files[i], where=f"{video.where}[{i}]"))) for i in picked]
         return frames, len(picked) * fps / len(video.files)
-    return _animated_frames(video, cap)
+    return _animated_frames(video, cap, fitted)
 
 
-def _animated_frames(video: VideoInput, cap: int) -> tuple[list, float]:
+def _BICUBIC():
     from PIL import Image
 
-    first = decode(ImageInput(video.files[0], where=video.where))  # every check an image gets, on frame 0
-    img = Image.open(io.BytesIO(video.files[0]), formats=FORMATS)
-    total = getattr(img, "n_frames", 1)
-    if total > MAX_SOURCE_FRAMES or total * img.size[0] * img.size[1] > MAX_VIDEO_PIXELS:
-        raise JobError(Cause.INVALID_REQUEST, f"{video.where}: {total} frames of {img.size[0]}x{img.size[1]} are "
-                                              f"more than the at most {MAX_VIDEO_PIXELS:,} pixels taken", video.where)
+    return Image.BICUBIC  # the processors' own resampling
+
+
+def _animated_frames(video: VideoInput, cap: int, fitted: Callable) -> tuple[list, float]:
+    """An animated file's frames, read in order: each seek can grow the canvas (a GIF frame at a large offset)
+    or change it (an MPO's next picture), so the canvas is checked after every seek, before the frame is
+    decoded, and the canvases decoded on the way (seeking decodes every frame before the one asked for) are
+    counted."""
+    from PIL.Image import DecompressionBombError
+
+    where = video.where
+    img = open_image(video.files[0], where)
+    try:
+        total = getattr(img, "n_frames", 1)
+    except Exception as e:
+        raise _refused(where, f"is truncated or corrupt ({type(e).__name__})") from None
+    if total > MAX_SOURCE_FRAMES:
+        raise _too_large(where, f"holds {total:,} frames; at most {MAX_SOURCE_FRAMES:,} are taken")
     duration_ms = img.info.get("duration") or 0
     fps = video.fps or (1000.0 / duration_ms if duration_ms > 0 else 1.0)
-    frames = []
-    for i in _evenly(total, cap):
-        try:
-            img.seek(i)
-            frames.append(img.convert("RGB") if i else first)
-        except Exception as e:
-            raise JobError(Cause.INVALID_REQUEST, f"{video.where}: frame {i} is truncated or corrupt "
-                                                  f"({type(e).__name__})", video.where) from None
+    picked = _evenly(total, cap)
+    wanted, frames, decoded = set(picked), [], 0
+    for i in range(picked[-1] + 1):
+        if i:
+            try:
+                img.seek(i)  # decodes frame i - 1 (if not yet) and reads frame i's header
+            except DecompressionBombError:
+                raise _too_large(where, f"frame {i} grows the canvas past the at most {MAX_PIXELS:,} pixels "
+                                        "taken") from None
+            except Exception as e:
+                raise _refused(where, f"frame {i} is truncated or corrupt ({type(e).__name__})") from None
+        _check_size(where, img.size, i)
+        decoded += img.size[0] * img.size[1]
+        if decoded > MAX_VIDEO_PIXELS:
+            raise _too_large(where, f"decoding its frames up to frame {i} takes more than the at most "
+                                    f"{MAX_VIDEO_PIXELS:,} pixels taken")
+        if i in wanted:
+            frames.append(fitted(_rgb(img, where, i)))
     return frames, len(frames) * fps / total
 
 
@@ -136,7 +220,7 @@ def _evenly(total: int, n: int) -> list[int]:
 class ImageProcessor:
     """A model's image and video processors and its media tokens, read from its checkpoint files."""
 
-    def __init__(self, path: Path, config: dict, tokenizer: Any):
+    def __init__(self, path: Path, config: dict, tokenizer: Any, max_media_bytes: int = MAX_MEDIA_BYTES):
         from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4VideoProcessor
 
         settings = _processor_settings(path)
@@ -150,19 +234,67 @@ class ImageProcessor:
         self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.boi = tokenizer.convert_ids_to_tokens(config["boi_token_id"])
         self.eoi = tokenizer.convert_ids_to_tokens(config["eoi_token_id"])
+        self.max_media_bytes = max_media_bytes
+
+    def _fit(self, width: int, height: int, soft_tokens: int) -> tuple[int, int]:
+        """(width, height) the processor resizes a width x height image to for a budget: aspect kept, the
+        largest within the budget's patches (up or down), by mlx-vlm's own rule."""
+        from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
+
+        p = self._processor
+        h, w = get_aspect_ratio_preserving_size(height, width, p.patch_size, soft_tokens * p.pooling_kernel_size ** 2,
+                                                p.pooling_kernel_size)
+        return w, h
+
+    def image_bytes(self, image: ImageInput) -> int:
+        """The bytes `prepare(image)` will hold (float32 [3, H, W]), from the file's header alone."""
+        img = open_image(image.data, image.where)
+        w, h = self._fit(*img.size, budget_for(image.detail, self.default_budget))
+        return 3 * w * h * 4
+
+    def video_bytes(self, video: VideoInput) -> int:
+        """The bytes `prepare_video(video)` will hold at most: every sampled frame's patches, padded to the
+        budget's, and their positions (a frame count the header does not tell is counted at the cap)."""
+        v = self._video
+        patches = v.max_soft_tokens * v.pooling_kernel_size ** 2
+        frames = min(len(video.files) if len(video.files) > 1 else MAX_SOURCE_FRAMES, v.num_frames)
+        return frames * patches * (v.patch_size ** 2 * 3 * 4 + 2 * 8)
+
+    def check_media(self, images: tuple[ImageInput, ...], videos: tuple[VideoInput, ...] = ()) -> tuple[int, ...]:
+        """The bytes each of a job's images and videos will hold once prepared (images first), counted from the
+        files' headers before any pixel is decoded; a 4xx naming the part that takes the job past
+        `max_media_bytes`. Call it before preparing any of them."""
+        total, sizes = 0, []
+        for item in (*images, *videos):
+            sizes.append(self.image_bytes(item) if isinstance(item, ImageInput) else self.video_bytes(item))
+            total += sizes[-1]
+            if total > self.max_media_bytes:
+                raise self._over(item.where, total)
+        return tuple(sizes)
+
+    def _over(self, where: str, total: int) -> JobError:
+        return _too_large(where, f"brings this request's media to {total / 2**20:.1f} MiB of pixels as the model "
+                                 f"reads them (float32), more than the at most {self.max_media_bytes / 2**20:.0f} MiB "
+                                 "taken; send fewer images or frames, or a lower detail")
 
     def prepare(self, image: ImageInput) -> PreparedImage:
         budget = budget_for(image.detail, self.default_budget)
-        data, counts = self._processor.preprocess([decode(image)], max_soft_tokens=budget)
+        img = decode(image)
+        size = self._fit(*img.size, budget)
+        if img.size != size:  # resized here, in Pillow, as the processor would: it then has nothing to resize
+            img = img.resize(size, resample=_BICUBIC())
+        data, counts = self._processor.preprocess([img], max_soft_tokens=budget)
         return PreparedImage(data["pixel_values"][0], int(counts[0]))
 
     def prepare_video(self, video: VideoInput) -> PreparedVideo:
         if self.video_token is None:
             raise JobError(Cause.INVALID_REQUEST, "this model's config names no video token", video.where)
-        frames, fps = video_frames(video, self._video.num_frames)
+        v = self._video
+        frames, fps = video_frames(video, v.num_frames, lambda w, h: _fit_video(v, w, h))
         import numpy as np
 
-        clip = np.stack([np.asarray(f.resize(frames[0].size)).transpose(2, 0, 1) for f in frames])
+        clip = np.stack([np.asarray(f).transpose(2, 0, 1) for f in frames])  # each already at the processor's size
+        del frames
         out = self._video([clip], fps=[fps])
         return PreparedVideo(out["pixel_values_videos"][0], out["video_position_ids"][0],
                              int(out["num_soft_tokens_per_frame"][0]), tuple(out["frame_timestamps"][0]))
@@ -185,6 +317,15 @@ class ImageProcessor:
                         for v in videos)
             text = re.sub(re.escape(self.video_token), lambda _: next(runs), text)
         return text
+
+
+def _fit_video(v: Any, width: int, height: int) -> tuple[int, int]:
+    """(width, height) the video processor resizes a frame to (its own rule, in `_resize_frames`)."""
+    from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
+
+    h, w = get_aspect_ratio_preserving_size(height, width, v.patch_size,
+                                            v.max_soft_tokens * v.pooling_kernel_size ** 2, v.pooling_kernel_size)
+    return w, h
 
 
 def budget_for(detail: str, default: int) -> int:
