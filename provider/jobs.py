@@ -266,6 +266,7 @@ class Done:
     usage: Usage
     telemetry: Telemetry
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token, when it was scored
+    stop_sequence: str | None = None  # the stop string that ended it (Anthropic's stop_reason names it)
 
 
 @dataclass(frozen=True)

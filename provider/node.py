@@ -245,7 +245,9 @@ class Node:
         without BOS if not `add_special_tokens`), and its model's context length."""
         job = dataclasses.replace(job, model=self.resolve_model(job.model))
         m = await asyncio.to_thread(self.prompts.tokenizer, job.model)
-        if job.images or job.videos:  # each expanded to its soft tokens, which takes decoding it, as a job would
+        # Images are expanded to their soft tokens (which takes decoding them), offered tools rendered in the model's
+        # format: as the job would see them.
+        if job.images or job.videos or job.rules.calls_tools:
             return list((await asyncio.wrap_future(self.prompts.prepare(job))).prompt), m.context_length
 
         def encode() -> list[int]:

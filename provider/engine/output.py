@@ -90,7 +90,8 @@ class JobOutput:
             if self._calls.calls and reason == FinishReason.STOP:
                 reason = FinishReason.TOOL_CALLS
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
-        events.append(Done(self.job.id, reason, usage, self.telemetry(reason), self.prompt_logprobs))
+        events.append(Done(self.job.id, reason, usage, self.telemetry(reason), self.prompt_logprobs,
+                           self._stops.hit))
         return events
 
     def _chunk(self, text: str, ids: tuple[int, ...], logprobs: tuple = ()) -> Tokens:

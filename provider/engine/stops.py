@@ -7,6 +7,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self._stops = tuple(s for s in stops if s)
         self._pending = ""
+        self.hit: str | None = None  # the stop string that ended the text, once one did
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add `text`; return (text safe to emit, whether a stop string was hit)."""
@@ -16,7 +17,9 @@ class StopMatcher:
         hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            return buf[: min(hits)], True
+            at = min(hits)
+            self.hit = next(s for s in self._stops if buf.find(s) == at)
+            return buf[:at], True
         hold = max((self._held_suffix(buf, s) for s in self._stops), default=0)
         self._pending = buf[len(buf) - hold :]
         return buf[: len(buf) - hold], False

@@ -158,7 +158,9 @@ def _message(m: Any, i: int, images: list[ImageInput], videos: list[VideoInput])
         content = ""
     if not isinstance(content, (str, list)):
         raise RequestError(f"{param}.content must be a string or an array of content parts", f"{param}.content")
-    out = {"role": m.get("role"), "content": content}
+    role = m.get("role")
+    # OpenAI's newer name for system instructions; every chat template knows `system`, few know `developer`.
+    out = {"role": "system" if role == "developer" else role, "content": content}
     for key in ("tool_calls", "tool_call_id", "name"):  # checked by Job (constraints.check_message_tool_fields)
         if m.get(key) is not None:
             out[key] = m[key]

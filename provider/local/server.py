@@ -16,8 +16,11 @@ from ..jobs import JobError
 from ..node import Node
 from . import openai_api as api
 from . import openai_responses as out
+from . import anthropic_messages
+from .anthropic_routes import AnthropicMessages
 from .bodies import parse_json, read_body
 from .completions import JOB_ID, USAGE, Completions
+from .responses_routes import Responses
 
 log = logs.get("local")
 TOKEN_FILE = "local-api-token"
@@ -37,7 +40,10 @@ def load_or_mint_token(state_dir: Path | None = None) -> tuple[str, Path]:
     return token, path
 
 
-def _error(e: api.RequestError) -> web.Response:
+def _error(e: api.RequestError, path: str = "") -> web.Response:
+    """In the shape of the API the path belongs to: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return web.json_response(anthropic_messages.error_body(e), status=e.status)
     return web.json_response(e.body(), status=e.status)
 
 
@@ -48,12 +54,19 @@ class LocalAPI:
         s = node.settings
         self.limits = api.Limits(s.max_tokens_limit, s.default_max_tokens)
         self.serving = Completions(node, self.limits)
+        self.anthropic = AnthropicMessages(node, self.limits)
+        self.responses = Responses(node, self.limits)
         self.app = web.Application(client_max_size=s.max_body_bytes,
                                    middlewares=[self._access, self._errors, self._preflight, self._auth])
         self.app.on_response_prepare.append(self._cors_headers)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.serving.chat),
             web.post("/v1/completions", self.serving.completions),
+            web.post("/v1/messages", self.anthropic.create),
+            web.post("/v1/messages/count_tokens", self.anthropic.count_tokens),
+            web.post("/v1/responses", self.responses.create),
+            web.get("/v1/responses/{response_id}", self.responses.get),
+            web.delete("/v1/responses/{response_id}", self.responses.delete),
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
             web.get("/tokenizer_info", self.tokenizer_info),
@@ -97,8 +110,8 @@ class LocalAPI:
                                        "(cors_origins)", status=403, code="cors_disabled", type_="permission_error")
             return web.Response(status=204, headers={
                 "Access-Control-Allow-Origin": origin, "Vary": "Origin",
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"})
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version", "Access-Control-Max-Age": "600"})
         return await handler(request)
 
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -113,15 +126,16 @@ class LocalAPI:
         try:
             return await handler(request)
         except api.RequestError as e:
-            return _error(e)
+            return _error(e, request.path)
         except JobError as e:  # the node refused what the request named (a model, a token id)
-            return _error(api.error_for(e.cause, e.message, e.param))
+            return _error(api.error_for(e.cause, e.message, e.param), request.path)
         except web.HTTPRequestEntityTooLarge:
             limit = self.node.settings.max_body_bytes
-            return _error(api.RequestError(f"request body exceeds {limit} bytes", status=413, code="body_too_large"))
+            return _error(api.RequestError(f"request body exceeds {limit} bytes", status=413, code="body_too_large"),
+                          request.path)
         except web.HTTPException as e:
             if e.status >= 400:
-                return _error(api.RequestError(e.reason, status=e.status, code=str(e.status)))
+                return _error(api.RequestError(e.reason, status=e.status, code=str(e.status)), request.path)
             raise
 
     @web.middleware
@@ -129,7 +143,8 @@ class LocalAPI:
         open_paths = ("/health", "/metrics") if self.node.settings.metrics_public else ("/health",)
         if self.token is not None and request.path not in open_paths:
             header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else ""
+            # Anthropic's clients send the key as x-api-key (anthropic-version beside it is accepted, unread).
+            given = header[7:] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
             # aiohttp keeps undecodable header bytes as surrogates: encode them back, never raise on them.
             if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.token.encode()):
                 raise api.RequestError("missing or wrong bearer token; see the token file printed at start-up",
