@@ -52,6 +52,23 @@ def paused_models(monkeypatch) -> set[str]:
     return paused
 
 
+def held_models(monkeypatch) -> set[str]:
+    """`paused_models` for a test that waits seconds on a clock (a job's deadline) while a model is paused: a held
+    step waits 10 ms for nothing before returning no tokens, so the engine thread idles instead of spinning a
+    core, and still reads its inbox (a cancel) between steps."""
+    held: set[str] = set()
+    real_step = PlainBatch.step
+
+    def step(self):
+        if self.lm.id not in held:
+            return real_step(self)
+        time.sleep(0.01)
+        return []
+
+    monkeypatch.setattr(PlainBatch, "step", step)
+    return held
+
+
 def run(coro):
     return asyncio.run(coro)
 

@@ -2,13 +2,11 @@
 .prompt_logprobs; each chunk's logprobs, the prompt's on chunk 0, the whole of both on a re-sent outcome,
 sealed like the rest. Against the reference coordinator on loopback; values checked against mlx-lm."""
 
-import asyncio
-
 import mlx.core as mx
 from mlx_lm import load
 
 from coordinator_client.pb import provider_pb2 as pb
-from tests.helpers import run
+from tests.helpers import run, until
 from tools.harness.nodes import harness
 
 TOL = 2e-3
@@ -36,8 +34,9 @@ def test_logprobs_ride_on_chunks_and_outcomes_plain_and_sealed(fixtures_dir, tmp
             wire = [f.token_chunk for _, kind, f in coord.frames if kind == "token_chunk"
                     and f.token_chunk.job_id == "sealed"]
             assert wire and all(c.sealed and not c.logprobs and not c.prompt_logprobs for c in wire)
-            coord.dispatch(s, _request("clear", ids, logprobs=2, prompt_logprobs=True))  # a repeat: the stored
-            await asyncio.sleep(0.5)  # outcome, sent again whole
+            # A repeat: the stored outcome, sent again whole.
+            coord.dispatch(s, _request("clear", ids, logprobs=2, prompt_logprobs=True))
+            await until(lambda: len(coord.outcomes["clear"]) >= 2, "the repeat got no outcome")
             bad = {"needs-logprobs": _request("needs-logprobs", ids, prompt_logprobs=True),
                    "too-many": _request("too-many", ids, logprobs=21),
                    "past-vocab": _request("past-vocab", [1, 1 << 30], logprobs=1)}

@@ -4,11 +4,13 @@ interval is clamped; handshake garbage gets a typed refusal. Against the referen
 slow first hash and the failing signer are injected faults, named as such."""
 
 import asyncio
-import time
+import threading
+
+from structlog.testing import capture_logs
 
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
-from tests.helpers import run
+from tests.helpers import run, until
 from tools.harness.nodes import harness, job
 
 PIN = "0" * 64
@@ -18,11 +20,8 @@ def _models(fixtures_dir):
     return {"g": fixtures_dir / "gemma4-tiny"}
 
 
-async def _one_outcome(coord, job_id: str, timeout: float = 20) -> pb.ProviderFrame:
-    deadline = time.monotonic() + timeout
-    while not coord.outcomes.get(job_id):
-        assert time.monotonic() < deadline, f"{job_id}: no outcome"
-        await asyncio.sleep(0.01)
+async def _one_outcome(coord, job_id: str) -> pb.ProviderFrame:
+    await until(lambda: coord.outcomes.get(job_id), f"{job_id}: no outcome")
     return coord.outcomes[job_id][-1]
 
 
@@ -31,20 +30,23 @@ def test_a_session_abandoned_during_the_pin_check_records_coordinator_lost(fixtu
         coord = ReferenceCoordinator(heartbeat_interval_ms=200)
         await coord.start()
         async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, node, session):
-            checking = asyncio.Event()
+            checking, release = asyncio.Event(), threading.Event()
             loop = asyncio.get_running_loop()
 
             def slow_first_hash(model, expected):  # fault: a first hash of a large model takes minutes
                 loop.call_soon_threadsafe(checking.set)
-                time.sleep(1.5)
+                release.wait(300)  # until the session it came on is gone
 
             node.check_pin = slow_first_hash
             s = await coord.wait_for_node()
             coord.dispatch(s, job("pinned", "g", max_tokens=4, model_sha256=PIN))
-            await asyncio.wait_for(checking.wait(), 10)
-            await coord.kill()  # the session is abandoned while the job waits on its pin
-            await coord.start()
-            await coord.wait_for_node(after=s.session_id)
+            try:
+                await asyncio.wait_for(checking.wait(), 60)
+                await coord.kill()  # the session is abandoned while the job waits on its pin
+                await coord.start()
+                await coord.wait_for_node(after=s.session_id)  # the node has ended the old session: a new one
+            finally:
+                release.set()
             frame = await _one_outcome(coord, "pinned")
             assert frame.job_error.cause == pb.ERROR_CAUSE_COORDINATOR_LOST
             assert not session.jobs._running and not session.jobs._started and not session.jobs._cancelled
@@ -78,16 +80,20 @@ def test_a_welcome_s_heartbeat_interval_is_clamped(fixtures_dir, tmp_path):
         await coord.start()
         async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, node, session):
             s = await coord.wait_for_node()
-            await asyncio.sleep(1.0)
-            beats = len(s.heartbeats)
-            assert beats <= 12, beats  # at most one each 0.1 s (and the first at once)
+            await until(lambda: len(s.heartbeats) >= 11, "fewer than 11 heartbeats")  # bounds only a hang
+            # Stamped by the node as it builds each one: ten intervals of at least 0.1 s (unclamped, 1 ms), however
+            # late they are read. The stamps are whole milliseconds of the wall clock, hence the 2 ms.
+            stamps = [hb.timestamp_ms for hb in s.heartbeats[:11]]
+            gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+            assert min(gaps) >= 100 - 2, gaps
 
-    run(main())
+    with capture_logs() as logged:
+        run(main())
+    (clamped,) = [e for e in logged if e["event"] == "coordinator_heartbeat_clamped"]
+    assert clamped["asked_s"] == 0.001 and clamped["used_s"] == 0.1, clamped
 
 
 def test_garbage_for_a_challenge_is_a_typed_refusal_and_the_node_reconnects(fixtures_dir, tmp_path):
-    from structlog.testing import capture_logs
-
     async def main():
         coord = ReferenceCoordinator(heartbeat_interval_ms=200)
         coord.next_challenge = b"\xff\xff\xff garbage \x00"
@@ -153,10 +159,7 @@ def test_a_stored_result_sent_for_another_request_under_its_id_is_refused(fixtur
             assert (await _one_outcome(coord, "reused")).job_done.signature_layout == 2
             assert not coord.bad_results
             coord.dispatch(s, job("reused", "g", max_tokens=2, prompt="Another prompt"))
-            deadline = time.monotonic() + 10
-            while "reused" not in coord.bad_results:
-                assert time.monotonic() < deadline, "the stored outcome was accepted for another request"
-                await asyncio.sleep(0.01)
+            await until(lambda: "reused" in coord.bad_results, "the stored outcome was accepted for another request")
             assert "another request" in coord.bad_results["reused"]
 
     run(main())
@@ -183,10 +186,7 @@ def test_unacked_outcomes_are_bounded_in_bytes_and_bad_ids_are_not_recorded(fixt
             s = await coord.wait_for_node()
             long_id = "y" * 10_000
             coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=long_id, model="g", prompt="x")))
-            deadline = time.monotonic() + 20
-            while not coord.protocol_errors:
-                assert time.monotonic() < deadline, "no ProtocolError"
-                await asyncio.sleep(0.01)
+            await until(lambda: coord.protocol_errors, "no ProtocolError")
             assert coord.protocol_errors[-1].frame_kind == "job_request" and "10000" in coord.protocol_errors[-1].reason
             assert long_id not in session.jobs.outcomes.unacked and session.jobs.outcomes.finished(long_id) is None
 

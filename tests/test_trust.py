@@ -12,13 +12,16 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from coordinator_client.identity import Identity
 from coordinator_client.outcomes import token_digest
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.sealing import SealingKey, seal_job
+from coordinator_client.session import CoordinatorSession
 from provider.models import manifest
-from tests.helpers import run
-from tools.harness.nodes import harness, job
+from provider.settings import Settings
+from tests.helpers import make_node, run, until
+from tools.harness.nodes import FAST_RECONNECT, harness, job
 
 VECTORS = Path(__file__).parent / "vectors" / "sealing.json"
 
@@ -102,8 +105,7 @@ def test_a_coordinator_killed_mid_stream_rebuilds_the_whole_completion(fixtures_
         async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, node, session):
             s = await coord.wait_for_node()
             coord.dispatch(s, job("cut", "g", max_tokens=4000, prompt="The cache " * 3))
-            while len(coord.token_ids("cut")) < 3:
-                await asyncio.sleep(0.005)
+            await until(lambda: len(coord.token_ids("cut")) >= 3, "the long job never streamed")
             coord.dispatch(s, job("whole", "g", max_tokens=6))
             await coord.outcome("whole")
             await coord.kill()  # mid-stream for "cut"; "whole" finished but was never acknowledged
@@ -112,10 +114,7 @@ def test_a_coordinator_killed_mid_stream_rebuilds_the_whole_completion(fixtures_
             coord.outcomes.clear()
             await coord.start()
             await coord.wait_for_node(after=s.session_id)
-            for _ in range(1000):
-                if len(coord.outcomes) == 2 or coord.bad_results:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: len(coord.outcomes) == 2 or coord.bad_results, "the outcomes were not resent")
             assert not coord.bad_results, coord.bad_results  # a result that cannot be rebuilt is refused
             for jid in ("cut", "whole"):
                 (frame,) = coord.outcomes[jid]
@@ -139,8 +138,7 @@ def test_a_garbage_or_out_of_order_frame_gets_protocol_error_and_the_next_job_su
             coord.send(s, b"\xff\xff\xff garbled \x00\x01")
             coord.send(s, pb.CoordinatorFrame(welcome=pb.Welcome(session_id="again")))
             coord.send(s, pb.CoordinatorFrame())  # no case at all
-            while len(coord.protocol_errors) < 3:
-                await asyncio.sleep(0.01)
+            await until(lambda: len(coord.protocol_errors) >= 3, lambda: f"protocol errors: {coord.protocol_errors}")
             garbled, welcome, empty = coord.protocol_errors
             assert "did not decode" in garbled.reason and garbled.frame_bytes == len(b"\xff\xff\xff garbled \x00\x01")
             assert welcome.frame_kind == "welcome" and "handshake" in welcome.reason
@@ -162,14 +160,16 @@ def test_reject_retry_after_and_permanent(fixtures_dir, tmp_path):
             assert session.stats.reconnect_delays[0] >= 1.0  # not the 0.05 s base delay
         await coord.start()  # the harness stopped it
         coord.next_reject = pb.Reject(reason="this node is banned", permanent=True)
-        async with harness(_models(fixtures_dir), tmp_path / "second", coordinator=coord) as (_, _n, session):
-            for _ in range(300):
-                if session.rejected:
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.5)
-            assert session.rejected == "this node is banned" and session.stats.connects == 1  # stopped dialing
-        await coord.kill()
+        node = make_node(_models(fixtures_dir), max_concurrent_jobs=4)
+        session = CoordinatorSession(node, Settings(coordinator=coord.url, **FAST_RECONNECT),
+                                     Identity.load_or_create(tmp_path / "second"))
+        try:
+            # Never stopped: the reconnect loop ends by itself, and the node dials no more.
+            await asyncio.wait_for(session.run(asyncio.Event()), 120)
+        finally:
+            await node.stop()
+            await coord.kill()
+        assert session.rejected == "this node is banned" and session.stats.connects == 1
 
     run(main())
 
