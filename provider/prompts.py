@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import logs
-from .engine.grammar import Compiler, lark_for
+from .engine.grammar import Compiler, compile_rules
 from .images import ImageProcessor, VisionPrompt
+from .media_plan import MediaPlan, plan_media
 from .jobs import Job, JobError, check_vocabulary
 from .models.tool_format import ToolFormat, tool_format_for
 from .types import Cause
@@ -31,7 +32,7 @@ log = logs.get("prompts")
 class CompiledGrammar:
     """A constrained job's matcher, compiled off the engine thread; the engine makes it a RowGrammar."""
 
-    matcher: Any  # llguidance.LLMatcher, used by one row only
+    matcher: Any  # llguidance.LLMatcher or grammar.LazyCall, used by one row only
     n_vocab: int  # the matcher's mask width, in tokens
     kind: str  # OutputRules.kind
 
@@ -43,7 +44,7 @@ class Prepared:
     shared_prefix: int = 0  # tokens of the leading system messages, a prefix other chats are likely to share
     grammar: CompiledGrammar | None = None  # for a job with output rules
     tool_format: ToolFormat | None = None  # the model's, for a job that may call tools
-    vision: VisionPrompt | None = None  # a job with images: their pixels, read by the model's tower
+    vision: MediaPlan | None = None  # a job with images: their shape and bytes; pixels are made at admission
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,9 @@ class PromptTokenizer:
         """The job's output rules compiled for this model, or None when it has none."""
         if not job.rules.constrained:
             return None
-        lark = lark_for(job.rules, self.tool_format)
-        param = "tools" if job.rules.calls_tools else "response_format"
         compiler = self.compiler()
-        return CompiledGrammar(compiler.matcher(lark, param), compiler.n_vocab, job.rules.kind)
+        matcher = compile_rules(compiler, job.rules, self.tool_format)  # None: `auto` calls are only parsed
+        return CompiledGrammar(matcher, compiler.n_vocab, job.rules.kind) if matcher is not None else None
 
 
 def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptTokenizer:
@@ -154,15 +154,14 @@ class PromptPreparer:
             if m.images is None:
                 raise JobError(Cause.INVALID_REQUEST, f"model {job.model} takes no images: {m.images_refused}",
                                "messages")
-            # decoded outside the tokenizer's lock
-            vision = VisionPrompt(tuple(m.images.prepare(image) for image in job.images), m.images.image_token_id,
-                                  tuple(m.images.prepare_video(video) for video in job.videos),
-                                  m.images.video_token_id)
+            # decoded outside the tokenizer's lock, one at a time, for their soft tokens and bytes only: the
+            # pixels are made again when the job is admitted, so a queued job holds its files, not its pixels
+            vision = plan_media(m.images, job.images, job.videos, self._pool.submit)
         with m.lock:
             messages, tools = m.tool_format.prompt_messages(list(job.messages), job.rules) if job.messages \
                 else (None, None)
             if vision is not None:
-                ids = encode_with_images(job, m.tokenizer, m.images, vision, messages, tools)
+                ids = encode_with_images(job, m.tokenizer, m.images, vision.shape, messages, tools)
             else:
                 ids = encode_prompt(job, m.tokenizer, messages, tools)
             # The first of n choices keeps its whole prompt's KV for the others (all but the last token, which

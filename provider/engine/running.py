@@ -19,7 +19,8 @@ from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..status import QueueStatus
 from ..models.tool_format import ToolFormat
-from ..images import VisionPrompt
+from ..media_plan import MediaPlan
+from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..models.capability import media_token_ids
 from ..prompts import CompiledGrammar
 from .grammar import GrammarProcessor, RowGrammar
@@ -45,6 +46,8 @@ class Layout:
     reading: list[int] = field(default_factory=list)
     scoring: bool = False  # a prompt is being scored: its logits' scratch (logprobs.SCORE_SCRATCH_BYTES) is held
     copying: int = 0  # bytes of the copy of its caches its next step makes, rows having joined or left (PlainBatch)
+    media: int = 0  # what prompts with media hold beside their KV until read: prepared arrays, embeddings
+    vision: int = 0  # the vision tower's scratch, for the largest image left to encode (one encode at a time)
 
 
 log = logs.get("engine")
@@ -84,14 +87,18 @@ class Running:
                                                                                       None)
         return self._bytes(rows.lm, *self._layout(model_id)) if rows is not None else 0
 
-    def booking_with(self, lm: LoadedModel, prompt: int, final: int, scored: bool = False) -> int:
+    def booking_with(self, lm: LoadedModel, prompt: int, final: int, scored: bool = False,
+                     media: MediaPlan | None = None) -> int:
         """The same with one more job (`prompt` tokens, `final` at the end; `scored`, its prompt's logprobs
-        wanted), wherever it will decode: in the plain batch, in the plain batch with the speculating rows
-        demoted to it, or speculating (the largest: that is decided after admission)."""
+        wanted; `media`, its images), wherever it will decode: in the plain batch, in the plain batch with the
+        speculating rows demoted to it, or speculating (the largest: that is decided after admission). A job
+        with media is read first (its media held, the tower's scratch for its largest), then decodes."""
         plain, spec = self._layout(lm.id)
-        joined = Layout(plain.finals + [final], plain.reading + [prompt], plain.scoring or scored, plain.copying)
+        held, scratch = (0, 0) if media is None else job_media_bytes(lm, prompt, media)
+        joined = Layout(plain.finals + [final], plain.reading + [prompt], plain.scoring or scored, plain.copying,
+                        plain.media + held, max(plain.vision, scratch))
         layouts = [(joined, spec), (Layout(joined.finals + spec.finals, joined.reading + spec.reading,
-                                           joined.scoring, plain.copying), Layout())]
+                                           joined.scoring, plain.copying, joined.media, joined.vision), Layout())]
         if lm.drafter is not None:
             layouts.append((plain, Layout(spec.finals + [final], spec.reading + [prompt])))
         return max(self._bytes(lm, p, s) for p, s in layouts)
@@ -105,6 +112,9 @@ class Running:
         plain_rows = (plain.rows() if plain else []) + self._media.rows(model_id)  # media reads: read, not decoding
         layout = _layout(plain_rows, lambda r: r.output.t_first is None)
         layout.copying = plain.copying if plain else 0
+        reads = self._media.rows(model_id)
+        layout.media = sum(r.held_bytes for r in reads)
+        layout.vision = max((r.scratch_bytes for r in reads), default=0)
         return layout, _layout(spec.rows() if spec else [], lambda r: r.spec.reading)
 
     def _bytes(self, lm: LoadedModel, plain: Layout, spec: Layout) -> int:
@@ -120,13 +130,14 @@ class Running:
         chunk = longest_read(self._step_tokens)
         scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, chunk, PREFILL_ROWS),
                       prefill_transient_bytes(spec.reading, lm.act_shape, chunk, 1))
-        return kv + max(0, scratch - lm.act_reserve) + (SCORE_SCRATCH_BYTES if plain.scoring else 0)
+        return kv + max(0, scratch - lm.act_reserve) + (SCORE_SCRATCH_BYTES if plain.scoring else 0) \
+            + plain.media + plain.vision
 
     # --- starting -----------------------------------------------------------------
 
     def start(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], *, max_tokens: int, arrived: float,
               plan: SpecPlan, shared_prefix: int, grammar: CompiledGrammar | None = None,
-              tool_format: ToolFormat | None = None, vision: VisionPrompt | None = None) -> None:
+              tool_format: ToolFormat | None = None, vision: MediaPlan | None = None) -> None:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
             prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes, media_token_ids(lm.config))
@@ -192,7 +203,7 @@ class Running:
 
     def step(self) -> list[Delivery]:
         out: list[Delivery] = []
-        for read in self._media.step(self._step_tokens):
+        for read in self._media.step(self._step_tokens, idle=not (self._batches or self._speculating)):
             try:
                 self._join(read.lm, read.output, read.sink, read.prompt, read.joining["plan"], read.cache,
                            read.read, read.joining["shared_prefix"])
@@ -293,6 +304,13 @@ def _layout(rows: list, reading) -> Layout:
     return Layout([r.output.prompt_tokens + r.output.max_tokens for r in rows],
                   [r.output.prompt_tokens for r in rows if reading(r)],
                   any(getattr(r, "scorer", None) is not None for r in rows))
+
+
+def job_media_bytes(lm: LoadedModel, prompt: int, media: MediaPlan) -> tuple[int, int]:
+    """What a job's media hold while its prompt is read (their prepared arrays, the prompt's embeddings), and the
+    tower's scratch for the largest of them: what its MediaRead will say (held_bytes, scratch_bytes) at its start."""
+    return (media.nbytes + media_read_bytes(lm.config, prompt),
+            max((vision_scratch_bytes(lm.config, n) * at_once for n, at_once in media.encodes()), default=0))
 
 
 def _failed(job_id: str, e: BaseException) -> Error:

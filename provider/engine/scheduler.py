@@ -27,7 +27,6 @@ from .. import logs
 from ..jobs import Accepted, Done, Error, Event, Job, JobError, Sink, Usage
 from ..types import Cause, FinishReason
 from ..memory.admission import ADMIT, WAIT
-from ..memory.estimate import vision_scratch_bytes
 from ..models.loader import LoadedModel
 from ..models.residency import Residency
 from ..prompts import Prepared
@@ -257,10 +256,9 @@ class Engine:
             return Verdict.WAIT
         max_tokens = min(prepared.job.sampling.max_tokens, lm.context_length - len(prepared.prompt))
         # Booked for the batch it joins, as that batch will be (rows x its longest row), not for the job alone.
+        # Its media (made from here) and the tower's scratch are part of that batch's layout while it is read.
         booking = self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens,
-                                             scored=prepared.job.sampling.prompt_logprobs)
-        if prepared.vision is not None:  # read when it starts, one image at a time
-            booking += max(vision_scratch_bytes(lm.config, n) * at_once for n, at_once in prepared.vision.encodes())
+                                             scored=prepared.job.sampling.prompt_logprobs, media=prepared.vision)
         admission = self.models.admit_batch(lm.id, booking)
         if admission.decision != ADMIT:
             self.models.release(lm.id)

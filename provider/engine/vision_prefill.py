@@ -16,51 +16,89 @@ scale, and the per-layer inputs are the text tokens' with media positions as tok
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..images import VisionPrompt
+from ..media_plan import MediaPlan
+from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..models.loader import LoadedModel
 from ..types import Cause, JobError
 
+PIXELS_WAIT_S = 0.05  # with nothing else to run, the engine waits this long at most for an item's pixels
+
 
 class MediaRead:
-    """One job's prompt being read, images and all. `joining` holds what its batch needs once it is read."""
+    """One job's prompt being read, images and all. `joining` holds what its batch needs once it is read.
 
-    def __init__(self, lm: LoadedModel, output, sink, prompt: list[int], vision: VisionPrompt, cache: list | None,
+    Its media are prepared again from here (MediaPlan.load, on the prompt workers) and each is read by the tower
+    once ready. What it holds beside its KV is booked from its start until it is read (`held_bytes`): each
+    item's prepared arrays until the tower has read it, the prompt's embeddings; and, while an item is left to
+    encode, the tower's scratch for the largest of them (`scratch_bytes`)."""
+
+    def __init__(self, lm: LoadedModel, output, sink, prompt: list[int], media: MediaPlan, cache: list | None,
                  cached: int, *, keep_at: int = 0, keep: Callable[[list], None] | None = None, joining: dict):
         if lm.vision is None:
             raise JobError(Cause.INVALID_REQUEST, f"model {lm.id} cannot read images: its vision tower is not "
                                                   "loaded", "messages")
+        first = next(i for i, t in enumerate(prompt) if t in (media.shape.image_token_id, media.shape.video_token_id))
+        if first < cached:
+            raise JobError(Cause.INTERNAL, "a cached prefix reaches into an image")
         self.lm, self.output, self.sink, self.prompt, self.joining = lm, output, sink, prompt, joining
         self.cache = cache if cache is not None else make_prompt_cache(lm.model)
         self.read = cached
         self._text = lm.model.language_model.model  # mlx-lm's Gemma4TextModel: hidden states, no logits
         self._ids = mx.array(prompt[:-1])[None]
-        self._todo = [(vision.image_token_id, lambda i=i: lm.vision.encode(i.pixels)) for i in vision.images]
-        self._todo += [(vision.video_token_id, lambda v=v: lm.vision.encode_frames(v.patches, v.positions))
-                       for v in vision.videos]
+        self._embedded = media_read_bytes(lm.config, len(prompt))
         self._features: dict[int, list[mx.array]] = {}
         self._embeds: Any = None
         self._per_layer: Any = None
-        first = next(i for i, t in enumerate(prompt) if t in (vision.image_token_id, vision.video_token_id))
-        if first < cached:
-            raise JobError(Cause.INTERNAL, "a cached prefix reaches into an image")
         self._keep_at = keep_at if keep is not None and cached < keep_at <= first else 0
         self._keep = keep
+        # (media token, bytes its arrays hold, the tower's scratch for it, its pixels) for each item left to read
+        self._todo = [(token, size, vision_scratch_bytes(lm.config, n) * at_once, future) for (token, _), size,
+                      (n, at_once), future in zip(media.items(), media.item_bytes, media.encodes(), media.load())]
+
+    @property
+    def held_bytes(self) -> int:
+        """Booked beside its KV: the arrays of the items the tower has not read, and the prompt's embeddings."""
+        return sum(size for _, size, _, _ in self._todo) + self._embedded
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The tower's scratch for the largest item left to encode (one encode at a time); 0 once all are read."""
+        return max((scratch for _, _, scratch, _ in self._todo), default=0)
+
+    @property
+    def waiting(self) -> concurrent.futures.Future | None:
+        """The next item's pixels when they are still being prepared."""
+        if self._todo and not self._todo[0][3].done():
+            return self._todo[0][3]
+        return None
+
+    def close(self) -> None:
+        """Ended before it was read: items not yet prepared are not prepared."""
+        for *_, f in self._todo:
+            f.cancel()
+        self._todo = []
 
     @property
     def done(self) -> bool:
         return self.read >= len(self.prompt) - 1
 
     def advance(self, tokens: int) -> None:
-        """One piece: the next image or video through the tower, else up to `tokens` prompt tokens."""
+        """One piece: the next image or video through the tower (once prepared), else up to `tokens` prompt tokens."""
         if self._todo:
-            token, encode = self._todo.pop(0)
-            features = encode()
+            if self.waiting is not None:
+                return
+            token, _, _, future = self._todo[0]
+            item = future.result()  # a JobError raised while preparing it fails this job alone
+            features = lm_encode(self.lm, item)
             mx.eval(features)
+            del item
+            self._todo.pop(0)  # its arrays and its scratch are gone: booked no more
             self._features.setdefault(token, []).append(features)
             return
         if self._embeds is None:
@@ -92,6 +130,12 @@ class MediaRead:
             self._per_layer = text._get_per_layer_inputs(mx.where(media, 0, ids))
 
 
+def lm_encode(lm: LoadedModel, item) -> mx.array:
+    if hasattr(item, "pixels"):
+        return lm.vision.encode(item.pixels)
+    return lm.vision.encode_frames(item.patches, item.positions)
+
+
 class MediaReads:
     """The prompts with media being read, first come first served, one piece per engine pass."""
 
@@ -111,15 +155,21 @@ class MediaReads:
     def add(self, read: MediaRead) -> None:
         self._reads[read.output.job.id] = read
 
-    def step(self, tokens: int) -> list[MediaRead]:
-        """Advance the first read by one piece; the reads now done (out of this set, for their batches)."""
+    def step(self, tokens: int, idle: bool = False) -> list[MediaRead]:
+        """Advance the first read by one piece; the reads now done (out of this set, for their batches). `idle`:
+        nothing else runs this pass, so a read whose pixels are still being prepared is waited for a moment
+        rather than the engine spinning."""
         if not self._reads:
             return []
         job_id, read = next(iter(self._reads.items()))
+        waiting = read.waiting
+        if waiting is not None and idle:
+            concurrent.futures.wait([waiting], timeout=PIXELS_WAIT_S)
         try:
             read.advance(tokens)
         except Exception as e:  # this job's images or prompt fail it alone
             del self._reads[job_id]
+            read.close()
             self._faults.append((read, e))
             return []
         if read.done:
@@ -132,9 +182,14 @@ class MediaReads:
         return out
 
     def cancel(self, job_id: str) -> MediaRead | None:
-        return self._reads.pop(job_id, None)
+        read = self._reads.pop(job_id, None)
+        if read is not None:
+            read.close()
+        return read
 
     def close(self) -> list[MediaRead]:
         out = list(self._reads.values())
+        for read in out:
+            read.close()
         self._reads.clear()
         return out

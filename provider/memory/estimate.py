@@ -130,3 +130,12 @@ def vision_scratch_bytes(config: dict, soft_tokens: int, dtype_bytes: int = 4) -
     hidden = max(vc.get("hidden_size", 768), vc.get("intermediate_size", 3072))
     pixels = 3 * vc.get("patch_size", 16) ** 2
     return dtype_bytes * patches * (5 * table + (heads + 1) * patches + 16 * hidden + pixels)
+
+
+def media_read_bytes(config: dict, prompt_tokens: int, dtype_bytes: int = 4) -> int:
+    """What reading a prompt with media holds beside its KV until it is read: the whole prompt's input
+    embeddings with the tower's features in place (and the features themselves until then), and Gemma 4's
+    per-layer inputs for every position (layers x their width)."""
+    tc = text_config(config)
+    per_layer = (tc.get("hidden_size_per_layer_input") or 0) * tc.get("num_hidden_layers", 0)
+    return dtype_bytes * prompt_tokens * (2 * tc.get("hidden_size", 0) + per_layer)
