@@ -79,4 +79,15 @@ def summary(body: dict[str, Any]) -> str:
         f"  speculation: {c['spec_drafted']} drafted, {c['spec_accepted']} accepted, "
         f"{c['spec_target_forwards']} target forwards",
     ]
+    lines += [f"  {m['id']} speculation profile: {profile_line(m['speculation_profile'])}" for m in resident
+              if m.get("speculation_profile")]
     return "\n".join(lines)
+
+
+def profile_line(origin: dict) -> str:
+    """Where a pair's speculation costs came from, in a few words."""
+    if origin["source"] == "measuring":
+        return "measuring now (auto decodes plain until it is done)"
+    where = f"read from {origin.get('file')}" if origin["source"] == "file" else "measured at this load"
+    return (f"{where}, measured {origin.get('measured_at')}" + (" (stale)" if origin.get("stale") else "")
+            + ("; measuring again" if origin.get("measuring") else ""))

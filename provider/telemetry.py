@@ -69,11 +69,16 @@ class SpecTelemetry:
 
 
 def decision_dict(choice) -> dict[str, Any] | None:
-    """A speculation.KChoice as telemetry carries it."""
+    """A speculation.KChoice as telemetry carries it, with where its costs came from when it knows
+    (engine.profile_store.SourcedChoice: `profile` source file | measured, and when)."""
     if choice is None:
         return None
-    return {"k": choice.k, "acceptance": round(choice.acceptance, 4),
-            "expected_speedup": {str(k): round(v, 3) for k, v in choice.speedups.items()}}
+    out = {"k": choice.k, "acceptance": round(choice.acceptance, 4),
+           "expected_speedup": {str(k): round(v, 3) for k, v in choice.speedups.items()}}
+    origin = getattr(choice, "origin", None)
+    if origin is not None:
+        out["profile"] = {"source": origin.source, "measured_at": origin.as_dict()["measured_at"]}
+    return out
 
 
 @dataclass(frozen=True)

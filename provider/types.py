@@ -36,6 +36,7 @@ class SpecReason(enum.StrEnum):
     POLICY_OFF = "policy_off"
     BATCH_TOO_LARGE = "batch_too_large"  # the model runs speculation_max_batch jobs already: plain batch decoding
     NOT_PROFITABLE = "not_profitable"  # auto: on this machine, at the acceptance seen, no k beats plain decoding
+    PROFILE_PENDING = "profile_pending"  # auto: the pair's costs are being measured (first load on this machine)
     INELIGIBLE_LOGITS_PROCESSORS = "ineligible_request:logits_processors"  # logit_bias or penalties
     INELIGIBLE_SEED = "ineligible_request:seed"  # auto keeps a seeded sampled job on one (plain) path
     INELIGIBLE_PROMPT_LOGPROBS = "ineligible_request:prompt_logprobs"  # a scored prompt (echo) decodes plain

@@ -190,13 +190,16 @@ def test_auto_says_not_profitable_with_the_numbers_it_decided_from(fixtures_dir)
     node.models.profiler = lambda lm: sp.SpecProfile(costs, {sp.GREEDY: 0.1, sp.SPECULATIVE_SAMPLING: 0.2})
 
     async def main():
+        await _profiled(node, "g")
         for params, acceptance in ((SamplingParams(max_tokens=8, temperature=0.0), 0.1),
                                    (SamplingParams(max_tokens=8, temperature=0.7), 0.2)):
             done = (await collect(node, Job("j", "g", params, prompt="The cache")))[2]
             spec = done.telemetry.speculation.as_dict()
             assert spec["mode"] == "off" and spec["reason"] == "not_profitable"
+            origin = spec["decision"].pop("profile")
             assert spec["decision"] == {"k": 0, "acceptance": acceptance, "expected_speedup": {
                 str(k): round(v, 3) for k, v in sp.speedups(costs, acceptance).items()}}
+            assert origin["source"] == "measured"  # at this load, in the background (engine.profile_store)
         (model,) = [m for m in node.status().models if m.id == "g"]
         profile = model.speculation
         assert profile["plain_token_ms"] == 10.0 and profile["round_ms"] == [12.0, 16.0, 20.0, 24.0]
@@ -205,6 +208,14 @@ def test_auto_says_not_profitable_with_the_numbers_it_decided_from(fixtures_dir)
         await node.stop()
 
     run(main())
+
+
+async def _profiled(node, model_id: str) -> None:
+    """Load the model and wait for its speculation costs: a first load serves at once and measures them in the
+    background (auto decoding plain meanwhile)."""
+    await node.preload(model_id)
+    await until(lambda: next(m for m in node.status().models if m.id == model_id).speculation,
+                f"{model_id}'s speculation profile")
 
 
 def _costs(profile) -> sp.SpecCosts:
@@ -240,6 +251,7 @@ def test_auto_measures_at_load_and_its_decision_and_costs_reach_the_coordinator(
         async with harness({"g": fixtures_dir / "gemma4-tiny"}, tmp_path, manager_kw={"drafters": drafters}) as (
                 coord, node, _s):
             s = await coord.wait_for_node()
+            await _profiled(node, "g")
             decisions = {}
             for name, temperature in (("greedy", 0.0), ("sampled", 0.7)):
                 coord.dispatch(s, job(name, "g", max_tokens=6, temperature=temperature))

@@ -6,7 +6,7 @@ batch (provider.engine.plain_batch) with the reason speculation is off.
 from __future__ import annotations
 
 from ..jobs import Job, JobError
-from ..types import Cause, Policy
+from ..types import Cause, Policy, SpecMode, SpecReason
 from ..models.loader import LoadedModel
 from .. import speculation
 from .acceptance import GREEDY, SPECULATIVE_SAMPLING
@@ -19,6 +19,8 @@ def job_plan(job: Job, lm: LoadedModel, config: speculation.SpeculationConfig, s
     plan = speculation.plan(policy=policy, drafter_mode=lm.drafter_mode, drafter_reason=lm.drafter_reason,
                             sampling=job.sampling, k=config.k, sharing=sharing, max_batch=config.max_batch,
                             decide=(lambda rows: profile.decide(scheme, rows)) if profile is not None else None)
+    if policy == Policy.AUTO and plan.on and lm.profile_pending:  # never a measurement in front of a job
+        plan = speculation.SpecPlan(SpecMode.OFF, SpecReason.PROFILE_PENDING)
     if policy == Policy.ON and not plan.on:
         raise JobError(Cause.SPECULATION_UNAVAILABLE,
                        f"speculation was required (speculation=on) but is off for this job: {plan.reason}")

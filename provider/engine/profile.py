@@ -44,6 +44,9 @@ K_MAX = 4
 ROWS = 4  # the batch of the second measurement
 REPS = 16  # timed rotations of the one-row kinds: auto's k hangs on differences of a few percent between them
 ROWS_REPS = 6  # of the batch's kinds
+# How a step is timed: part of a kept profile's key (engine.profile_store), so a change here measures again.
+SETTINGS = {"k_max": K_MAX, "rows": ROWS, "context_tokens": CONTEXT_TOKENS, "reps": REPS, "rows_reps": ROWS_REPS,
+            "run_tokens": RUN_TOKENS}
 
 
 def _prompt(lm: LoadedModel) -> list[int]:

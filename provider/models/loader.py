@@ -23,6 +23,7 @@ class LoadedModel:
     drafter_mode: str | None = None  # mtp | draft | None
     drafter_reason: str = "no_drafter"  # why there is no drafter (stable reason), or "ok"
     spec_profile: Any = None  # speculation.SpecProfile: the pair's measured costs and acceptance (auto's k)
+    profile_pending: bool = False  # its costs are being measured (auto decodes plain until they are)
     # Token ids the detokenizer can decode, when the model's output is wider (a vocabulary padded past the
     # tokenizer): samplers draw below it. None: every output id decodes.
     decodable: int | None = None
