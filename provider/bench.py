@@ -205,20 +205,39 @@ def run(model_path: Path, drafter_path: Path, ks: list[int], prompts: list[str],
     eos = set(lm.tokenizer.eos_token_ids)
     encoded = [lm.tokenizer.encode(p) for p in prompts]
     list(_plain(lm.model, encoded[0], 4, eos))  # warm up kernels outside the timings
-    started = time.perf_counter()
+    started, measured_at = time.perf_counter(), time.time()
     profile = profiling.measure(lm, max(ks))
+    seconds = round(time.perf_counter() - started, 3)
     result = {
         "model": {"path": str(model_path), "sha256": manifest.model_hash(manifest.manifest(model_path))},
         "drafter": {"path": str(drafter_path), "mode": factory.mode,
                     "sha256": manifest.model_hash(manifest.manifest(drafter_path))},
         "versions": _versions(), "environment": _environment(), "max_tokens": max_tokens, "prompts": prompts,
-        "profile": {"seconds": round(time.perf_counter() - started, 3), **profile.as_dict()},
+        "profile": {"seconds": seconds, "kept": _keep(model_path, drafter_path, factory.mode, profile, measured_at,
+                                                      max(ks)), **profile.as_dict()},
         "greedy": _scheme_runs(lm, factory, encoded, ks, max_tokens, eos, 0.0, profile),
         "sampled": {"temperature": temperature,
                     "runs": _scheme_runs(lm, factory, encoded, ks, max_tokens, eos, temperature, profile)},
     }
     out_path.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _keep(model_path: Path, drafter_path: Path, mode: str, profile, measured_at: float, k_max: int) -> str:
+    """The fresh measurement as the node's kept profile of this pair (engine.profile_store), so the next load
+    reads it: `provider bench` refreshes it. Only a measurement the node would make (its k_max); "" otherwise."""
+    from .engine import profile as profiling
+    from .engine import profile_store
+
+    if k_max != profiling.K_MAX:
+        return ""
+    key = profile_store.pair_key(profile_store.weights_hash(model_path), profile_store.weights_hash(drafter_path),
+                                 mode, profiling.SETTINGS)
+    try:
+        return str(profile_store.write(profile_store.default_dir(), key, profile, measured_at))
+    except OSError as e:
+        print(f"provider bench: the profile was not kept: {e}", file=sys.stderr)
+        return ""
 
 
 def auto_ratios(runs: list[dict]) -> tuple[float, float, str]:
@@ -233,6 +252,8 @@ def print_summary(result: dict, out_path: Path) -> None:
     p = result["profile"]
     print(f"measured at load ({p['seconds']} s): plain {p['plain_token_ms']} ms/token; a round with k = 1.. "
           f"{', '.join(str(x) for x in p['round_ms'])} ms")
+    print(f"kept for the node's next load of this pair: {p['kept']}" if p.get("kept")
+          else "not kept (the node measures k = 1..4; run with the default --k to refresh its profile)")
     for title, runs in (("greedy", result["greedy"]), (f"sampled, T = {result['sampled']['temperature']}",
                                                        result["sampled"]["runs"])):
         print(f"\n{title}")

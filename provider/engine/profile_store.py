@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import logs, paths
+from ..types import SpecMode
 from ..speculation import GREEDY, SPECULATIVE_SAMPLING, KChoice, SpecCosts, SpecProfile
 
 log = logs.get("profile_store")
@@ -94,7 +95,7 @@ def machine_key() -> dict:
 def pair_key(target_hash: str, drafter_hash: str, drafter_mode: str, measure: dict) -> dict:
     """Everything a pair's profile depends on: its weights, the drafter's kind, this machine (`machine_key`) and
     how `measure` times a step (`measure`: its constants)."""
-    return {"format": FORMAT, "target": target_hash, "drafter": drafter_hash, "drafter_mode": str(drafter_mode),
+    return {"format": FORMAT, "target": target_hash, "drafter": drafter_hash, "drafter_mode": SpecMode(drafter_mode).value,
             **machine_key(), "measure": dict(measure)}
 
 
