@@ -4,16 +4,19 @@ in telemetry. In-process nodes on the bundled demo pair and the fixture pair."""
 
 import asyncio
 import json
+import threading
 
 import jsonschema
+import numpy as np
 import pytest
 from mlx_lm import load
 
 from provider.constraints import OutputRules, ResponseFormat, Tool, ToolChoice
 from provider.engine.drafters import DraftModelDrafter
-from provider.engine.grammar import Compiler, RowGrammar
+from provider.engine.grammar import Compiler, GrammarError, RowGrammar
 from provider.jobs import Done, Job, SamplingParams
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
+from provider.types import Cause
 from tests.helpers import collect, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples, speculative_samples
 
@@ -154,3 +157,118 @@ def test_the_demo_pair_under_a_grammar_samples_exactly_like_constrained_plain_sa
     biased, _ = speculative_samples(model, make_drafter, prompt, params, 150, 5, k=2, choice=AcceptEveryDraft,
                                     seed0=10**6, grammar=grammar)
     assert min(r["p"] for r in compare(plain, biased, 5)) < 1e-3  # the test has the power to see a bias
+
+
+# --- a grammar's failures, typed; `auto` free until a call begins (issue 37) ----------------------------------
+
+def _compiler(fixtures_dir, **limits):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(fixtures_dir / "llama-tiny")
+    return tok, Compiler(tok, 512, limits)
+
+
+def _one(tok, text: str) -> int:
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_a_bound_reached_computing_a_mask_fails_the_row_naming_its_field_never_a_stop(fixtures_dir):
+    """llguidance out of its step bound while computing a mask allows only its EOS and says it stopped: that is
+    the row's GrammarError (invalid_request, naming the field), never an end of the output."""
+    tok, compiler = _compiler(fixtures_dir, step_max_items=40)
+    row = RowGrammar(compiler.matcher('start: "a" x\nx: x x | "b"', "response_format"), 512, 512,
+                     set(tok.eos_token_ids), "json_schema")
+    row.consume([_one(tok, "a")])
+    for _ in range(200):
+        row.allowed()
+        if row.error is not None:
+            break
+        row.consume([_one(tok, "b")])
+    assert isinstance(row.error, GrammarError), "the matcher's error went unseen"
+    assert row.error.cause == Cause.INVALID_REQUEST and row.error.param == "response_format"
+    assert "Too many items" in row.error.message
+    with pytest.raises(GrammarError):
+        row.check()
+
+
+def test_what_the_node_got_wrong_is_the_nodes_error_not_the_requests(fixtures_dir):
+    """An empty mask (the grammar's tokens are past the logits' columns) and a token the mask allowed that the
+    matcher refuses are the node's failures: internal, not blamed on the request."""
+    tok, compiler = _compiler(fixtures_dir)
+    narrow = RowGrammar(compiler.matcher('start: "zebra"', "response_format"), 512, 8, set(tok.eos_token_ids),
+                        "json_schema")
+    narrow.allowed()
+    assert narrow.error is not None and narrow.error.cause == Cause.INTERNAL and narrow.error.param is None
+    row = RowGrammar(compiler.matcher('start: "a"', "response_format"), 512, 512, set(tok.eos_token_ids), "lark")
+    row.consume([_one(tok, "b")])
+    assert row.error is not None and row.error.cause == Cause.INTERNAL
+
+
+def test_the_compile_bound_counts_the_compile_not_its_wait_for_the_worker(fixtures_dir, monkeypatch):
+    """A schema that compiles at once is not refused for the time it waited behind another job's compile."""
+    from provider.engine import grammar
+
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.3)
+    tok, compiler = _compiler(fixtures_dir)
+    release = threading.Event()
+    compiler._pool.submit(release.wait)  # another job's compile holds the one worker
+    threading.Timer(0.9, release.set).start()  # for three times the bound
+    m = compiler.matcher('start: "a"', "response_format")
+    assert release.is_set() and not m.is_error()
+
+
+AUTO_TOOL = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                 "required": ["city", "days"]})
+
+
+@pytest.mark.parametrize("fmt_name", ["minicpm5", "kimi_k3", "json_tools"])
+def test_auto_is_free_until_the_opening_marker_then_held_to_the_call_then_free(tmp_path, fmt_name):
+    """A text marker (minicpm5's `<function name=`), one of several special tokens (kimi_k3) or one special
+    token (json_tools): no mask (special tokens pass) until the output holds the marker, however it is cut
+    into tokens; the call's grammar from there to its end, and free again after it. A speculative round that
+    crossed the marker is rolled back to free."""
+    from mlx_lm.utils import load_tokenizer
+
+    from provider.engine.grammar import compile_rules
+    from provider.engine.tool_calls import ToolCallSplitter
+    from provider.models.fixtures import make_tool_format
+    from provider.models.tool_format import tool_format_for
+
+    make_tool_format(tmp_path / fmt_name, fmt_name)
+    tok = load_tokenizer(tmp_path / fmt_name)
+    fmt = tool_format_for(tok)
+    rules = OutputRules(tools=(AUTO_TOOL,), tool_choice=ToolChoice("auto"))
+    lazy = compile_rules(Compiler(tok, 512), rules, fmt)
+    ends = set(tok.eos_token_ids)
+    row = RowGrammar(lazy, 512, 512, ends, "tools_auto")
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    lead = [im_start] + tok.encode("Let me see. ", add_special_tokens=False)
+    marker = tok.encode(fmt.start, add_special_tokens=False)
+    row.consume(lead)
+    assert row.free and row.allowed().all()  # a special token in free text is no error
+    row.drafted(marker[0]), [row.drafted(t) for t in marker[1:]]
+    assert not row.free  # inside a call, within the drafts
+    row.settle([])  # the round kept nothing: back to free text, the matcher as before
+    assert row.free and row.allowed().all()
+    for t in marker[:-1]:
+        row.consume([t])
+        assert row.free
+    row.consume(marker[-1:])
+    assert not row.free and not row.allowed().all()  # the marker is whole: the call is held
+    out = list(marker)
+    for _ in range(300):  # the first token each mask allows (never an end): the call to its close
+        allowed = [int(t) for t in np.flatnonzero(row.allowed()) if t not in ends]
+        row.consume(allowed[-1:])
+        out += allowed[-1:]
+        if row.free:
+            break
+    assert row.free and row.error is None, tok.decode(out)
+    splitter = ToolCallSplitter(fmt, [AUTO_TOOL.as_openai()])
+    content, calls = splitter.feed(tok.decode(out))
+    rest, more = splitter.finish()
+    calls = [*calls, *more]
+    assert [c.name for c in calls] == ["get_weather"] and not (content + rest).strip(), tok.decode(out)
+    jsonschema.validate(json.loads(calls[0].arguments), AUTO_TOOL.parameters)

@@ -16,6 +16,7 @@ where the grammar may end.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import threading
@@ -29,15 +30,22 @@ import numpy as np
 
 from ..constraints import ConstraintError, OutputRules, closed
 from ..types import Cause, JobError
-from ..models.tool_format import JSON_CALL_SEPARATORS, ToolFormat
+from ..models.call_grammars import JSON_CALL_SEPARATORS
+from ..models.tool_format import ToolFormat
 
-COMPILE_TIMEOUT_S = 2.0  # a grammar that takes longer is refused (it still ends within llguidance's fuel)
+COMPILE_TIMEOUT_S = 2.0  # a grammar that takes longer to compile is refused (it still ends within its fuel)
+COMPILE_QUEUE_S = 30.0  # waiting longer than this behind other compiles is the node's overload
 MAX_GRAMMAR_CHARS = 1 << 20
-TEXT = "TEXT: /(.|\\n)+/"
+# Each step is bounded too, on the engine thread where every row waits for it: lexer fuel and Earley items per
+# step (10,000: about 10 ms at worst here; real schemas use hundreds), so a hostile grammar that compiles costs
+# the batch it shares little before it stops.
+LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=2_000_000, step_lexer_fuel=200_000,
+              step_max_items=10_000, max_lexer_states=100_000, verbose_errors=False)
 
 
 def lark_for(rules: OutputRules, fmt: ToolFormat | None) -> str:
-    """One Lark grammar for the job's output: JSON content, forced calls, or text (or JSON) with calls allowed."""
+    """One Lark grammar for the job's output from its first token: JSON content, forced calls, or JSON content
+    or calls. (`auto` over free text has no grammar until a call begins: `call_lark`.)"""
     lines = ["%llguidance {}"]
     content = None
     if rules.json_content:
@@ -50,44 +58,73 @@ def lark_for(rules: OutputRules, fmt: ToolFormat | None) -> str:
         return "\n".join(lines)
     calls = fmt.call_grammar(rules)
     lines.append(calls.rules)
-    many = f"call ({calls.separator} call)*" if calls.separator else "call+"
     # A named choice is one call of that function (as vLLM forces it); `required` and `auto` may make several.
-    calls_rule = many if rules.parallel_tool_calls and rules.tool_choice.mode != "function" else "call"
-    if rules.tool_choice.forced:
-        lines.append(f"start: {calls_rule}")
-    elif content:
-        lines.append(f"start: content | {calls_rule}")
-    else:  # free text, and a call may begin anywhere in it; once begun, it is held to the grammar
-        if calls.special_trigger:
-            lines.append(f"seg: TEXT? {calls.trigger} {calls.body}")
-        else:
-            lines += [f"trig[lazy]: TEXT? {calls.trigger}", f"seg: trig {calls.body}"]
-        lines += [f"start: {'seg*' if rules.parallel_tool_calls else 'seg?'} TEXT?", TEXT]
+    lines.append(f"start: {content} | calls" if content and not rules.tool_choice.forced else "start: calls")
     return "\n".join(lines)
+
+
+def call_lark(rules: OutputRules, fmt: ToolFormat) -> str:
+    """`auto` over free text: the grammar of one call from its opening marker (a `LazyCall` holds to it only
+    once the model has written that marker)."""
+    # A format without an end marker runs its calls to the output's end: they are all held, then the end.
+    return "\n".join(["%llguidance {}", fmt.call_grammar(rules).rules, f"start: {'call' if fmt.end else 'calls'}"])
+
+
+def compile_rules(compiler: "Compiler", rules: OutputRules, fmt: ToolFormat | None):
+    """What holds a job's output to its rules: an LLMatcher from the first token, a LazyCall (`auto` over free
+    text, in a format with a call grammar), or None (`auto` in a format without one: calls are only parsed)."""
+    param = "tools" if rules.calls_tools else "response_format"
+    if rules.calls_tools and not rules.json_content and not rules.tool_choice.forced:
+        if fmt is None or not fmt.has_grammar:
+            return None
+        matcher = compiler.matcher(call_lark(rules, fmt), param)
+        return LazyCall(matcher, fmt.start.encode(), compiler.tokenizer,
+                        again=bool(fmt.end) and rules.parallel_tool_calls)
+    return compiler.matcher(lark_for(rules, fmt), param)
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyCall:
+    """`auto` over free text: no mask until the output holds the format's opening marker; from there to the
+    call's end, the call's grammar. Free text is free: any token, special ones included (a thinking channel)."""
+
+    matcher: object  # llguidance.LLMatcher of `start: call`, the marker included
+    trigger: bytes  # the opening marker's text
+    tokenizer: object  # llguidance.LLTokenizer: free tokens' bytes, and the marker re-read as tokens
+    again: bool  # after a call, free text again (more calls may follow); else the output ends there
 
 
 class Compiler:
     """Compiles grammars for one model, off the engine thread, each within a time and size bound."""
 
-    def __init__(self, tokenizer, n_vocab: int):
+    def __init__(self, tokenizer, n_vocab: int, limits: dict | None = None):
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=n_vocab,
                                                       eos_token=sorted(tokenizer.eos_token_ids))
         self.n_vocab = n_vocab
+        self.limits = LIMITS | (limits or {})
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=_background)
 
     def matcher(self, lark: str, param: str):
         """A fresh LLMatcher for `lark`, or ConstraintError naming `param` (too large, too slow, invalid)."""
         if len(lark) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(param, f"{param}: the grammar it needs is over {MAX_GRAMMAR_CHARS} characters")
-        # Each step is bounded too, on the engine thread where every row waits for it: lexer fuel and Earley
-        # items per step (10,000: about 10 ms at worst here; real schemas use hundreds), so a hostile grammar
-        # that compiles costs the batch it shares little before it stops.
-        limits = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=2_000_000,
-                                           step_lexer_fuel=200_000, step_max_items=10_000, max_lexer_states=100_000,
-                                           verbose_errors=False)
-        future = self._pool.submit(_compile_and_step, self.tokenizer, lark, limits)
+        started = threading.Event()
+        began: list[float] = []
+
+        def compile_():
+            began.append(time.monotonic())
+            started.set()
+            return _compile_and_step(self.tokenizer, lark, llguidance.LLParserLimits(**self.limits))
+
+        future = self._pool.submit(compile_)
+        # The bound is the compile's own time, from its start: time queued behind other jobs' compiles is the
+        # node's, not the schema's. A queue that long is the node's fault, said so.
+        if not started.wait(COMPILE_QUEUE_S):
+            future.cancel()
+            raise JobError(Cause.OVERLOADED, f"the node's grammar compiler is busy (this schema waited over "
+                                             f"{COMPILE_QUEUE_S:g} s to start); retry")
         try:
-            m = future.result(timeout=COMPILE_TIMEOUT_S)
+            m = future.result(timeout=max(0.0, began[0] + COMPILE_TIMEOUT_S - time.monotonic()))
         except concurrent.futures.TimeoutError:
             raise ConstraintError(param, f"{param}: the schema took over {COMPILE_TIMEOUT_S:g} s to compile; "
                                          "simplify it") from None
@@ -119,41 +156,63 @@ def _first_line(error: str) -> str:
 
 
 class RowGrammar:
-    """One row's matcher and its masks; engine thread only."""
+    """One row's matcher and its masks; engine thread only. Given a LazyCall, the row is free (no mask) until
+    its output holds the call's opening marker, held to the call's grammar to its end, then free again (or
+    ended, when one call is all it may make)."""
 
     def __init__(self, matcher, n_vocab: int, width: int, end_ids: set[int], kind: str):
-        self.matcher = matcher
+        self._lazy = matcher if isinstance(matcher, LazyCall) else None
+        self.matcher = self._lazy.matcher if self._lazy else matcher
         self.kind = kind
         self.width = width  # the logits' width
         self.end_ids = end_ids
         self._bits = lln.allocate_token_bitmask(1, n_vocab)
         self._ends = np.zeros(width, dtype=bool)
         self._ends[[t for t in end_ids if t < width]] = True
+        self._all = np.ones(width, dtype=bool)
         self.mask_s = 0.0
         self.masks = 0
         self._round: list[np.ndarray] = []  # a speculative round's masks, position by position
-        self._tentative = 0  # drafts consumed in this round, to roll back
+        self._snapshot = None  # the row's state before a round's drafts, to roll back to
         self.steered: list[mx.array] = []  # per draft: the drafter's own top choice was forbidden
-        # Set when the matcher stops (a bound reached mid-generation). Nothing here raises into a step other
-        # rows share: the row's masks allow everything from then on, and its batch fails it alone (`check`).
+        # A LazyCall's state: free text (`_window`: its last tokens and their bytes, as long as the marker may
+        # still be forming in them), inside a call (`_ids`: the matcher's tokens since its reset), or ended.
+        self._free = self._lazy is not None
+        self._ended = False
+        self._window: list[tuple[int, bytes]] = []
+        self._ids: list[int] = []
+        self._resets = 0
+        # Set when the matcher fails mid-generation. Nothing here raises into a step other rows share: the
+        # row's masks allow everything from then on, and its batch fails it alone (`check`).
         self.error: GrammarError | None = None
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def _fail(self, fallback: str) -> None:
+    def _fail(self, what: str) -> None:
+        """The matcher failed: its own error (a bound the request's grammar reached, or llguidance's fault) or
+        `what` the node saw (an empty mask, a token the mask allowed and the matcher refused)."""
         if self.error is None:
-            self.error = GrammarError(_first_line(self.matcher.get_error() or fallback), self.kind)
+            own = self.matcher.get_error() if self.matcher.is_error() else ""
+            self.error = GrammarError(_first_line(own or what), self.kind, request=_bound_reached(own))
+
+    @property
+    def free(self) -> bool:
+        """No mask applies to the next token (a LazyCall's free text)."""
+        return self._free and self.error is None
 
     # --- one position -----------------------------------------------------------
 
     def allowed(self) -> np.ndarray:
         """What the grammar allows next, as booleans over the logits' columns."""
+        if self.error is not None or self._free:
+            return self._all
         t0 = time.perf_counter()
-        if self.error is not None:
-            out = np.ones(self.width, dtype=bool)
-        elif self.matcher.is_stopped():
+        if self.matcher.is_error():
+            self._fail("its matcher failed")
+            out = self._all
+        elif self._ended or self.matcher.is_stopped():
             out = self._ends  # a finished grammar allows only its end
         else:
             lln.fill_next_token_bitmask(self.matcher, self._bits, 0)
@@ -161,22 +220,70 @@ class RowGrammar:
             out = np.zeros(self.width, dtype=bool)
             n = min(self.width, bits.size)
             out[:n] = bits[:n]
-            if not out.any():
-                self._fail("its grammar allows no token here")
-                out[:] = True
+            if self.matcher.is_error():  # llguidance then allows only its EOS: never taken for an end
+                self._fail("its matcher failed computing a mask")
+                out = self._all
+            elif not out.any():  # a grammar that compiled and stepped always allows something: ours to answer
+                self._fail("the grammar allowed no token the model has (the node's tokenizer and grammar disagree)")
+                out = self._all
         self.mask_s += time.perf_counter() - t0
         self.masks += 1
         return out
 
     def mask(self, logits: mx.array, allowed: np.ndarray | None = None) -> mx.array:
+        if allowed is None and self.free:
+            return logits
         return masked(logits, mx.array(self.allowed() if allowed is None else allowed))
 
     def consume(self, tokens: list[int]) -> None:
         for t in tokens:
             if t in self.end_ids or self.error is not None:
                 return  # the row ends here
+            self._take(t)
+
+    def _take(self, t: int) -> None:
+        if self._free:
+            self._take_free(t)
+        elif not self._ended:
             if not self.matcher.consume_token(t):
-                self._fail(f"token {t} left the grammar")
+                self._fail(f"token {t}, allowed by its mask, left the grammar")
+                return
+            self._ids.append(t)
+            if self._lazy is not None and self._lazy.again and self.matcher.is_accepting():
+                self._call_done()
+
+    def _take_free(self, t: int) -> None:
+        """Free text: watch for the opening marker in the bytes (however the model spelled it in tokens);
+        once there, the matcher takes the call from the marker on, the marker's text re-read as tokens."""
+        lazy = self._lazy
+        self._window.append((t, lazy.tokenizer.decode_bytes([t])))
+        text = b"".join(b for _, b in self._window)
+        at = text.find(lazy.trigger)
+        if at < 0:
+            while len(self._window) > 1 and sum(len(b) for _, b in self._window[1:]) >= len(lazy.trigger) - 1:
+                self._window.pop(0)
+            return
+        k, offset = 0, 0
+        while offset + len(self._window[k][1]) <= at:
+            offset += len(self._window[k][1])
+            k += 1
+        first, tail = self._window[k], self._window[k + 1:]
+        ids = [first[0]] if at == offset else list(lazy.tokenizer.tokenize_bytes(first[1][at - offset:]))
+        ids += [tok for tok, _ in tail]
+        self._window = []
+        for i in ids:
+            if not self.matcher.consume_token(i):  # a marker the call's grammar cannot take from here (the
+                self.matcher.reset()  # model wrote it inside other text): the text stays free, and stays text
+                self._ids = []
+                return
+        self._free, self._ids = False, ids
+        if lazy.again and self.matcher.is_accepting():
+            self._call_done()
+
+    def _call_done(self) -> None:
+        self.matcher.reset()
+        self._resets += 1
+        self._ids, self._free = [], True
 
     # --- a speculative round ------------------------------------------------------
 
@@ -189,11 +296,11 @@ class RowGrammar:
 
     def drafted(self, token: int) -> None:
         """Consume a draft tentatively (the next draft's mask depends on it)."""
-        if token not in self.end_ids and self.error is None and not self.matcher.is_stopped():
-            if not self.matcher.consume_token(token):
-                self._fail(f"draft {token} left the grammar")
-                return
-            self._tentative += 1
+        if token in self.end_ids or self.error is not None:
+            return
+        if self._snapshot is None:
+            self._snapshot = (self._free, self._ended, list(self._window), list(self._ids), self._resets)
+        self._take(token)
 
     def verify_masks(self) -> mx.array:
         """[k+1, V]: the masks the drafts were drawn under, and the one after the last draft (the bonus's)."""
@@ -203,19 +310,36 @@ class RowGrammar:
 
     def settle(self, tokens: list[int]) -> None:
         """Undo the round's drafts and take what it kept: its accepted drafts and the target's token."""
-        if self._tentative and self.error is None:
-            self.matcher.rollback(self._tentative)
-        self._tentative = 0
+        snap, self._snapshot = self._snapshot, None
+        if snap is not None and self.error is None:
+            free, ended, window, ids, resets = snap
+            if resets == self._resets:
+                if len(self._ids) > len(ids):
+                    self.matcher.rollback(len(self._ids) - len(ids))
+            else:  # a call ended within the drafts: the matcher was reset since; take the call's tokens again
+                self.matcher.reset()
+                self.matcher.consume_tokens(ids)
+            self._free, self._ended, self._window, self._ids = free, ended, window, ids
         self.consume(tokens)
 
 
-class GrammarError(JobError):
-    """The matcher stopped mid-generation: its grammar needed more than its bounds allow at some step (the
-    request's schema is at fault, so the job ends with INVALID_REQUEST naming it). The row fails alone."""
+def _bound_reached(error: str) -> bool:
+    """Whether llguidance stopped because the grammar needed more than its bounds (the request's schema is at
+    fault) rather than failing on its own."""
+    return any(w in error.lower() for w in ("limit", "fuel", "too big", "too many"))
 
-    def __init__(self, message: str, kind: str = ""):
+
+class GrammarError(JobError):
+    """The matcher failed mid-generation; the row fails alone. When its grammar needed more than its bounds at
+    some step, the request's schema is at fault (INVALID_REQUEST naming it); otherwise the node is (INTERNAL,
+    said as such). Never a `stop`: what was generated is not a whole answer."""
+
+    def __init__(self, message: str, kind: str = "", request: bool = True):
         param = "tools" if kind.startswith("tool") else "response_format"
-        super().__init__(Cause.INVALID_REQUEST, f"{param}: generation stopped: {message}", param)
+        if request:
+            super().__init__(Cause.INVALID_REQUEST, f"{param}: generation stopped: {message}", param)
+        else:
+            super().__init__(Cause.INTERNAL, f"the node's grammar for {param} failed mid-generation: {message}")
 
 
 class GrammarProcessor:

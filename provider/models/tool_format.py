@@ -10,16 +10,18 @@ into a system preamble, past calls and results into the turns as text, so tools 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..constraints import ConstraintError, OutputRules, Tool, closed
+from ..constraints import ConstraintError, OutputRules, Tool
+from .call_grammars import GRAMMARS, JSON_CALL_SEPARATORS, CallGrammar
 from .gemma4_call_grammar import gemma4_arguments_grammar, gemma4_shared_rules
 
 GEMMA4_QUOTE = '<|"|>'
 
 GENERIC = "generic"
-JSON_CALL_SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+__all__ = ["CallGrammar", "JSON_CALL_SEPARATORS", "ToolFormat", "tool_format_for"]
 
 
 def _parse_json_call(text: str, tools: Any = None) -> dict:
@@ -35,20 +37,14 @@ class ToolFormat:
     native: bool  # the chat template renders tools and calls itself
     special_ids: dict[str, int]  # marker text -> its special token id, where the marker is one token
 
-    @property
-    def has_grammar(self) -> bool:
-        """Whether a call in this format can be written as a grammar (forced, or completed once begun)."""
-        return self.name in (GENERIC, "json_tools", "gemma4")
-
     # --- the prompt -----------------------------------------------------------------
 
     def prompt_messages(self, messages: list[dict], rules: OutputRules) -> tuple[list[dict], list[dict] | None]:
         """The messages as the template should see them, and the `tools` argument for the template."""
-        offered = rules.calls_tools
-        if self.native:
-            return [_native_message(m) for m in messages], [t.as_openai() for t in rules.tools] if offered else None
+        if self.native:  # under `none` too (as vLLM and OpenAI): the model knows its tools, it is not let call
+            return [_native_message(m) for m in messages], [t.as_openai() for t in rules.tools] or None
         out = [_generic_message(m) for m in messages]
-        if offered:
+        if rules.calls_tools:  # the generic preamble is an invitation to call: not under `none`
             preamble = generic_preamble(rules.tools)
             if out and out[0]["role"] == "system":
                 out[0] = {"role": "system", "content": _joined(preamble, out[0]["content"], "\n\n")}
@@ -58,68 +54,62 @@ class ToolFormat:
 
     # --- the grammar of calls -------------------------------------------------------
 
-    def call_grammar(self, rules: OutputRules) -> "CallGrammar":
-        """Lark rules for one call of any tool the rules allow. Raises ConstraintError if this format has none."""
-        tools = rules.callable_tools()
-        if not self.has_grammar:
-            raise ConstraintError("tool_choice", f"this model's tool format ({self.name}) has no grammar here, so "
-                                                 "calls cannot be forced or checked; use tool_choice none")
+    @property
+    def has_grammar(self) -> bool:
+        """Whether a call in this format can be written as a grammar (forced, or held once begun)."""
         if self.name == "gemma4":
-            return self._gemma4_grammar(tools)
-        lines = []
-        for i, tool in enumerate(tools):
-            arguments = closed(tool.parameters)
-            # The call wraps the arguments, so the definitions their $refs point at (#/$defs/...) move to its root.
-            hoisted = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
-            schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": arguments},
-                      "required": ["name", "arguments"], "additionalProperties": False,
-                      "x-guidance": {**JSON_CALL_SEPARATORS, "lenient": False}, **hoisted}
-            lines.append(f"call_{i}: %json {json.dumps(schema)}")
-        body = " | ".join(f"call_{i}" for i in range(len(tools)))
-        lines.append(f'call_body: "\\n" ({body}) "\\n" {json.dumps(self.end)}')
-        lines.append(f"call: {json.dumps(self.start)} call_body")
-        return CallGrammar("\n".join(lines), json.dumps(self.start), "call_body", '"\\n"', special_trigger=False)
+            return {self.start, self.end, GEMMA4_QUOTE} <= set(self.special_ids)
+        return self.name in GRAMMARS
 
-    def _gemma4_grammar(self, tools: tuple[Tool, ...]) -> "CallGrammar":
+    def marker(self, text: str) -> str:
+        """`text` as a Lark item: its special tokens as llguidance writes one (`<[id]>`, matched by that token
+        only), the rest as literal text."""
+        specials = sorted((t for t in self.special_ids if t in text), key=len, reverse=True)
+        if not specials:
+            return json.dumps(text, ensure_ascii=False)
+        parts = re.split("(" + "|".join(re.escape(t) for t in specials) + ")", text)
+        return " ".join(f"<[{self.special_ids[p]}]>" if p in self.special_ids else json.dumps(p, ensure_ascii=False)
+                        for p in parts if p)
+
+    def call_grammar(self, rules: OutputRules) -> CallGrammar:
+        """Lark rules for a call of any tool the rules allow: `call` (one, from its opening marker) and `calls`
+        (what a forced choice writes). Raises ConstraintError if this format has no grammar."""
+        if not self.has_grammar:
+            raise ConstraintError("tool_choice", f"tool_choice {rules.tool_choice.mode}: this model's tool format "
+                                                 f"({self.name}) has no call grammar here, so a call cannot be "
+                                                 "forced; use tool_choice auto (its calls are parsed) or none")
+        parallel = rules.parallel_tool_calls and rules.tool_choice.mode != "function"
+        tools = rules.callable_tools()
+        if self.name == "gemma4":
+            return self._gemma4_grammar(tools, parallel)
+        return GRAMMARS[self.name](self, tools, parallel)
+
+    def _gemma4_grammar(self, tools: tuple[Tool, ...], parallel: bool) -> CallGrammar:
         ids = self.special_ids
-        if not {self.start, self.end, GEMMA4_QUOTE} <= set(ids):
-            raise ConstraintError("tool_choice", "this model's tokenizer lacks Gemma 4's tool-call tokens, so calls "
-                                                 "cannot be forced or checked")
         quote = f"<[{ids[GEMMA4_QUOTE]}]>"
         lines, alts = [gemma4_shared_rules(quote)], []
         for i, tool in enumerate(tools):
             lines.append(gemma4_arguments_grammar(f"args_{i}", tool.parameters, quote))
             alts.append(f'"call:{tool.name}" args_{i}')
-        lines.append(f"call_body: ({' | '.join(alts)}) <[{ids[self.end]}]>")
-        start = f"<[{ids[self.start]}]>"
-        lines.append(f"call: {start} call_body")
-        return CallGrammar("\n".join(lines), start, "call_body", "", special_trigger=True)
-
-
-@dataclass(frozen=True)
-class CallGrammar:
-    rules: str  # Lark rules defining `call` (the whole call) and `body` (what follows the trigger)
-    trigger: str  # the Lark item that opens a call
-    body: str
-    separator: str  # the Lark item between parallel calls ("" for none)
-    special_trigger: bool  # the trigger is one special token (no lazy matching needed)
+        lines.append(f"call: <[{ids[self.start]}]> ({' | '.join(alts)}) <[{ids[self.end]}]>")
+        lines.append(f"calls: {'call+' if parallel else 'call'}")
+        return CallGrammar("\n".join(lines))
 
 
 def tool_format_for(tokenizer) -> ToolFormat:
     """The model's tool format, from its mlx-lm TokenizerWrapper."""
     if tokenizer.has_tool_calling:
         module = tokenizer.tool_parser.__module__.rpartition(".")[2]
-        vocab = tokenizer.get_vocab()
-        specials = {t: vocab[t] for t in (tokenizer.tool_call_start, tokenizer.tool_call_end, GEMMA4_QUOTE)
-                    if t and t in vocab and _is_special(tokenizer, vocab[t])}
         return ToolFormat(module, tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser,
-                          True, specials)
+                          True, _special_tokens(tokenizer))
     return ToolFormat(GENERIC, "<tool_call>", "</tool_call>", _parse_json_call, False, {})
 
 
-def _is_special(tokenizer, token_id: int) -> bool:
+def _special_tokens(tokenizer) -> dict[str, int]:
+    """The tokenizer's special tokens (text -> id): a grammar names a marker that is one by its id (llguidance
+    matches special tokens only so; text never spells one)."""
     added = getattr(tokenizer._tokenizer, "added_tokens_decoder", {}) or {}
-    return token_id in added
+    return {t.content: i for i, t in added.items() if getattr(t, "special", False)}
 
 
 def generic_preamble(tools: tuple[Tool, ...]) -> str:
