@@ -9,6 +9,7 @@ import dataclasses
 import json
 import pickle
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from provider.group.rendezvous import meet
 from provider.group.secret import GroupKey
 from provider.group.spec import group_spec, public_addresses
 from provider.types import SpecMode
+from tests.helpers import until_blocking
 from tools.harness.group import loopback_specs, write_secret
 from tools.harness.plans import CHAT_LINE, a_plan
 
@@ -61,7 +63,7 @@ def test_no_pickle_on_the_groups_wire():
 
 
 @pytest.mark.parametrize("gadget", ["subprocess.Popen", "io.FileIO"])
-def test_the_review_gadgets_are_refused_and_never_run(key, tmp_path, gadget):
+def test_the_review_gadgets_are_refused_and_never_run(key, tmp_path, gadget, monkeypatch):
     """The review's gadgets, as an on-path attacker would send them, and even sealed under the group's own key
     (a rank that holds the secret but is compromised): refused, the group stops, nothing runs."""
     marker = tmp_path / "ran"
@@ -69,12 +71,15 @@ def test_the_review_gadgets_are_refused_and_never_run(key, tmp_path, gadget):
     class Gadget:
         def __reduce__(self):
             if gadget == "subprocess.Popen":
-                import subprocess
                 return subprocess.Popen, (["touch", str(marker)],)
             import io
             return io.FileIO, (str(marker), "w")
 
     raw = pickle.dumps(Gadget(), protocol=4)
+    # Whether a gadget ran is known at once: FileIO makes the marker as it is called, and Popen (looked up by
+    # name as the pickle is read) is recorded here instead of starting a process whose file would come later.
+    ran = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: ran.append(a))
     for message in (raw, key.tag("x") + raw, seal(key, 0, "plan", {"x": 1})[:-32 - 7] + raw):
         with pytest.raises(GroupLost, match="not the group's|not proven"):
             unseal(key, 0, "plan", message)
@@ -82,8 +87,9 @@ def test_the_review_gadgets_are_refused_and_never_run(key, tmp_path, gadget):
     head = b"PGM1" + (0).to_bytes(8, "little") + bytes([4]) + b"plan"
     with pytest.raises(GroupLost, match="not a JSON object"):
         unseal(key, 0, "plan", head + raw + key.tag("message", 0, "plan", raw))
-    time.sleep(0.2)
-    assert not marker.exists()
+    assert not ran and not marker.exists()
+    pickle.loads(raw)  # what the check would see had the gadget run
+    assert ran or marker.exists()
 
 
 def test_a_forged_altered_replayed_or_reordered_message_is_refused(key):
@@ -169,20 +175,20 @@ def test_a_hostile_peer_never_stops_honest_ranks_meeting(tmp_path):
     attackers = [threading.Thread(target=_attack, args=(specs[r].hosts[r][0], stop, foreign, held))
                  for r in (0, 1)]
 
-    def rank(r: int, delay: float) -> None:
-        time.sleep(delay)
+    def rank(r: int) -> None:
         try:
             meet(specs[r], 60)
         except BaseException as e:
             errors.append(e)
 
-    ranks = [threading.Thread(target=rank, args=(0, 0.0)), threading.Thread(target=rank, args=(1, 1.5))]
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     with structlog.testing.capture_logs() as logged:
-        for t in ranks:
-            t.start()
-        time.sleep(0.3)  # rank 0 listens: the attack starts before rank 1 comes
-        for t in attackers:
-            t.start()
+        ranks[0].start()
+        attackers[0].start()  # it dials until rank 0 listens
+        # The attack is under way at rank 0 before rank 1 comes (its attacker dials until it listens).
+        until_blocking(lambda: len(held) >= 20, "the attack never reached rank 0")
+        ranks[1].start()
+        attackers[1].start()
         for t in ranks:
             t.join(90)
     stop.set()
@@ -266,7 +272,6 @@ def test_public_addresses_are_found_and_private_ones_pass():
 
 
 def test_start_refuses_a_group_over_public_addresses_without_the_flag(tmp_path):
-    import subprocess
     import sys
 
     hostfile = tmp_path / "hosts.json"

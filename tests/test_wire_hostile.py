@@ -5,10 +5,12 @@ values echoed in error messages. Real gRPC on loopback against the reference coo
 an injected fault, named as such."""
 
 import asyncio
+import functools
 import gc
 import threading
 import time
 import tracemalloc
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,7 +29,8 @@ from provider.logs import get as logs_get
 from provider.logs import THROTTLE_BURST, THROTTLE_PER_S, THROTTLE_SUMMARY_S, Throttle
 from provider.settings import Settings
 from provider.types import JobError
-from tests.helpers import run
+from tests.helpers import run, until
+from tools.harness.isolated import run_isolated
 from tools.harness.nodes import harness, job
 
 PIN = "0" * 64
@@ -38,30 +41,23 @@ def _models(fixtures_dir):
     return {"g": fixtures_dir / "gemma4-tiny"}
 
 
-async def _until(predicate, what: str, timeout: float = 120) -> None:
-    """Poll until `predicate()`; the timeout only bounds a hang."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
-
-
 async def _round_trip(coord, s, ping_id: int) -> None:
     """A Ping after earlier frames: its Pong means the node has read every frame sent before it (in order)."""
     coord.send(s, pb.CoordinatorFrame(ping=pb.Ping(id=ping_id)))
-    await _until(lambda: any(kind == "pong" and f.pong.id == ping_id for _, kind, f in coord.frames[-50:]),
+    await until(lambda: any(kind == "pong" and f.pong.id == ping_id for _, kind, f in coord.frames[-50:]),
                  f"no pong {ping_id}")
 
 
 # --- finding 5: Drain frames ------------------------------------------------------------------------------------
 
 
-def test_a_drain_flood_keeps_one_pending_report_and_memory_within_the_outbox_bound(fixtures_dir, tmp_path):
-    """100,000 Drain frames while a job runs: the node holds one pending drain report, not one task each."""
+def _drain_flood(fixtures: str, state_dir: str) -> dict:
+    """100,000 Drain frames at a node serving a held job: its RSS and task count before, at the peak, after (run
+    in a process of its own: RSS is process-wide, and in a pytest-xdist worker other tests move it)."""
     frames, batch = 100_000, 1000
 
     async def main():
-        async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
+        async with harness(_models(Path(fixtures)), Path(state_dir)) as (coord, node, session):
             loop, held, release = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
 
             def held_pin(model, expected):  # fault: a first hash of a large model takes minutes; the job stays running
@@ -79,24 +75,34 @@ def test_a_drain_flood_keeps_one_pending_report_and_memory_within_the_outbox_bou
             rss_before, tasks_before = proc.memory_info().rss, len(asyncio.all_tasks())
             peak = rss_before
             drain = pb.CoordinatorFrame(drain=pb.Drain()).SerializeToString()  # one bytes object, sent many times
-            for i in range(frames // batch):
-                for _ in range(batch):
-                    coord.send(s, drain)
-                await _round_trip(coord, s, i + 1)  # every Drain so far has been read
-                peak = max(peak, proc.memory_info().rss)
-            tasks_after = len(asyncio.all_tasks())
-            release.set()
-            await _until(lambda: coord.drained, "no Drained")
+            try:
+                for i in range(frames // batch):
+                    for _ in range(batch):
+                        coord.send(s, drain)
+                    await _round_trip(coord, s, i + 1)  # every Drain so far has been read
+                    peak = max(peak, proc.memory_info().rss)
+                tasks_after = len(asyncio.all_tasks())
+            finally:
+                release.set()
+            await until(lambda: coord.drained, "no Drained")
             await _round_trip(coord, s, 10**6)
-            growth = peak - rss_before
-            print(f"{frames} Drain frames: RSS {rss_before / 2**20:.0f} -> peak {peak / 2**20:.0f} MiB "
-                  f"(+{growth / 2**20:.1f} MiB), tasks {tasks_before} -> {tasks_after}")
-            assert tasks_after <= tasks_before + 1, (tasks_before, tasks_after)  # one pending report at most
-            assert growth < Settings().coordinator_outbox_bytes, growth / 2**20
-            assert [d.jobs_finished for d in coord.drained] == [1]  # the held job, reported once
-            assert session.stats.sessions == 1
+            return {"frames": frames, "rss_before": rss_before, "peak": peak, "tasks_before": tasks_before,
+                    "tasks_after": tasks_after, "drained": [d.jobs_finished for d in coord.drained],
+                    "sessions": session.stats.sessions}
 
-    run(main())
+    return run(main())
+
+
+def test_a_drain_flood_keeps_one_pending_report_and_memory_within_the_outbox_bound(fixtures_dir, tmp_path):
+    """100,000 Drain frames while a job runs: the node holds one pending drain report, not one task each."""
+    m = run_isolated(_drain_flood, str(fixtures_dir), str(tmp_path))
+    growth = m["peak"] - m["rss_before"]
+    print(f"{m['frames']} Drain frames: RSS {m['rss_before'] / 2**20:.0f} -> peak {m['peak'] / 2**20:.0f} MiB "
+          f"(+{growth / 2**20:.1f} MiB), tasks {m['tasks_before']} -> {m['tasks_after']}")
+    assert m["tasks_after"] <= m["tasks_before"] + 1, m  # one pending report at most
+    assert growth < Settings().coordinator_outbox_bytes, growth / 2**20
+    assert m["drained"] == [1]  # the held job, reported once
+    assert m["sessions"] == 1
 
 
 # --- finding 6: sealed jobs' hashes -----------------------------------------------------------------------------
@@ -197,6 +203,9 @@ def _chat(**message) -> pb.ChatMessages:
     return pb.ChatMessages(messages=[pb.ChatMessage(**message)])
 
 
+HUGE_FIELDS = ("prompt_ids", "stop", "stop_token_ids", "chat.messages", "parts", "tool_calls")  # as below
+
+
 def _huge_requests():
     many = 200_000
     yield "prompt_ids", pb.JobRequest(job_id="j", prompt_ids=pb.PromptTokens(ids=[1000] * (MAX_PROMPT_IDS + 1)))
@@ -209,19 +218,37 @@ def _huge_requests():
         pb.ToolCall(id="c", name="f", arguments="{}")] * many))
 
 
-@pytest.mark.parametrize("field, req", list(_huge_requests()), ids=lambda v: v if isinstance(v, str) else "")
-def test_a_repeated_field_past_its_bound_is_refused_before_its_elements_are_built(field, req):
+def _refusal_peaks() -> dict:
+    """Each huge field's refusal, and the most Python allocated while it was made (tracemalloc's peak, which is
+    process-wide: run in a process of its own, where no other test's thread allocates meanwhile)."""
+    out = {}
+    for field, req in _huge_requests():
+        tracemalloc.start()
+        try:
+            try:
+                convert.job_from_request(req, max_tokens_limit=100, default_max_tokens=10)
+                cause = None
+            except JobError as e:
+                cause = e.cause.value
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        out[field] = {"cause": cause, "peak": peak}
+    return out
+
+
+@functools.cache
+def _refusals() -> dict:
+    return run_isolated(_refusal_peaks)
+
+
+@pytest.mark.parametrize("field", HUGE_FIELDS)
+def test_a_repeated_field_past_its_bound_is_refused_before_its_elements_are_built(field):
     """The count is checked before a single element is turned into a Python object: the refusal allocates almost
     nothing, where building the tuple first held the whole field (1M prompt ids: +122 MiB from a 15 MiB frame)."""
-    tracemalloc.start()
-    try:
-        with pytest.raises(JobError) as refused:
-            convert.job_from_request(req, max_tokens_limit=100, default_max_tokens=10)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert refused.value.cause.value == "invalid_request"
-    assert peak < 1 << 20, f"{field}: {peak / 2**20:.1f} MiB allocated before the refusal"
+    got = _refusals()[field]
+    assert got["cause"] == "invalid_request", got
+    assert got["peak"] < 1 << 20, f"{field}: {got['peak'] / 2**20:.1f} MiB allocated before the refusal"
 
 
 def test_a_huge_job_id_is_refused_before_its_sealed_body_is_opened_and_never_echoed(fixtures_dir, tmp_path):
@@ -234,14 +261,14 @@ def test_a_huge_job_id_is_refused_before_its_sealed_body_is_opened_and_never_ech
             long_id = "x" * (1 << 20)
             sealed, _ = seal_job(s.registration.sealing_key, long_id, job(long_id, "g"))  # a seal that would open
             coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=long_id, model="g", sealed=sealed)))
-            await _until(lambda: coord.protocol_errors, "no ProtocolError")
+            await until(lambda: coord.protocol_errors, "no ProtocolError")
             err = coord.protocol_errors[-1]
             assert err.frame_kind == "job_request" and f"has {1 << 20}" in err.reason and len(err.reason) < 200
             assert sealed.sender_key not in session.sealing._seen, "the body was opened before the id was checked"
             near_limit = "y" * ((64 << 20) - 20)  # a frame just under 64 MiB; a JobError echoing it, 28 bytes over
             coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(job_id=near_limit, model="g", prompt="x")))
             del near_limit
-            await _until(lambda: len(coord.protocol_errors) == 2, "no second ProtocolError")
+            await until(lambda: len(coord.protocol_errors) == 2, "no second ProtocolError")
             assert not coord.outcomes.get(long_id) and not session.jobs.outcomes.unacked
             # And a frame of 2M prompt ids, over the wire: refused by count.
             coord.send(s, pb.CoordinatorFrame(job_request=pb.JobRequest(
@@ -318,7 +345,7 @@ def test_a_reject_s_retry_after_is_capped(fixtures_dir, tmp_path):
         await coord.start()
         coord.next_reject = pb.Reject(reason="come back in 136 years", retry_after_s=2**32 - 1)
         async with harness(_models(fixtures_dir), tmp_path, coordinator=coord) as (_, _n, session):
-            await _until(lambda: session.stats.reconnect_delays, "no reconnect")
+            await until(lambda: session.stats.reconnect_delays, "no reconnect")
             delay = session.stats.reconnect_delays[0]
         assert delay == MAX_RETRY_AFTER_S, delay  # not 2^32 - 1 s (136 years)
         assert reconnect_delay(0.5, 2**32 - 1) == MAX_RETRY_AFTER_S

@@ -22,9 +22,6 @@ import os
 import threading
 import time
 
-import llguidance
-import llguidance.hf
-import llguidance.numpy as lln
 import mlx.core as mx
 import numpy as np
 
@@ -98,6 +95,8 @@ class Compiler:
     """Compiles grammars for one model, off the engine thread, each within a time and size bound."""
 
     def __init__(self, tokenizer, n_vocab: int, limits: dict | None = None):
+        import llguidance.hf  # here, not at start: a node whose jobs have no grammar never loads it
+
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=n_vocab,
                                                       eos_token=sorted(tokenizer.eos_token_ids))
         self.n_vocab = n_vocab
@@ -112,6 +111,8 @@ class Compiler:
         began: list[float] = []
 
         def compile_():
+            import llguidance
+
             began.append(time.monotonic())
             started.set()
             return _compile_and_step(self.tokenizer, lark, llguidance.LLParserLimits(**self.limits))
@@ -145,6 +146,8 @@ def _background() -> None:
 def _compile_and_step(tokenizer, lark: str, limits):
     """A matcher and its first mask: a grammar that compiles but cannot take a first step within its bounds
     (a recursion it must expand without end, say) is refused here, before the job is admitted."""
+    import llguidance
+
     m = llguidance.LLMatcher(tokenizer, lark, log_level=0, limits=limits)
     if not m.is_error():
         m.compute_bitmask()
@@ -166,6 +169,9 @@ class RowGrammar:
         self.kind = kind
         self.width = width  # the logits' width
         self.end_ids = end_ids
+        import llguidance.numpy as lln
+
+        self._fill = lln.fill_next_token_bitmask
         self._bits = lln.allocate_token_bitmask(1, n_vocab)
         self._ends = np.zeros(width, dtype=bool)
         self._ends[[t for t in end_ids if t < width]] = True
@@ -215,7 +221,7 @@ class RowGrammar:
         elif self._ended or self.matcher.is_stopped():
             out = self._ends  # a finished grammar allows only its end
         else:
-            lln.fill_next_token_bitmask(self.matcher, self._bits, 0)
+            self._fill(self.matcher, self._bits, 0)
             bits = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")
             out = np.zeros(self.width, dtype=bool)
             n = min(self.width, bits.size)
