@@ -197,7 +197,7 @@ def test_a_bearer_token_is_accepted_beside_x_api_key(server):
 @pytest.mark.parametrize("kw, error, fragment", [
     (dict(max_tokens=0), anthropic.BadRequestError, "max_tokens"),
     (dict(messages=[]), anthropic.BadRequestError, "messages"),
-    (dict(messages=[{"role": "system", "content": "x"}]), anthropic.BadRequestError, "role"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), anthropic.BadRequestError, "role"),
     (dict(extra_body={"temperature": 7}), anthropic.BadRequestError, "temperature"),
     (dict(model="no-such-model"), anthropic.NotFoundError, "no-such-model"),
     (dict(tool_choice={"type": "sometimes"}), anthropic.BadRequestError, "tool_choice"),

@@ -120,10 +120,13 @@ def _messages(body: dict, notes: EdgeNotes) -> tuple[list[dict], list[ImageInput
             out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         param = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise api.RequestError(f"{param} must be an object with role user or assistant and content",
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise api.RequestError(f"{param} must be an object with role user, assistant or system and content",
                                    f"{param}.role")
-        out += _message(m["role"], m.get("content"), param, images, notes)
+        if m["role"] == "system":  # Claude Code sends these between turns: instructions, as a system message
+            out.append({"role": "system", "content": _system(m.get("content"), notes)})
+        else:
+            out += _message(m["role"], m.get("content"), param, images, notes)
     return out, images
 
 
