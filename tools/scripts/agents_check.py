@@ -153,7 +153,7 @@ def turn_figures(lines: list[dict], api: str, since: int, until: int) -> dict | 
         line = lines[i]
         if line.get("event") == "agent_request" and line.get("api") == api and line.get("tools"):
             job = line["job_id"]
-            started = next((x for x in lines[i:until] if x.get("event") == "job_started" and x.get("job_id") == job), {})
+            started = next((x for x in lines[since:until] if x.get("event") == "job_started" and x.get("job_id") == job), {})
             done = next((x for x in lines[i:until] if x.get("event") == "job_finished" and x.get("job_id") == job), {})
             return {"job": job, "tools": line["tools"], "left_out": line.get("left_out"),
                     "prompt_tokens": started.get("prompt_tokens"), "cached": done.get("cached_prompt_tokens"),
