@@ -299,9 +299,14 @@ def _start(args: argparse.Namespace) -> int:
               "in the config",
               file=sys.stderr)
         return EXIT_CONFIG
-    from coordinator_client.channel import ChannelError
-    from coordinator_client.identity import IdentityError
     from . import daemon, startup
+
+    failures: tuple = (JobError, PermissionError)
+    if settings.coordinator:  # a local-only node never loads the gRPC stack (protobuf, grpc, its keys)
+        from coordinator_client.channel import ChannelError
+        from coordinator_client.identity import IdentityError
+
+        failures += (IdentityError, ChannelError)
 
     lock = InstanceLock(paths.state_dir())
     try:  # before any model loads: each failure is one line and its exit code
@@ -317,7 +322,7 @@ def _start(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(daemon.run(settings, local=settings.local, group=group))
-    except (JobError, PermissionError, IdentityError, ChannelError) as e:
+    except failures as e:
         print(f"provider: cannot start: {getattr(e, 'message', e)}", file=sys.stderr)
         return 1
     except GroupLost as e:

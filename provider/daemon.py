@@ -53,17 +53,27 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     node.on_engine_failure(lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set())))
     node.start()
     model_id = node.resolve_model(None)
+    runner = url = None
+    if local and membership is None:
+        # Listen at once: /health says `loading` and a request waits for the model, instead of a refused
+        # connection, while it loads. The API's line (its URL) still comes once the model serves.
+        node.loading = True
+        runner, url = await start_local_api(node, settings.bind, settings.port, token)
+        print(f"provider {__version__}: loading {model_id}; health at {url}/health", flush=True)
     loading = asyncio.create_task(service.while_loading(model_id))
     try:
         await node.preload(model_id)  # load and warm up before saying we are ready
     except JobError as e:
         if settings.model:  # the model asked for by name must load; any other may fail alone
             await node.stop(grace_s=0)
+            if runner is not None:
+                await runner.cleanup()
             raise
         logs.get("daemon").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
         print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
     finally:
         loading.cancel()
+        node.loading = False
     if membership is not None:
         node.group_ready()
     # What is loaded now lives as long as the process (modules, the model's tokenizer and its vocabulary):
@@ -74,9 +84,9 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"provider {__version__}: serving {model_id}", flush=True)
-    runner = url = None
     if local:
-        runner, url = await start_local_api(node, settings.bind, settings.port, token)
+        if runner is None:
+            runner, url = await start_local_api(node, settings.bind, settings.port, token)
         print(f"  local OpenAI-compatible API at {url}/v1", flush=True)
         print(f"  token file: {token_path}  (send: Authorization: Bearer <its contents>)" if token_path
               else "  auth: off (--no-auth)", flush=True)

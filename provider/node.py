@@ -146,6 +146,7 @@ class Node:
             running=running,
         )
         self.catalog = models.catalog
+        self.loading = False  # the daemon listens while its default model loads: health says `loading`
         models.profiler = profile.measure
         self.prompts = PromptPreparer(self.catalog.tokenizer_files)
         self.metrics = Metrics(self.status)
@@ -226,7 +227,8 @@ class Node:
     def status(self) -> NodeStatus:
         engine = self.engine
         stats = engine.stats
-        health = "unhealthy" if engine.failure is not None else "draining" if engine.draining else "ok"
+        health = "unhealthy" if engine.failure is not None else "draining" if engine.draining else \
+            "loading" if self.loading else "ok"
         return NodeStatus(
             health=health, failure=engine.failure, default_model=self.catalog.default_id,
             models=tuple(self.models.statuses()), memory=self.models.memory_status(self._platform_memory),

@@ -223,3 +223,53 @@ def test_no_job_waits_for_a_measurement(fixtures_dir):
     assert pending["source"] == "measuring" and calls == ["g"]
     assert status.speculation_profile["source"] == "measured"
     assert after.telemetry.speculation.as_dict()["reason"] in ("ok", "not_profitable")
+
+
+GATED_START = """
+import sys, time
+from pathlib import Path
+from provider.models import loader
+
+gate, real = Path(sys.argv.pop(1)), loader.load_pair
+
+def load_pair(*args, **kwargs):  # the load waits for the test's word: 'loading' is then certain, not a race
+    while not gate.exists():
+        time.sleep(0.01)
+    return real(*args, **kwargs)
+
+loader.load_pair = load_pair
+from provider.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_the_daemon_listens_while_its_model_loads_and_health_says_loading(fixtures_dir, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.helpers import until_blocking
+
+    gate = tmp_path / "go"
+    env = {**__import__("os").environ, "XDG_STATE_HOME": str(tmp_path / "state"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", GATED_START, str(gate), "start", "--local", "--port", "0",
+                             "--no-auth", "--log-format", "json", "--model", str(fixtures_dir / "llama-tiny")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        first = proc.stdout.readline()
+        health_url = re.search(r"health at (http://\S+/health)", first)
+        assert health_url, first
+        loading = httpx.get(health_url[1], timeout=30)
+        assert loading.status_code == 200 and loading.json()["status"] == "loading"
+        assert loading.json()["resident_models"] == []
+        gate.touch()
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert any("/v1" in line for line in lines), lines
+        until_blocking(lambda: httpx.get(health_url[1], timeout=30).json()["status"] == "ok", "health never said ok")
+        assert httpx.get(health_url[1]).json()["resident_models"] == ["llama-tiny"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
