@@ -97,6 +97,9 @@ def warm_up(lm: LoadedModel) -> None:
         pass
 
 
+GC_BEFORE_LOAD_BYTES = 16 << 20
+
+
 def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, group=None,
               split: str = "auto") -> tuple[LoadedModel, int]:
     """Load a target with mlx-lm and warm it up, then its drafter when the plan (`DrafterPlan`) has one.
@@ -108,7 +111,10 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
 
     from .. import logs
 
-    gc.collect()  # so that unrelated frees during the load do not shrink the measured delta
+    # So that unrelated frees during the load do not shrink the measured delta; a process holding no arrays yet
+    # (a first load) has none to free, and a full collection there costs more than the load of a small model.
+    if mx.get_active_memory() > GC_BEFORE_LOAD_BYTES:
+        gc.collect()
     before = mx.get_active_memory()
     lm = load(model_id, path, group, split)
     active_delta = mx.get_active_memory() - before
