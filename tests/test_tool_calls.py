@@ -74,3 +74,27 @@ def test_the_generic_format_puts_tools_in_a_preamble_and_history_in_plain_turns(
     assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>\nAnd?"}  # turns merged
     plain, _ = GENERIC_FORMAT.prompt_messages(messages[:2], OutputRules(ResponseFormat("json_object")))
     assert plain == messages[:2]  # no tools offered: the messages as they were
+
+
+def test_a_format_without_a_call_grammar_refuses_forced_calls_naming_tool_choice_and_parses_auto():
+    """A format with no grammar here (an unknown parser's name): `required` and named choices are a 400 naming
+    tool_choice; `auto` compiles nothing (its calls are parsed after free generation)."""
+    from provider.engine.grammar import compile_rules
+
+    fmt = ToolFormat("some_new_parser", "<call>", "</call>", _parse_json_call, True, {})
+    tool = Tool("f", {"type": "object", "properties": {}})
+    for choice in (ToolChoice("required"), ToolChoice("function", "f")):
+        with pytest.raises(ConstraintError) as e:
+            fmt.call_grammar(OutputRules(tools=(tool,), tool_choice=choice))
+        assert e.value.param == "tool_choice" and "some_new_parser" in e.value.message
+    assert compile_rules(None, OutputRules(tools=(tool,), tool_choice=ToolChoice("auto")), fmt) is None
+
+
+def test_a_native_template_sees_the_tools_under_none_and_the_generic_preamble_does_not():
+    tool = Tool("f", {"type": "object", "properties": {}})
+    native = ToolFormat("json_tools", "<tool_call>", "</tool_call>", _parse_json_call, True, {})
+    messages = [{"role": "user", "content": "hi"}]
+    _, tools = native.prompt_messages(messages, OutputRules(tools=(tool,), tool_choice=ToolChoice("none")))
+    assert tools == [tool.as_openai()]
+    out, _ = GENERIC_FORMAT.prompt_messages(messages, OutputRules(tools=(tool,), tool_choice=ToolChoice("none")))
+    assert out == messages

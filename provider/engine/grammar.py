@@ -74,7 +74,11 @@ def compile_rules(compiler: "Compiler", rules: OutputRules, fmt: ToolFormat | No
     if rules.calls_tools and not rules.json_content and not rules.tool_choice.forced:
         if fmt is None or not fmt.has_grammar:
             return None
-        matcher = compiler.matcher(call_lark(rules, fmt), param)
+        try:
+            lark = call_lark(rules, fmt)
+        except ConstraintError:  # a schema this format cannot write: its calls are parsed, not held
+            return None
+        matcher = compiler.matcher(lark, param)
         return LazyCall(matcher, fmt.start.encode(), compiler.tokenizer,
                         again=bool(fmt.end) and rules.parallel_tool_calls)
     return compiler.matcher(lark_for(rules, fmt), param)
