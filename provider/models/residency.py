@@ -175,7 +175,7 @@ class Residency:
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
         # A measurement under way finishes and is kept (a one-shot `generate` pays it at exit once per machine).
-        self._profiling.shutdown(wait=True, cancel_futures=True)
+        self._profiling.shutdown(wait=True)
 
     # --- engine thread ------------------------------------------------------------
 
