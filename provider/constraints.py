@@ -135,8 +135,8 @@ class OutputRules:
 
     @property
     def constrained(self) -> bool:
-        """A grammar decides what may be generated (free text around a possible call counts: once a call
-        starts, the grammar keeps it well-formed)."""
+        """A grammar may decide what is generated: JSON content and forced calls from the first token; under
+        `auto`, a call from its opening marker on (in a format with a call grammar; the text is free)."""
         return self.json_content or self.calls_tools
 
     @property
