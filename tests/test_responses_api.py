@@ -163,3 +163,33 @@ def test_chat_completions_takes_the_developer_role_as_system(client):
         return client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
             {"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]).usage.prompt_tokens
     assert prompt_tokens("developer") == prompt_tokens("system")
+
+
+# --- the store's bounds (pure) ---------------------------------------------------------------------
+
+
+def test_the_store_keeps_at_most_its_count_and_bytes_oldest_dropped_first():
+    from provider.local.responses_store import ResponseStore
+
+    store = ResponseStore(max_responses=3, max_bytes=10_000, max_age_s=60)
+    for i in range(5):
+        assert store.put(f"r{i}", [{"t": "x" * 10}], {"id": f"r{i}"})
+    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert store.put("big", [{"t": "x" * 6000}], {"id": "big"})  # past the bytes: the oldest go until it fits
+    count, size = store.stats()
+    assert size <= 10_000 and store.get("big") is not None and store.get("r2") is None and count <= 3
+    assert not store.put("huge", [{"t": "x" * 20_000}], {}) and store.get("huge") is None  # alone too large
+    assert store.delete("big") and not store.delete("big") and store.get("big") is None
+
+
+def test_the_store_forgets_responses_past_their_age():
+    from provider.local.responses_store import ResponseStore
+
+    now = [0.0]
+    store = ResponseStore(max_responses=10, max_bytes=10_000, max_age_s=60, clock=lambda: now[0])
+    store.put("old", [], {})
+    now[0] = 30.0
+    store.put("young", [], {})
+    now[0] = 61.0
+    assert store.get("old") is None and store.get("young") is not None
+    assert store.stats()[0] == 1
