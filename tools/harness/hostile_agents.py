@@ -195,3 +195,28 @@ def agent_cases(model: str) -> list[AgentCase]:
 def good_request(model: str) -> tuple[str, dict]:
     """A request each API must still serve after the hostile ones."""
     return MESSAGES, {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def agent_failures(url: str, headers: dict, model: str, timeout: float) -> tuple[int, list[tuple[str, str]]]:
+    """Send every case to a live node at `url`; (cases sent, those that broke the promise: a 5xx, a 4xx not in
+    its API's shape, a hang or a dropped connection, each as (name, detail)). For the fuzz campaign."""
+    import json
+
+    import httpx
+
+    cases, bad = agent_cases(model), []
+    with httpx.Client(timeout=timeout) as client:
+        for case in cases:
+            try:
+                r = client.request(case.method, url + case.path, headers={"Content-Type": "application/json", **headers},
+                                   content=None if case.body is None else json.dumps(case.body).encode())
+            except httpx.HTTPError as e:
+                bad.append((case.name, f"{type(e).__name__}: {e}"))
+                continue
+            try:
+                body = r.json()
+            except ValueError:
+                body = r.text
+            if not error_shape_ok(case.path, r.status_code, body):
+                bad.append((case.name, f"{r.status_code} {r.text[:200]}"))
+    return len(cases), bad
