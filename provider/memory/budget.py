@@ -62,10 +62,33 @@ def system_facts() -> SystemFacts:
 
 
 def pin_mlx_limits(budget: Budget) -> None:
-    """Cap MLX at the budget so an over-estimate fails as an allocation error, not as swapping."""
+    """Cap MLX at the budget so an over-estimate fails as an allocation error, not as swapping; and have the C
+    allocator give large freed buffers back (return_freed_buffers)."""
     import mlx.core as mx
 
     if budget.usable > 0:
         mx.set_memory_limit(budget.usable)
         # Freed buffers MLX keeps for reuse count against the budget too; keep that pool modest.
         mx.set_cache_limit(min(budget.usable // 8, 2 * GiB))
+    return_freed_buffers()
+
+
+MMAP_THRESHOLD = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_buffers() -> bool:
+    """Buffers of a MiB or more (images' pixels, decoded frames) from their own mappings, returned to the system
+    when freed. glibc raises its threshold to the size of each mapped buffer freed (up to 32 MiB), after which
+    such buffers come from a heap that keeps them: measured here, 16 small and 5 larger images left the node
+    170 MiB above its ledger once they were read, in no booking; with a fixed threshold, 12 MiB. Linux (glibc)
+    only; True if it applied."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False

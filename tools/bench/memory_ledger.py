@@ -6,14 +6,23 @@ fixture factory, serves it with the node daemon (prefix cache on, a generous bud
 
 - a: 8 distinct ~800-token prompts at once;
 - b: one ~1,500-token prompt sent while 15 short prompts decode;
-- c: 30 jobs of random prompt and output lengths, a third of whose clients hang up after a few chunks.
+- c: 30 jobs of random prompt and output lengths, a third of whose clients hang up after a few chunks;
+
+then, on a second node serving the fixture factory's Gemma 4 VLM (a 280-token default image budget, as real
+Gemma 4 checkpoints have; detail high is 1,120):
+
+- d: images, all at once: two jobs of one high-detail photo each, two of four photos at the default detail, one
+  of 16 one-pixel PNGs at detail low, and two text jobs beside them.
 
 For each phase it prints the sample with the most MLX memory active (`memory.mlx_active_bytes`) beside the ledger
 at that sample (`memory.reserved_bytes` = models + jobs' KV + prefix caches, with its parts), the same at idle,
-and a verdict for the target: active <= ledger x 1.10 + 16 MiB at every sample. End-of-sequence tokens are
+and a verdict for the target: active <= ledger x 1.10 + 16 MiB at every sample. Images are decoded and prepared
+into numpy arrays, which MLX does not count, so phase d is judged on the node process's RSS as well: RSS beyond
+what the process holds outside the ledger at rest (interpreter, libraries, tokenizers: RSS - ledger, measured
+after a warm-up image) stays within ledger x 1.10 + 64 MiB at every sample. End-of-sequence tokens are
 biased away (logit_bias -100) so every job runs to its max_tokens. The exit code is 0 whatever the verdict.
 
-    python tools/bench/memory_ledger.py [--seed N] [--out FILE]
+    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcd]
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -35,7 +45,8 @@ from provider.models import fixtures  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 
 MiB = 2**20
-PHASE_TIMEOUT = 240.0  # seconds for a phase's jobs; its idle period has its own bound below
+RSS_SLACK = 64 * MiB  # phase d's RSS target: ledger x 1.10 + this
+PHASE_TIMEOUT = 600.0  # seconds for a phase's jobs; its idle period has its own bound below
 IDLE_TIMEOUT, IDLE_SAMPLE = 30.0, 2.0  # wait at most this for every job to end, then sample this long
 WORDS = fixtures.CORPUS.split()
 
@@ -53,16 +64,19 @@ class Sampler(threading.Thread):
     def __init__(self, srv: LocalServer):
         super().__init__(daemon=True)
         self.srv, self.label, self.samples, self.stopping = srv, "start", [], threading.Event()
+        self.proc = psutil.Process(srv.proc.pid)
 
     def run(self) -> None:
         with httpx.Client(headers=self.srv.headers, timeout=5) as c:
             while not self.stopping.is_set():
                 t = time.perf_counter()
                 try:
+                    rss = self.proc.memory_info().rss  # before and after the ledger: the larger ledger of the two
                     h = c.get(self.srv.url + "/health").json()
-                    self.samples.append({"t": t, "phase": self.label, "memory": h.get("memory", {}),
+                    rss = max(rss, self.proc.memory_info().rss)
+                    self.samples.append({"t": t, "phase": self.label, "memory": h.get("memory", {}), "rss": rss,
                                          "busy": h.get("active_jobs", 0) + h.get("queued_jobs", 0)})
-                except (httpx.HTTPError, ValueError):
+                except (httpx.HTTPError, ValueError, psutil.Error):
                     pass
                 self.stopping.wait(max(0.0, 0.05 - (time.perf_counter() - t)))
 
@@ -77,6 +91,7 @@ class Load:
         self.srv, self.tok, self.bias = srv, tok, {str(i): -100 for i in no_eos}
         self.threads: list[threading.Thread] = []
         self.ok = self.failed = self.dropped = self.tokens = 0
+        self.errors: list[str] = []  # the first words of each refusal
         self.lock = threading.Lock()
 
     def prompt(self, n_tokens: int, rng: random.Random) -> str:
@@ -89,13 +104,26 @@ class Load:
         t.start()
         self.threads.append(t)
 
-    def _run(self, prompt: str, max_tokens: int, drop_after: int, first: threading.Event | None) -> None:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "stream": True,
-                "logit_bias": self.bias, "stream_options": {"include_usage": True}}
+    def chat(self, content: list[dict], max_tokens: int) -> None:
+        """A chat request whose user turn is `content` (text and image parts)."""
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 1.0,
+                "stream": True, "logit_bias": self.bias, "stream_options": {"include_usage": True}}
+        t = threading.Thread(target=self._run, args=(body, 0, 0, None, "/v1/chat/completions"), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _run(self, prompt: str | dict, max_tokens: int, drop_after: int, first: threading.Event | None,
+             path: str = "/v1/completions") -> None:
+        body = prompt if isinstance(prompt, dict) else {
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "stream": True, "logit_bias": self.bias,
+            "stream_options": {"include_usage": True}}
         chunks, outcome = 0, "failed"
         try:
-            with httpx.stream("POST", self.srv.url + "/v1/completions", json=body, headers=self.srv.headers,
+            with httpx.stream("POST", self.srv.url + path, json=body, headers=self.srv.headers,
                               timeout=PHASE_TIMEOUT) as r:
+                if r.status_code != 200:
+                    with self.lock:
+                        self.errors.append(f"{r.status_code} {r.read()[:200]!r}")
                 for line in r.iter_lines() if r.status_code == 200 else ():
                     if line == "data: [DONE]":
                         outcome = "ok"
@@ -144,9 +172,35 @@ def phase_c(load: Load, rng: random.Random) -> None:
         time.sleep(rng.uniform(0, 0.1))
 
 
-PHASES = [("a", "8 x ~800-token prompts at once", phase_a),
-          ("b", "one ~1,500-token prompt beside 15 short decoding", phase_b),
-          ("c", "30 random jobs, 10 clients drop mid-stream", phase_c)]
+def image_part(seed: int, size: tuple[int, int], detail: str, fmt: str = "JPEG") -> dict:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, fmt)
+    url = f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url, "detail": detail}}
+
+
+def phase_d(load: Load, rng: random.Random) -> None:
+    ask = {"type": "text", "text": "Describe these pictures."}
+    for i in range(2):
+        load.chat([image_part(rng.randrange(1 << 30), (640, 480), "high"), ask], 16)
+    for i in range(2):
+        load.chat([image_part(rng.randrange(1 << 30), (rng.randint(200, 900), rng.randint(200, 900)), "auto")
+                   for _ in range(4)] + [ask], 16)
+    load.chat([image_part(rng.randrange(1 << 30), (1, 1), "low", "PNG") for _ in range(16)] + [ask], 16)
+    for i in range(2):
+        load.chat([{"type": "text", "text": load.prompt(200, rng)}], 48)
+
+
+TEXT_PHASES = [("a", "8 x ~800-token prompts at once", phase_a),
+               ("b", "one ~1,500-token prompt beside 15 short decoding", phase_b),
+               ("c", "30 random jobs, 10 clients drop mid-stream", phase_c)]
+IMAGE_PHASES = [("d", "images: 2 x 1 high-detail, 2 x 4 default, 1 x 16 tiny at low, 2 text jobs", phase_d)]
 
 
 def bound(m: dict) -> float:
@@ -163,71 +217,124 @@ def describe(tag: str, samples: list[dict]) -> str:
             f"{m.get('prefix_cache_bytes', 0) / MiB:.1f})   active/ledger {active / max(ledger, 1):.2f}")
 
 
+def build_vlm(out: Path) -> tuple[Path, list[int]]:
+    """The fixture factory's Gemma 4 VLM with a 280-token default image budget, and its end-of-sequence ids."""
+    from provider.models.vision_fixtures import make_gemma4_vlm
+
+    make_gemma4_vlm(out, soft_tokens=280)
+    eos = json.loads((out / "config.json").read_text())["eos_token_id"]
+    return out, list(eos) if isinstance(eos, list) else [eos]
+
+
+def rss_bound(s: dict, outside: float) -> float:
+    return s["memory"]["reserved_bytes"] * 1.10 + RSS_SLACK + outside
+
+
+def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.Random, warm: list[dict] | None,
+          results: list[dict], samples: list[dict]) -> None:
+    """One node on `model`, warmed up, then each phase and its idle period, with their verdicts printed."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    env = {"PROVIDER_MEMORY_BUDGET_GB": "12", "PROVIDER_PREFIX_CACHE_GB": "1", "PROVIDER_SPECULATION": "off",
+           "PROVIDER_MAX_CONCURRENT_JOBS": "32"}
+    home.mkdir()
+    srv = LocalServer(model, home, env=env)
+    threading.Thread(target=lambda: [None for _ in srv.proc.stdout], daemon=True).start()  # keep stdout drained
+    sampler = Sampler(srv)
+    try:
+        first = Load(srv, tok, no_eos)
+        if warm is None:
+            first.start("The provider node serves", 4)
+        else:  # an image through the tower: its code compiled, the processor loaded, before anything is measured
+            first.chat(warm, 4)
+        first.join(time.monotonic() + 300)
+        sampler.start()
+        time.sleep(0.5)
+        base = sampler.latest().get("memory", {})
+        missing = [k for k in ("mlx_active_bytes", "reserved_bytes", "models_bytes", "jobs_kv_bytes",
+                               "prefix_cache_bytes") if k not in base]
+        if missing:
+            print(f"  /health memory lacks: {', '.join(missing)}")
+        print(describe("start", sampler.samples))
+        time.sleep(IDLE_SAMPLE)
+        for name, title, run in phases:
+            # What the process holds outside the ledger at rest (interpreter, libraries, tokenizers, MLX's pool).
+            before = [s["rss"] - s["memory"]["reserved_bytes"] for s in sampler.samples[-20:]]
+            outside = sorted(before)[len(before) // 2]
+            load = Load(srv, tok, no_eos)
+            started = time.monotonic()
+            sampler.label = name
+            run(load, rng)
+            finished = load.join(started + PHASE_TIMEOUT)
+            seconds = time.monotonic() - started
+            sampler.label = name + " idle"
+            deadline = time.monotonic() + IDLE_TIMEOUT
+            while sampler.latest()["busy"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            drained = not sampler.latest()["busy"]
+            sampler.label = name + " rest"  # every job has ended: this is the idle figure
+            time.sleep(IDLE_SAMPLE)
+            busy = [s for s in sampler.samples if s["phase"] in (name, name + " idle")]
+            rest = [s for s in sampler.samples if s["phase"] == name + " rest"]
+            over = [s for s in busy + rest if s["memory"]["mlx_active_bytes"] > bound(s["memory"])]
+            worst = max((s["memory"]["mlx_active_bytes"] - bound(s["memory"]) for s in busy + rest), default=0)
+            rss_over = [s for s in busy + rest if s["rss"] > rss_bound(s, outside)]
+            rss_worst = max((s["rss"] - rss_bound(s, outside) for s in busy + rest), default=0)
+            judged_rss = warm is not None
+            ok = not over and finished and drained and (not rss_over or not judged_rss)
+            verdict = "PASS" if ok else "FAIL"
+            print(f"phase {name}: {title}: {seconds:.1f} s, jobs {load.ok} ok, {load.dropped} dropped, "
+                  f"{load.failed} failed, {load.tokens} tokens{'' if finished else ', TIMED OUT'}"
+                  f"{'' if drained else ', jobs still running at idle'}")
+            for error in sorted(set(load.errors))[:3]:
+                print(f"  refused: {error}")
+            print(describe("peak", busy))
+            print(describe("idle", rest))
+            peak_rss = max(busy, key=lambda s: s["rss"] - s["memory"]["reserved_bytes"], default=None)
+            if peak_rss is not None:
+                print(f"  RSS   {peak_rss['rss'] / MiB:8.1f} MiB at its furthest past the ledger "
+                      f"({peak_rss['memory']['reserved_bytes'] / MiB:.1f} MiB); outside the ledger at rest "
+                      f"{outside / MiB:.1f} MiB; {len(rss_over)} of {len(busy) + len(rest)} samples over ledger x "
+                      f"1.10 + 64 MiB (worst by {rss_worst / MiB:+.1f} MiB){'' if judged_rss else ' (not judged)'}")
+            print(f"  verdict {verdict}: {len(over)} of {len(busy) + len(rest)} samples over ledger x 1.10 + "
+                  f"16 MiB (worst by {worst / MiB:+.1f} MiB)", flush=True)
+            results.append({"phase": name, "title": title, "verdict": verdict, "seconds": seconds,
+                            "ok": load.ok, "dropped": load.dropped, "failed": load.failed,
+                            "samples_over": len(over), "rss_samples_over": len(rss_over),
+                            "samples": len(busy) + len(rest), "outside_ledger_bytes": outside})
+    finally:
+        sampler.stopping.set()
+        srv.stop()
+        samples += sampler.samples
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write every /health sample and the verdicts as JSON")
+    ap.add_argument("--phases", default="abcd", help="the phases to run (default: all)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    from tokenizers import Tokenizer
-
-    results = []
+    results: list[dict] = []
+    samples: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model, no_eos = build_model(Path(tmp) / "llama-kv-heavy")
-        tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-        env = {"PROVIDER_MEMORY_BUDGET_GB": "12", "PROVIDER_PREFIX_CACHE_GB": "1", "PROVIDER_SPECULATION": "off",
-               "PROVIDER_MAX_CONCURRENT_JOBS": "32"}
-        (home := Path(tmp) / "home").mkdir()
-        srv = LocalServer(model, home, env=env)
-        threading.Thread(target=lambda: [None for _ in srv.proc.stdout], daemon=True).start()  # keep stdout drained
-        sampler = Sampler(srv)
-        try:
-            warm = Load(srv, tok, no_eos)
-            warm.start("The provider node serves", 4)
-            warm.join(time.monotonic() + 120)
-            sampler.start()
-            time.sleep(0.5)
-            base = sampler.latest().get("memory", {})
-            missing = [k for k in ("mlx_active_bytes", "reserved_bytes", "models_bytes", "jobs_kv_bytes",
-                                   "prefix_cache_bytes") if k not in base]
+        text = [p for p in TEXT_PHASES if p[0] in args.phases]
+        if text:
+            model, no_eos = build_model(Path(tmp) / "llama-kv-heavy")
             print(f"model {model.name}: 4 layers, 8 KV heads x 32, fp32 (8 KiB KV/token); /health every 50 ms")
-            if missing:
-                print(f"  /health memory lacks: {', '.join(missing)}")
-            print(describe("start", sampler.samples))
-            for name, title, run in PHASES:
-                load = Load(srv, tok, no_eos)
-                started = time.monotonic()
-                sampler.label = name
-                run(load, rng)
-                finished = load.join(started + PHASE_TIMEOUT)
-                seconds = time.monotonic() - started
-                sampler.label = name + " idle"
-                deadline = time.monotonic() + IDLE_TIMEOUT
-                while sampler.latest()["busy"] and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                drained = not sampler.latest()["busy"]
-                sampler.label = name + " rest"  # every job has ended: this is the idle figure
-                time.sleep(IDLE_SAMPLE)
-                busy = [s for s in sampler.samples if s["phase"] in (name, name + " idle")]
-                rest = [s for s in sampler.samples if s["phase"] == name + " rest"]
-                over = [s for s in busy + rest if s["memory"]["mlx_active_bytes"] > bound(s["memory"])]
-                worst = max((s["memory"]["mlx_active_bytes"] - bound(s["memory"]) for s in busy + rest), default=0)
-                verdict = "PASS" if not over and finished and drained else "FAIL"
-                print(f"phase {name}: {title}: {seconds:.1f} s, jobs {load.ok} ok, {load.dropped} dropped, "
-                      f"{load.failed} failed, {load.tokens} tokens{'' if finished else ', TIMED OUT'}"
-                      f"{'' if drained else ', jobs still running at idle'}")
-                print(describe("peak", busy))
-                print(describe("idle", rest))
-                print(f"  verdict {verdict}: {len(over)} of {len(busy) + len(rest)} samples over ledger x 1.10 + "
-                      f"16 MiB (worst by {worst / MiB:+.1f} MiB)", flush=True)
-                results.append({"phase": name, "title": title, "verdict": verdict, "seconds": seconds,
-                                "ok": load.ok, "dropped": load.dropped, "failed": load.failed,
-                                "samples_over": len(over), "samples": len(busy) + len(rest)})
-        finally:
-            sampler.stopping.set()
-            srv.stop()
+            serve(model, no_eos, Path(tmp) / "home", text, rng, None, results, samples)
+        images = [p for p in IMAGE_PHASES if p[0] in args.phases]
+        if images:
+            model, no_eos = build_vlm(Path(tmp) / "gemma4-vlm")
+            print(f"model {model.name}: Gemma 4 text model with a 2-layer vision tower, 280 soft tokens an image "
+                  "(1,120 at detail high); /health and RSS every 50 ms")
+            serve(model, no_eos, Path(tmp) / "home-vlm", images, rng,
+                  [image_part(1, (320, 240), "auto"), {"type": "text", "text": "What is it?"}], results, samples)
     if args.out:
-        args.out.write_text(json.dumps({"seed": args.seed, "phases": results, "samples": sampler.samples}, indent=1))
+        args.out.write_text(json.dumps({"seed": args.seed, "phases": results, "samples": samples}, indent=1))
+    verdicts = ", ".join(f"{r['phase']} {r['verdict']}" for r in results)
+    print(f"verdicts: {verdicts}")
     return 0
 
 
