@@ -124,10 +124,11 @@ def test_two_ranks_answer_as_one_process_and_survive_a_client_leaving(fixtures_d
         assert seeded[0] == seeded[1]  # a seeded sampled job: the same key on every rank, run after run
         assert all(f.proc.poll() is None for f in followers)
         # Idle, a follower sleeps until rank 0 rings (provider.group.doorbell): it waited in MLX's ring
-        # collective before, which polls, at 99 % of a core: the whole second between two idle steps.
+        # collective before, which polls, at 99 % of a core: the whole second between two idle steps (0.37 s of
+        # CPU a step beside other tests, 10 ms sleeping).
         per_step = idle_cpu_per_step(notify, followers[0].proc.pid)
         print(f"follower CPU per idle step: {per_step * 1000:.1f} ms")
-        assert per_step < 0.25, per_step
+        assert per_step < 0.1, per_step
     finally:
         assert leader.stop() == 0, leader.logs()[-3000:]
         for f in followers:  # rank 0's stop ends them with it

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,10 +111,13 @@ class FaultReport:
 
 
 async def kill_restart_scenario(model_path: Path, state_dir: Path, cycles: int = 10) -> FaultReport:
+    """`cycles` kills and restarts of the coordinator under a node serving jobs. The node's RSS per cycle is this
+    process's: run it in a process of its own (tools/scripts/fault_report.py is one; the test uses
+    tools.harness.isolated), where nothing else allocates."""
     report = FaultReport(cycles)
     coord = ReferenceCoordinator(heartbeat_interval_ms=200)
     await coord.start()
-    proc = psutil.Process(os.getpid())
+    proc = psutil.Process()  # this process: the node runs in it
     async with harness({"m": model_path}, state_dir, coordinator=coord) as (_, node, session):
         session_now = await coord.wait_for_node(30)
         job_ids = []
