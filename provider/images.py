@@ -4,9 +4,12 @@ checkpoint's vision tower reads with the checkpoint's own processor (mlx-vlm's G
 Every image is hostile until decoded: only PNG, JPEG, WebP and GIF decoders are tried (never SVG, EPS or the
 rest Pillow knows), the pixel count is checked from the header before a single pixel is decoded (a
 decompression bomb costs nothing), a truncated or corrupt file is a 400 naming its part, and an animated file
-gives its first frame.
+gives its first frame. A video's frames are read in order with the canvas checked after every seek (a later
+GIF frame at a large offset grows it; an MPO's next picture replaces it) and each frame is resized to the
+processor's size as soon as it is decoded, so one request holds one full-size frame at a time. What a job's
+media become (float32, images scaled up or down to fill their budget, as the processor does) is counted from
+the headers against MAX_MEDIA_BYTES before any is decoded.
 """
-
 from __future__ import annotations
 
 import io
@@ -188,6 +191,9 @@ def _animated_frames(video: VideoInput, cap: int, fitted: Callable) -> tuple[lis
         raise _refused(where, f"is truncated or corrupt ({type(e).__name__})") from None
     if total > MAX_SOURCE_FRAMES:
         raise _too_large(where, f"holds {total:,} frames; at most {MAX_SOURCE_FRAMES:,} are taken")
+    if total * img.size[0] * img.size[1] > MAX_VIDEO_PIXELS:  # the canvas only grows: refused before a decode
+        raise _too_large(where, f"{total} frames of {img.size[0]}x{img.size[1]} are more than the at most "
+                                f"{MAX_VIDEO_PIXELS:,} pixels taken")
     duration_ms = img.info.get("duration") or 0
     fps = video.fps or (1000.0 / duration_ms if duration_ms > 0 else 1.0)
     picked = _evenly(total, cap)

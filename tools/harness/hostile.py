@@ -320,3 +320,149 @@ def malformed_results(done: pb.JobDone) -> st.SearchStrategy[pb.JobDone]:
         return out
 
     return one()
+
+
+# --- Media bombs (issue 37): a few kilobytes each that decode, or once decoded and scaled would, to gigabytes.
+# Each is an OpenAI content part; the node must refuse it with a 4xx or serve it within its bounds.
+
+def _png(img) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, "PNG", optimize=True)
+    return buf.getvalue()
+
+
+def _gif_frame_data(w: int, h: int) -> bytes:
+    """The LZW image data (code size byte and sub-blocks) of a w x h frame of colour 0, as Pillow writes it."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("P", (w, h), 0).save(buf, "GIF")
+    data = buf.getvalue()
+    at = data.index(b",", 13 + 3 * 2 ** ((data[10] & 7) + 1))  # the image descriptor, past the colour table
+    return data[at + 10:-1]  # after the descriptor (no local table), before the trailer
+
+
+def gif_with_frames(screen: tuple[int, int], frames: list[tuple[int, int, int, int]], delay_cs: int = 10) -> bytes:
+    """A GIF of logical screen `screen` whose frames are (x, y, w, h) rectangles of colour 0: a frame may lie
+    past the screen (Pillow grows the canvas when it seeks to it)."""
+    import struct
+
+    out = bytearray(b"GIF89a" + struct.pack("<HHBBB", *screen, 0x80, 0, 0) + b"\0\0\0\xff\xff\xff")
+    out += b"\x21\xff\x0bNETSCAPE2.0\x03\x01\0\0\0"
+    cache: dict = {}
+    for x, y, w, h in frames:
+        data = cache.setdefault((w, h), _gif_frame_data(w, h))
+        out += b"\x21\xf9\x04\x00" + struct.pack("<H", delay_cs) + b"\0\0"
+        out += b"," + struct.pack("<HHHHB", x, y, w, h, 0) + data
+    return bytes(out + b";")
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def apng_with_frames(size: tuple[int, int], frames: int) -> bytes:
+    """An APNG of a 1-bit `size` canvas (its default image the first frame) and `frames - 1` more 1x1 frames:
+    each read composites onto the whole canvas."""
+    import struct
+    import zlib
+
+    w, h = size
+    rows = zlib.compress((b"\0" + bytes((w + 7) // 8)) * h, 9)
+    out = b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 1, 0, 0, 0, 0))
+    out += _chunk(b"acTL", struct.pack(">II", frames, 0))
+    out += _chunk(b"fcTL", struct.pack(">IIIIIHHBB", 0, w, h, 0, 0, 1, 10, 0, 0)) + _chunk(b"IDAT", rows)
+    one = zlib.compress(b"\0\x80")
+    for i in range(1, frames):
+        out += _chunk(b"fcTL", struct.pack(">IIIIIHHBB", 2 * i - 1, 1, 1, 0, 0, 1, 10, 0, 0))
+        out += _chunk(b"fdAT", struct.pack(">I", 2 * i) + one)
+    return out + _chunk(b"IEND", b"")
+
+
+def webp_with_frames(canvas: tuple[int, int], frames: int) -> bytes:
+    """An animated WebP of a `canvas` canvas and `frames` 1x1 lossless frames (the canvas is what each decoded
+    frame fills)."""
+    import io
+    import struct
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, "WEBP", lossless=True)
+    vp8l = buf.getvalue()[12:]  # the VP8L chunk of a still 1x1 image
+
+    def u24(v: int) -> bytes:
+        return struct.pack("<I", v)[:3]
+
+    def riff(kind: bytes, data: bytes) -> bytes:
+        return kind + struct.pack("<I", len(data)) + data + b"\0" * (len(data) % 2)
+
+    body = riff(b"VP8X", b"\x02\0\0\0" + u24(canvas[0] - 1) + u24(canvas[1] - 1))
+    body += riff(b"ANIM", b"\0\0\0\0\0\0")
+    frame = riff(b"ANMF", u24(0) + u24(0) + u24(0) + u24(0) + u24(100) + b"\0" + vp8l)
+    body += frame * frames
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WEBP" + body
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(data: bytes, mime: str = "image/png", detail: str = "auto") -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data, mime), "detail": detail}}
+
+
+def media_bombs() -> list[tuple[str, list[dict]]]:
+    """(name, content parts) of each media bomb: findings 1-3 of issue 37 and their variants."""
+    import io
+
+    from PIL import Image
+
+    def saved(frames: list, fmt: str, **kw) -> bytes:
+        buf = io.BytesIO()
+        frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], **kw)
+        return buf.getvalue()
+
+    tiny = _png(Image.new("RGB", (1, 1)))  # 69 bytes
+    one_bit = _png(Image.new("1", (5656, 5656)))  # 32M pixels in a few KB
+    gif = "image/gif"
+    return [
+        # 1: a 10x10 GIF whose later frames sit at a large offset: the canvas grows on seek
+        ("gif frame at a large offset", [{"type": "video_url", "video_url": {"url": data_url(gif_with_frames(
+            (10, 10), [(0, 0, 10, 10)] + [(5600, 5600, 10, 10)] * 31), gif)}}]),
+        ("gif frame past the pixel bound", [{"type": "video_url", "video_url": {"url": data_url(gif_with_frames(
+            (10, 10), [(0, 0, 10, 10), (6000, 6000, 10, 10)]), gif)}}]),
+        ("gif frame at an offset, medium", [{"type": "video_url", "video_url": {"url": data_url(gif_with_frames(
+            (10, 10), [(0, 0, 10, 10)] + [(1490, 1490, 10, 10)] * 63), gif)}}]),
+        ("gif frame at a large offset as an image", [image_part(gif_with_frames(
+            (10, 10), [(0, 0, 10, 10), (6000, 6000, 10, 10)]), gif, "high")]),
+        ("gif of many tiny frames", [{"type": "video_url", "video_url": {"url": data_url(gif_with_frames(
+            (1, 1), [(0, 0, 1, 1)] * 12_000), gif)}}]),
+        ("gif of many frames on a large screen", [{"type": "video_url", "video_url": {"url": data_url(
+            gif_with_frames((5000, 5000), [(0, 0, 1, 1)] * 200), gif)}}]),
+        ("apng of many large frames", [{"type": "video_url", "video_url": {"url": data_url(
+            apng_with_frames((4000, 4000), 40))}}]),
+        ("animated webp of many large frames", [{"type": "video_url", "video_url": {"url": data_url(
+            webp_with_frames((3000, 3000), 60), "image/webp")}}]),
+        ("mpo with a large second picture", [{"type": "video_url", "video_url": {"url": data_url(
+            saved([Image.new("L", (16, 16)), Image.new("L", (6000, 6000))], "MPO", quality=1), "image/jpeg")}}]),
+        ("huge palette png", [image_part(_png(Image.new("P", (5656, 5656), 7)), detail="high")]),
+        ("16-bit png", [image_part(_png(Image.new("I;16", (5656, 5656), 40_000)), detail="high")]),
+        ("1-bit png", [image_part(one_bit, detail="high")]),
+        # 2: a 32M-pixel first frame and 31 1x1 frames: each frame resized up to the first's size
+        ("video of a large frame and tiny frames", [{"type": "video", "video": [data_url(one_bit)] +
+                                                     [data_url(tiny)] * 31, "fps": 2}]),
+        # 3: 69-byte images scaled up to their budget: 29.5 MiB of float32 each at the most detail
+        ("tiny images at high detail", [image_part(tiny, detail="high") for _ in range(16)]),
+        ("tiny images and four videos", [image_part(tiny, detail="high") for _ in range(8)] +
+         [{"type": "video", "video": [data_url(tiny)] * 32, "fps": 2} for _ in range(4)]),
+    ]
