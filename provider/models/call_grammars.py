@@ -84,20 +84,32 @@ def json_tools(fmt: "ToolFormat", tools: tuple[Tool, ...], parallel: bool) -> Ca
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (generic, json_tools)."""
     r = _Rules(fmt)
     for i, tool in enumerate(tools):
-        arguments = closed(tool.parameters)
-        # The call wraps the arguments, so the definitions their $refs point at (#/$defs/...) move to its root.
-        hoisted = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
-        schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": arguments},
-                  "required": ["name", "arguments"], "additionalProperties": False,
-                  "x-guidance": {**JSON_CALL_SEPARATORS, "lenient": False}, **hoisted}
-        r.add(f"call_{i}", f"%json {json.dumps(schema)}")
+        r.add(f"call_{i}", f"%json {json.dumps(_named_call_schema(tool))}")
     body = " | ".join(f"call_{i}" for i in range(len(tools)))
     return r.done(f'{r.m(fmt.start)} "\\n" ({body}) "\\n" {r.m(fmt.end)}', _many("call", parallel, '"\\n"'))
 
 
+def _named_call_schema(tool: Tool) -> dict:
+    """`{"name": NAME, "arguments": {...}}` as one JSON schema."""
+    arguments = closed(tool.parameters)
+    # The call wraps the arguments, so the definitions their $refs point at (#/$defs/...) move to its root.
+    hoisted = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False,
+            "x-guidance": {**JSON_CALL_SEPARATORS, "lenient": False}, **hoisted}
+
+
 def mistral(fmt, tools, parallel):
-    """`[TOOL_CALLS]name[ARGS]{...}`, repeated per call; no end marker (the call runs to the output's end)."""
+    """`[TOOL_CALLS]name[ARGS]{...}`, repeated per call (tokenizers with an `[ARGS]` token, v11 on), else the
+    older `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; no end marker (the calls run to the output's
+    end)."""
     r = _Rules(fmt)
+    if "[ARGS]" not in fmt.special_ids:
+        for i, tool in enumerate(tools):
+            r.add(f"call_{i}", f"%json {json.dumps(_named_call_schema(tool))}")
+        body = " | ".join(f"call_{i}" for i in range(len(tools)))
+        r.add("one", f"({body})")
+        return r.done(f'{r.m(fmt.start)} "[" {_many("one", parallel, r.m(", "))} "]"', "call")
     alts = [f'{r.m(t.name)} {r.m("[ARGS]")} {r.json(f"args_{i}", t.parameters)}' for i, t in enumerate(tools)]
     r.add("one", " | ".join(f"({a})" for a in alts))
     return r.done(f"{r.m(fmt.start)} one", _many("call", parallel))
