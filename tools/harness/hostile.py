@@ -466,3 +466,43 @@ def media_bombs() -> list[tuple[str, list[dict]]]:
         ("tiny images and four videos", [image_part(tiny, detail="high") for _ in range(8)] +
          [{"type": "video", "video": [data_url(tiny)] * 32, "fps": 2} for _ in range(4)]),
     ]
+
+
+@st.composite
+def media_cases(draw) -> list[dict]:
+    """Content parts of a hostile media request for the fuzz campaign: animated files with canvases, offsets and
+    frame counts around the bounds, large and odd-mode stills, many tiny images, damaged bytes of each."""
+    from PIL import Image
+
+    side = st.one_of(st.integers(1, 64), st.sampled_from([1, 2, 47, 48, 1500, 4000, 5656, 5657, 6000]))
+    kind = draw(st.sampled_from(["gif", "apng", "webp", "still", "tiny", "frames"]))
+    detail = draw(st.sampled_from(["low", "auto", "high"]))
+    if kind == "gif":
+        n = draw(st.integers(1, 40))
+        frames = [(draw(st.integers(0, 7000)), draw(st.integers(0, 7000)), draw(st.integers(1, 16)),
+                   draw(st.integers(1, 16))) for _ in range(min(n, 4))] * (n // min(n, 4) or 1)
+        data, mime = gif_with_frames((draw(side), draw(side)), frames), "image/gif"
+    elif kind == "apng":
+        data, mime = apng_with_frames((draw(side), draw(side)), draw(st.integers(1, 64))), "image/png"
+    elif kind == "webp":
+        data, mime = webp_with_frames((draw(side), draw(side)), draw(st.integers(1, 64))), "image/webp"
+    elif kind == "still":
+        mode = draw(st.sampled_from(["1", "L", "P", "I;16", "RGBA", "RGB"]))
+        w, h = draw(side), draw(side)
+        if w * h > 40_000_000:
+            w = 40_000_000 // h
+        data, mime = _png(Image.new(mode, (w, h))), "image/png"
+    elif kind == "tiny":
+        data = _png(Image.new("RGB", (draw(side) % 64 + 1, 1)))
+        return [image_part(data, "image/png", detail) for _ in range(draw(st.integers(1, 16)))]
+    else:  # frames of a video: a large first and tiny rest
+        first = _png(Image.new("1", (draw(side), draw(side))))
+        tiny = _png(Image.new("RGB", (1, 1)))
+        return [{"type": "video", "video": [data_url(first)] + [data_url(tiny)] * draw(st.integers(0, 40))}]
+    if draw(st.booleans()):  # damaged: cut short, or bytes flipped
+        cut = draw(st.integers(1, len(data)))
+        data = data[:cut] if draw(st.booleans()) else bytes(b ^ 0x5A if i % 97 == cut % 97 else b
+                                                            for i, b in enumerate(data))
+    if draw(st.booleans()):
+        return [{"type": "video_url", "video_url": {"url": data_url(data, mime)}}]
+    return [image_part(data, mime, detail)]

@@ -10,10 +10,12 @@ node's log, 0 hangs, every good request served, every oversized request refused,
 with a typed error, the node's log lines far fewer than its unusable frames. Last, a node group's own wire
 (tools/harness/hostile_group.py): hostile lines at the rendezvous and the wake-up port while honest ranks meet
 there, and damaged or hostile sealed plans at a follower's decoder; the honest ranks must still meet, every
-hostile case end in a typed refusal.
+hostile case end in a typed refusal. Then media (issue 37) against a vision node: the media bombs and hostile
+media variants, each a typed 4xx or served, RSS within the media bound (+ the tower's scratch) + 64 MiB.
 
     python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--results 500] [--drains 20000]
-                                          [--group 1000] [--seed N]
+                                          [--group 1000] [--media 200] [--seed N]
+    python tools/scripts/fuzz_campaign.py --media-only [--media 200] [--seed N]
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from provider.models import fixtures  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 from tools.harness.hostile_group import group_campaign  # noqa: E402
 from tools.harness.hostile import (garbage_frames, http_cases, job_requests, malformed_results,  # noqa: E402
-                                   oversized_requests)
+                                   media_bombs, media_cases, oversized_requests)
 
 HANG_S = 30.0
 GOOD = {"prompt": "The cache", "max_tokens": 3, "temperature": 0.7}
@@ -261,6 +263,103 @@ def coordinator_attack_phase(coord: ReferenceCoordinator, loop, session, n_resul
     return call(coord.wait_for_node(60, after=before), 70)
 
 
+def media_phase(n: int, seed: int, t: Tally, root: Path) -> dict:
+    """Media bombs (issue 37) and hostile media variants against a vision node (the Gemma 4 fixture): every one a
+    typed 4xx or served, the node's RSS never more than its idle figure + the media bound + the tower's scratch
+    + 64 MiB, a normal image served after every 20 cases."""
+    from PIL import Image
+
+    from provider.images import MAX_MEDIA_BYTES
+    from provider.memory.estimate import vision_scratch_bytes
+    from provider.models.vision_fixtures import make_gemma4_vlm
+    from tools.harness.hostile import _png, image_part
+
+    make_gemma4_vlm(root / "media" / "gemma4-vlm")
+    config = json.loads((root / "media" / "gemma4-vlm" / "config.json").read_text())
+    allowed = MAX_MEDIA_BYTES + max(32 * vision_scratch_bytes(config, 70), vision_scratch_bytes(config, 280)) + (64 << 20)
+    normal = [image_part(_png(Image.new("RGB", (40, 30), (200, 30, 30))))]
+    srv = LocalServer(root / "media" / "gemma4-vlm", root / "media")
+    out = {"peak_mib": 0.0, "allowed_mib": allowed / 2**20}
+    try:
+        proc = psutil.Process(srv.proc.pid)
+
+        def post(parts: list[dict]) -> httpx.Response:
+            body = {"model": "gemma4-vlm", "max_tokens": 2, "temperature": 0,
+                    "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What?"}]}]}
+            return httpx.post(srv.url + "/v1/chat/completions", headers=srv.headers, json=body, timeout=300)
+
+        post(normal)
+        idle = proc.memory_info().rss
+        peak, done = [idle], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                try:
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+                except psutil.Error:
+                    return
+                done.wait(0.005)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        cases = itertools.count(1)
+
+        def one(parts: list[dict], what: str) -> None:
+            i = next(cases)
+            if srv.proc.poll() is not None:
+                return
+            try:
+                r = post(parts)
+                t.counts["media_cases"] += 1
+                t.counts[f"media_{r.status_code}"] += 1
+                if r.status_code >= 500:
+                    t.bad("media_5xx", f"{r.status_code} {r.text[:200]} <- {what}")
+                elif r.status_code >= 400 and not r.json().get("error", {}).get("message"):
+                    t.bad("media_untyped", f"{r.status_code} {r.text[:200]} <- {what}")
+            except httpx.TimeoutException:
+                t.bad("hangs", f"media {what}")
+            except httpx.TransportError as e:
+                t.bad("crashes" if srv.proc.poll() is not None else "transport_errors", f"{type(e).__name__} {what}")
+            if i % 20 == 0:
+                t.good_checks += 1
+                try:
+                    t.good_ok += post(normal).status_code == 200
+                except httpx.HTTPError:
+                    pass
+
+        for name, parts in media_bombs():
+            one(parts, name)
+
+        @_campaign_settings(n, seed)
+        @given(parts=media_cases())
+        def fuzzed(parts):
+            one(parts, json.dumps(parts)[:200])
+
+        fuzzed()
+        done.set()
+        sampler.join()
+        out["peak_mib"] = (peak[0] - idle) / 2**20
+        if peak[0] - idle > allowed:
+            t.bad("media_rss", f"RSS grew {out['peak_mib']:.0f} MiB over idle, more than {allowed / 2**20:.0f} MiB")
+        out["alive"] = srv.proc.poll() is None
+    finally:
+        out["code"] = srv.stop()
+        out["tracebacks"] = srv.logs().count("Traceback")
+    return out
+
+
+def print_media(t: Tally, m: dict, seconds: float) -> bool:
+    c = t.counts
+    print(f"  media bombs and hostile media (Gemma 4 fixture): {c['media_cases']} requests in {seconds:.0f} s, "
+          + ", ".join(f"{k[6:]}: {v}" for k, v in sorted(c.items()) if k.startswith("media_") and k[6:].isdigit()))
+    print(f"    5xx {c['media_5xx']}, untyped 4xx {c['media_untyped']}, crashes {c['crashes'] + (not m['alive'])}, "
+          f"hangs {c['hangs']}, tracebacks {m['tracebacks']}  (must be 0)")
+    print(f"    RSS peak over idle {m['peak_mib']:.0f} MiB (at most {m['allowed_mib']:.0f}); good image requests "
+          f"{t.good_ok}/{t.good_checks} served; exit code on SIGTERM {m['code']}")
+    return (not c["media_5xx"] and not c["media_untyped"] and not c["crashes"] and m["alive"] and not c["hangs"]
+            and not m["tracebacks"] and not c["media_rss"] and t.good_ok == t.good_checks and m["code"] == 0)
+
+
 def _stream_gaps(srv: LocalServer, max_tokens: int) -> list[float]:
     """One streamed completion on `srv`: the seconds between its chunks."""
     arrivals = []
@@ -391,7 +490,20 @@ def main() -> int:
     ap.add_argument("--drains", type=int, default=20_000, help="Drain frames in the flood (default 20000)")
     ap.add_argument("--group", type=int, default=1000,
                     help="hostile cases per part of a node group's wire (rendezvous, wake-up port, plans; default 1000)")
+    ap.add_argument("--media", type=int, default=200, help="hostile media requests after the bombs (default 200)")
+    ap.add_argument("--media-only", action="store_true", help="run only the media phase (bombs and hostile media)")
     args = ap.parse_args()
+    if args.media_only:
+        t = Tally()
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.monotonic()
+            m = media_phase(args.media, args.seed, t, Path(tmp))
+            print(f"fuzz campaign (seed {args.seed}), media phase")
+            ok = print_media(t, m, time.monotonic() - started)
+        for kind, example in t.examples.items():
+            print(f"  first {kind}: {example}")
+        print("verdict:", "ok" if ok else "FAILED")
+        return 0 if ok else 1
     if args.http < 1 or args.frames < 5 or args.results < 1 or args.drains < 1 or args.group < 1:
         ap.error("--http, --results, --drains and --group must be >= 1 and --frames >= 5")
 
@@ -429,6 +541,9 @@ def main() -> int:
         group_started = time.monotonic()
         group = group_campaign(args.group, args.seed, root / "group")
         group_s = time.monotonic() - group_started
+        media_tally, media_started = Tally(), time.monotonic()
+        media = media_phase(args.media, args.seed, media_tally, root)
+        media_s = time.monotonic() - media_started
     c = t.counts
     crashes = c["crashes"] + (not alive)
     print(f"fuzz campaign (seed {args.seed}) against a live node daemon, llama-tiny (vocabulary 512)")
@@ -455,6 +570,7 @@ def main() -> int:
     print(f"    exceptions {len(group.crashes)}, hangs {group.hangs}, error logs {group.error_logs}  (must be 0)")
     for crash in group.crashes[:3]:
         print(f"    first exceptions: {crash}")
+    media_ok = print_media(media_tally, media, media_s)
     print(f"  crashes             {crashes:6d}  (must be 0)")
     print(f"  tracebacks in the node's log {tracebacks:3d}  (must be 0)")
     print(f"  hangs (> {HANG_S:.0f} s)      {c['hangs']:6d}  (must be 0)")
@@ -469,7 +585,7 @@ def main() -> int:
     ok = (not c["http_5xx"] and not c["grpc_internal"] and not crashes and not c["hangs"] and not tracebacks
           and t.good_ok == t.good_checks and code == 0 and gaps["ratio"] <= 2
           and coordinator_attacks_ok(t, log_text, node_s)
-          and group.meetings == 6 and not group.crashes and not group.hangs and not group.error_logs)
+          and group.meetings == 6 and not group.crashes and not group.hangs and not group.error_logs and media_ok)
     print("verdict:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
