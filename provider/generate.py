@@ -200,4 +200,8 @@ def summary(done: Done) -> str:
                      f"{s.tokens_per_target_forward:.2f} tokens per target forward")
     else:
         parts.append(f"speculation off ({s.reason})")
+    origin = getattr(s.choice, "origin", None)  # auto decided from costs kept from an earlier run, or measured now
+    if origin is not None:
+        parts.append(f"costs {'from the kept profile' if origin.source == 'file' else 'measured'} "
+                     f"{origin.as_dict()['measured_at']}")
     return "; ".join(parts)

@@ -364,7 +364,9 @@ class Residency:
             e = self._entries.get(model_id)
             if e is None or e.lm is not lm:  # evicted meanwhile
                 return
-            e.in_use += 1  # not evicted under the measurement
+            # Not held against eviction: a job that needs the room evicts the model as ever, and its weights are
+            # freed when the measurement ends (MLX's own count, which admission reads, holds them meanwhile);
+            # the measurement is still kept for the next load.
             before = e.profile_origin  # a stale file's, served meanwhile, or None
             e.profile_origin = (before or {"source": profile_store.SOURCE_MEASURING}) | {"measuring": True}
         origin = None
@@ -390,8 +392,6 @@ class Residency:
             with self._lock:
                 e.profile_origin = origin or (before if before and before["source"] != profile_store.SOURCE_MEASURING
                                               else None)
-                e.in_use -= 1
-                e.last_used = time.monotonic()
 
     def _profiles(self) -> Path:
         from ..engine import profile_store
