@@ -158,11 +158,18 @@ def test_errors_come_in_openais_shape(server, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
-def test_chat_completions_takes_the_developer_role_as_system(client):
-    def prompt_tokens(role: str) -> int:
-        return client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
-            {"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]).usage.prompt_tokens
-    assert prompt_tokens("developer") == prompt_tokens("system")
+def test_chat_completions_takes_the_developer_role_as_system(server, client):
+    def messages(role: str) -> list[dict]:
+        return [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+
+    def ids(role: str) -> list[int]:
+        r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages(role)},
+                       headers=server.headers, timeout=60)
+        return r.json()["tokens"]
+
+    assert ids("developer") == ids("system")  # rendered as the template renders system instructions
+    r = client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages("developer"))
+    assert r.usage.prompt_tokens == len(ids("system"))
 
 
 # --- the store's bounds (pure) ---------------------------------------------------------------------
