@@ -12,6 +12,7 @@ the headers against MAX_MEDIA_BYTES before any is decoded.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -115,14 +116,22 @@ def _check_size(where: str, size: tuple[int, int], frame: int | None = None) -> 
         raise _refused(where, f"is {width}x{height} pixels{at}; at most {MAX_PIXELS:,} pixels are taken")
 
 
+@functools.cache
+def _bound_pillow() -> None:
+    """Pillow checks every canvas and GIF disposal buffer it allocates (at open and at each seek) against its
+    module-wide MAX_IMAGE_PIXELS, raising only past twice it and warning below: set so it raises past our
+    MAX_PIXELS too (nothing else in the node opens image files), and its warnings, for sizes we take, hushed."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS // 2
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
 def open_image(data: bytes, where: str):
     """The file opened (its header read, no pixel decoded) and its canvas checked."""
     from PIL import Image, UnidentifiedImageError
 
-    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # refused below, or not a bomb
-    # Pillow checks every canvas and GIF disposal buffer it allocates against this module-wide figure, and only
-    # raises past twice it: set (to the same value, on every call) so Pillow refuses past MAX_PIXELS as well
-    Image.MAX_IMAGE_PIXELS = MAX_PIXELS // 2
+    _bound_pillow()
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
     except UnidentifiedImageError:
