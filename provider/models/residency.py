@@ -32,6 +32,7 @@ from .catalog import Catalog
 from .checkpoint import HeaderError, read_config
 from .footprint import Footprint, drafter_footprint, estimate_footprint, kv_shape_of
 from .loader import LoadedModel
+from .spec_profiles import SpecProfiles
 from .store import StoredModel
 
 log = logs.get("models")
@@ -48,7 +49,6 @@ class _Entry:
     active_delta: int | None = None  # raw mx.get_active_memory() growth across the load
     in_use: int = 0
     last_used: float = 0.0
-    profile_origin: dict | None = None  # where auto's costs came from (engine.profile_store.Origin), or measuring
 
     @property
     def ready(self) -> bool:
@@ -70,8 +70,7 @@ class _Entry:
 class Residency:
     def __init__(self, catalog: Catalog, budget: Budget, *, max_resident: int = 2, idle_timeout: float = 0.0,
                  kv_reserve_tokens: int = 4096, prefill_step: int = 2048,
-                 speculation: SpeculationConfig = SpeculationConfig(), group=None, group_split: str = "auto",
-                 profile_dir: Path | None = None):
+                 speculation: SpeculationConfig = SpeculationConfig(), group=None, group_split: str = "auto"):
         self.catalog = catalog
         self.group = group  # a node group's mx.distributed Group: loads split across it, no drafter, per-rank sizes
         self._ranks = group.size() if group is not None else 1
@@ -95,14 +94,9 @@ class Residency:
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
         self.loads_started = 0
         self.evictions = 0
-        # Measures a loaded pair's speculation costs (provider.engine.profile.measure); only auto uses them (`on`
-        # keeps the configured k). A measurement is kept in `profile_dir` (engine.profile_store) and read back at
-        # the next load of the same pair on the same machine; when there is none (or it is stale) the pair serves
-        # at once, auto decoding plain, and it is measured on its own thread meanwhile: never in front of a job.
+        # Auto's speculation costs (engine.profile.measure): once per pair and machine, kept (models.spec_profiles).
         self.profiler: Callable[[LoadedModel], object] | None = None
-        self.profile_dir = profile_dir
-        self._profiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spec-profiler")
-        self.profiles_measured = 0
+        self._profiles = SpecProfiles()
 
     # --- any thread ---------------------------------------------------------------
 
@@ -168,14 +162,13 @@ class Residency:
                     active_jobs=e.in_use, idle_s=round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0,
                     load_seconds=round(e.lm.load_seconds, 3) if e.lm is not None else None,
                     speculation=e.lm.spec_profile.as_dict() if e.lm is not None and e.lm.spec_profile else None,
-                    speculation_profile=e.profile_origin)
+                    speculation_profile=self._profiles.origin(mid, e.lm))
             out.append(status)
         return out
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
-        # A measurement under way finishes and is kept (a one-shot `generate` pays it at exit once per machine).
-        self._profiling.shutdown(wait=True)
+        self._profiles.close()
 
     # --- engine thread ------------------------------------------------------------
 
@@ -258,7 +251,7 @@ class Residency:
 
     def _load(self, model_id: str, future: concurrent.futures.Future) -> None:
         try:
-            lm, measure_key = self._load_admitted(model_id)
+            lm = self._load_admitted(model_id)
         except BaseException as e:
             with self._lock:
                 self._entries.pop(model_id, None)
@@ -268,11 +261,8 @@ class Residency:
             future.set_exception(e)
             return
         future.set_result(lm)
-        if measure_key is not None:  # after the pair serves: its jobs decode plain (auto) until this ends
-            self._profiling.submit(self._measure_profile, model_id, lm, measure_key)
 
-    def _load_admitted(self, model_id: str) -> tuple[LoadedModel, dict | None]:
-        """The loaded pair, and the key to measure its speculation costs under when no kept profile holds."""
+    def _load_admitted(self, model_id: str) -> LoadedModel:
         stored = self.catalog.stored(model_id)
         path, config = self.catalog.checkpoint(model_id)
         if stored.sha256:
@@ -312,9 +302,8 @@ class Residency:
         lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
         if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
             lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))
-        measure_key = origin = None
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:
-            measure_key, origin = self._kept_profile(model_id, lm, path, drafter_path)
+            self._profiles.at_load(model_id, lm, path, drafter_path, self.profiler)  # kept, or measured meanwhile
         # Never account for less than the parameters hold (concurrent frees can hide part of the delta).
         measured = max(active_delta, loader.parameter_bytes(lm))
         with self._lock:
@@ -323,80 +312,10 @@ class Residency:
                 entry.drafter_bytes = 0
             entry.lm = lm
             entry.last_used = time.monotonic()
-            entry.profile_origin = origin
         log.info("model_loaded", model=model_id, seconds=round(lm.load_seconds, 3), estimated_weight_bytes=fp.weights,
                  drafter=lm.drafter_mode, speculation_reason=lm.drafter_reason, measured_weight_bytes=measured,
                  active_delta_bytes=active_delta, reserved_bytes=entry.bytes, evicted=list(plan.evict))
-        return lm, measure_key
-
-    # --- speculation profiles (engine.profile_store) -------------------------------
-
-    def _profile_key(self, model_id: str, lm: LoadedModel, path: Path, drafter_path: Path | None) -> dict | None:
-        from ..engine import profile_store
-        from ..engine.profile import SETTINGS
-
-        try:
-            return profile_store.pair_key(profile_store.weights_hash(path), profile_store.weights_hash(drafter_path),
-                                          lm.drafter_mode, SETTINGS)
-        except OSError as e:
-            log.warning("speculation_profile_unkeyed", model=model_id, error=str(e))
-            return None
-
-    def _kept_profile(self, model_id: str, lm: LoadedModel, path: Path, drafter_path: Path | None):
-        """Auto's profile from the store when one holds for this pair and machine (its origin for the status);
-        else the key to measure under, the pair serving meanwhile without one (a stale one, or auto plain)."""
-        from ..engine import profile_store
-
-        key = self._profile_key(model_id, lm, path, drafter_path)
-        found = profile_store.read(self._profiles(), key) if key is not None else profile_store.Read(None)
-        if found.profile is not None:
-            lm.spec_profile = found.profile
-            origin = found.profile.origin.as_dict() | ({"stale": True} if found.stale else {})
-            return (key if found.stale else None), origin
-        lm.profile_pending = key is not None
-        return key, ({"source": profile_store.SOURCE_MEASURING, "why": found.why} if key is not None else None)
-
-    def _measure_profile(self, model_id: str, lm: LoadedModel, key: dict) -> None:
-        """On the profiler thread, while the pair serves: measure, keep the file, then let auto use it."""
-        from ..engine import profile_store
-
-        with self._lock:
-            e = self._entries.get(model_id)
-            if e is None or e.lm is not lm:  # evicted meanwhile
-                return
-            # Not held against eviction: a job that needs the room evicts the model as ever, and its weights are
-            # freed when the measurement ends (MLX's own count, which admission reads, holds them meanwhile);
-            # the measurement is still kept for the next load.
-            before = e.profile_origin  # a stale file's, served meanwhile, or None
-            e.profile_origin = (before or {"source": profile_store.SOURCE_MEASURING}) | {"measuring": True}
-        origin = None
-        try:
-            measured_at = time.time()
-            measured = self.profiler(lm)
-            self.profiles_measured += 1
-            try:
-                file = str(profile_store.write(self._profiles(), key, measured, measured_at))
-            except OSError as err:
-                file = ""
-                log.warning("speculation_profile_not_kept", model=model_id, error=str(err))
-            kept = profile_store.KeptProfile.of(measured, profile_store.Origin(profile_store.SOURCE_MEASURED,
-                                                                               measured_at, file))
-            lm.spec_profile = kept  # one reference swap: the engine's next plan reads it
-            origin = kept.origin.as_dict()
-            log.info("speculation_profile_measured", model=model_id, seconds=round(time.time() - measured_at, 3),
-                     file=file)
-        except Exception:  # without a profile, auto uses the configured k
-            log.exception("speculation_profile_failed", model=model_id)
-        finally:
-            lm.profile_pending = False
-            with self._lock:
-                e.profile_origin = origin or (before if before and before["source"] != profile_store.SOURCE_MEASURING
-                                              else None)
-
-    def _profiles(self) -> Path:
-        from ..engine import profile_store
-
-        return self.profile_dir or profile_store.default_dir()
+        return lm
 
     def _drafter_need(self, stored: StoredModel, path: Path, config: dict):
         """What the target can do with its configured drafter, and the drafter's bytes: config files and
