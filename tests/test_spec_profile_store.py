@@ -273,3 +273,39 @@ def test_the_daemon_listens_while_its_model_loads_and_health_says_loading(fixtur
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_jobs_served_while_the_pair_is_measured_decode_exactly_as_plain(fixtures_dir):
+    """The measurement runs beside the pair's serving (MLX from two threads on the same weights): jobs in that
+    time decode plain and give the plain tokens, and so do the ones that speculate once the costs are in."""
+    calls, started, gate = [], threading.Event(), threading.Event()
+    node = _node(fixtures_dir, calls)
+
+    def measuring_until_told(lm):  # the real measurement, repeated until the jobs are done: they overlap it
+        started.set()
+        result = profile.measure(lm)
+        while not gate.is_set():
+            result = profile.measure(lm)
+        return result
+
+    node.models.profiler = measuring_until_told
+    job = lambda name, policy="auto": Job(name, "g", SamplingParams(max_tokens=12, temperature=0.0),  # noqa: E731
+                                          prompt="The cache", speculation=policy)
+
+    async def main():
+        await node.preload("g")
+        await until(started.is_set, "the measurement never started")
+        during = [await collect(node, job(f"during{i}")) for i in range(3)]
+        plain = await collect(node, job("plain", "off"))
+        measuring = _model(node).speculation_profile
+        gate.set()
+        await _profiled(node)
+        after = await collect(node, job("after", "on"))
+        await node.stop()
+        return during, plain, measuring, after
+
+    during, plain, measuring, after = run(main())
+    assert measuring["source"] == "measuring"
+    for ids, _, done, _ in during:
+        assert done.telemetry.speculation.reason == "profile_pending" and ids == plain[0]
+    assert after[2].telemetry.speculation.mode.value == "mtp" and after[0] == plain[0]
