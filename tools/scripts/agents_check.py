@@ -90,7 +90,7 @@ def ending(weights: dict, end: int) -> dict:
 
 def run(name: str, args: list[str], env: dict, cwd: Path, timeout: float = 900) -> tuple[int, float, str]:
     started = time.monotonic()
-    p = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    p = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
                        stdin=subprocess.DEVNULL)
     took = time.monotonic() - started
     print(f"  {name}: exit {p.returncode} in {took:.1f}s; stdout {p.stdout.strip()[:160]!r}")
@@ -166,7 +166,7 @@ def agent(name: str, api: str, commands: list[list[str]], env: dict, work: Path,
     figures, ok = [], True
     for args in commands:
         before = len(log_lines(srv))
-        code, took, _ = run(name, args, env, work)
+        code, _, _ = run(name, args, env, work)
         lines = log_lines(srv)
         fig = turn_figures(lines, api, before, len(lines))
         requests = sum(1 for x in lines[before:] if x.get("event") == "agent_request" and x.get("api") == api)
