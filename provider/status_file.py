@@ -88,6 +88,6 @@ def profile_line(origin: dict) -> str:
     """Where a pair's speculation costs came from, in a few words."""
     if origin["source"] == "measuring":
         return "measuring now (auto decodes plain until it is done)"
-    where = f"read from {origin.get('file')}" if origin["source"] == "file" else "measured at this load"
-    return (f"{where}, measured {origin.get('measured_at')}" + (" (stale)" if origin.get("stale") else "")
+    where = f"read from {origin.get('file')}, measured" if origin["source"] == "file" else "measured at this load,"
+    return (f"{where} {origin.get('measured_at')}" + (" (stale)" if origin.get("stale") else "")
             + ("; measuring again" if origin.get("measuring") else ""))
