@@ -12,6 +12,8 @@ with a typed error, the node's log lines far fewer than its unusable frames. Las
 there, and damaged or hostile sealed plans at a follower's decoder; the honest ranks must still meet, every
 hostile case end in a typed refusal. Then media (issue 37) against a vision node: the media bombs and hostile
 media variants, each a typed 4xx or served, RSS within the media bound (+ the tower's scratch) + 64 MiB.
+Between the HTTP cases and the frames, the hostile bodies of the agents' APIs (issue 38,
+tools/harness/hostile_agents.py): /v1/messages, count_tokens and /v1/responses, each 4xx in its own API's shape.
 
     python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--results 500] [--drains 20000]
                                           [--group 1000] [--media 200] [--seed N]
@@ -46,6 +48,7 @@ from coordinator_client.sealing import seal_job  # noqa: E402
 from provider.logs import THROTTLE_BURST, THROTTLE_PER_S, THROTTLE_SUMMARY_S  # noqa: E402
 from provider.models import fixtures  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
+from tools.harness.hostile_agents import agent_failures  # noqa: E402
 from tools.harness.hostile_group import group_campaign  # noqa: E402
 from tools.harness.hostile import (garbage_frames, http_cases, job_requests, malformed_results,  # noqa: E402
                                    media_bombs, media_cases, oversized_requests)
@@ -524,6 +527,11 @@ def main() -> int:
             rss_start = proc.memory_info().rss
             started = time.monotonic()
             http_phase(srv, args.http, args.seed, t)
+            agents_started = time.monotonic()
+            t.counts["agent_cases"], bad = agent_failures(srv.url, srv.headers, "llama-tiny", HANG_S)
+            for name, detail in bad:  # a 5xx, a 4xx not in its API's own shape, a hang or a dropped connection
+                t.bad("agent_bad", f"{name}: {detail}")
+            agents_s = time.monotonic() - agents_started
             http_s = time.monotonic() - started
             grpc_phase(coord, loop, session, args.frames, args.seed, t, srv)
             grpc_s = time.monotonic() - started - http_s
@@ -552,6 +560,8 @@ def main() -> int:
     print(f"    4xx typed errors  {c['http_typed_errors']:6d}  "
           + ", ".join(f"{k[5:]}: {v}" for k, v in sorted(c.items()) if k.startswith("http_4")))
     print(f"    5xx               {c['http_5xx']:6d}  (must be 0)")
+    print(f"  agent API cases     {c['agent_cases']:6d}  in {agents_s:.0f} s (/v1/messages, count_tokens, /v1/responses)")
+    print(f"    5xx, hangs or errors not in the API's own shape {c['agent_bad']:6d}  (must be 0)")
     print(f"  coordinator frames  {c['frames']:6d}  in {grpc_s:.0f} s ({c['garbage_frames']} garbage/truncated)")
     print(f"    JobDone           {c['grpc_done']:6d}")
     print(f"    typed JobErrors   {c['grpc_typed_errors']:6d}")
@@ -582,7 +592,7 @@ def main() -> int:
           f"({(rss_end - rss_start) / 2**20:+.0f} MiB); exit code on SIGTERM {code}")
     for kind, example in t.examples.items():
         print(f"  first {kind}: {example}")
-    ok = (not c["http_5xx"] and not c["grpc_internal"] and not crashes and not c["hangs"] and not tracebacks
+    ok = (not c["http_5xx"] and not c["agent_bad"] and not c["grpc_internal"] and not crashes and not c["hangs"] and not tracebacks
           and t.good_ok == t.good_checks and code == 0 and gaps["ratio"] <= 2
           and coordinator_attacks_ok(t, log_text, node_s)
           and group.meetings == 6 and not group.crashes and not group.hangs and not group.error_logs and media_ok)
