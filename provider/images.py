@@ -145,9 +145,11 @@ def open_image(data: bytes, where: str):
 
 
 def _rgb(img, where: str, frame: int = 0):
+    """The decoded frame in RGB: the file's own canvas when it is RGB already (an animated file's is, after its
+    first frame), not a second full-size copy of it."""
     try:
         img.load()
-        return img.convert("RGB")
+        return img if img.mode == "RGB" else img.convert("RGB")
     except Exception as e:  # truncated data, a corrupt stream, a decoder error
         at = f"frame {frame} " if frame else ""
         raise _refused(where, f"{at}is truncated or corrupt ({type(e).__name__}: {str(e)[:80]})") from None
@@ -169,7 +171,8 @@ def video_frames(video: VideoInput, cap: int, fit: Callable[[int, int], tuple[in
     def fitted(img):
         nonlocal size
         size = size or (fit(*img.size) if fit else img.size)
-        return img if img.size == size else img.resize(size, resample=_BICUBIC())
+        # a copy either way: an animated file's canvas changes at its next seek
+        return img.copy() if img.size == size else img.resize(size, resample=_BICUBIC())
 
     if len(video.files) > 1:
         picked = _evenly(len(video.files), cap)

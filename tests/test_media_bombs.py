@@ -120,6 +120,7 @@ def test_media_bombs_are_refused_or_served_within_the_media_bound_and_the_node_k
             # a served request also holds the tower's scratch while it encodes (booked by admission, not here)
             allowed = MAX_MEDIA_BYTES + SLACK + (tower if r.status_code == 200 else 0)
             grown = peak - idle
+            print(f"{name}: {r.status_code}, RSS +{grown / 2**20:.0f} MiB (at most {allowed / 2**20:.0f})")
             assert grown <= allowed, f"{name}: RSS grew {grown / 2**20:.0f} MiB during the request"
             after = post(_normal())
             assert after.status_code == 200, (name, after.text[:300])
