@@ -27,6 +27,9 @@ from .types import Cause, JobError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_PIXELS = 32_000_000  # width x height of one decoded image (an 8k x 4k photo)
 MAX_SOURCE_FRAMES = 10_000  # frames of one animated file
+# The canvas of an animated file read as a video: Pillow holds about 9 bytes a canvas pixel while it reads a
+# frame (the previous canvas in RGB, the new frame's, and their conversions), 140 MiB at this bound
+MAX_FRAME_PIXELS = 16_000_000
 MAX_VIDEO_PIXELS = 400_000_000  # canvases decoded while seeking one animated file (each frame before the one asked)
 # One request's media as the model reads them (float32 pixels and patches, counted from the headers before any
 # is decoded): eight images at the largest budget (1120 soft tokens: 29.5 MiB each) or four full videos
@@ -107,13 +110,13 @@ def _too_large(where: str, why: str) -> JobError:
     return JobError(Cause.INVALID_REQUEST, f"{where}: {why}", where)
 
 
-def _check_size(where: str, size: tuple[int, int], frame: int | None = None) -> None:
+def _check_size(where: str, size: tuple[int, int], frame: int | None = None, most: int = MAX_PIXELS) -> None:
     """A canvas Pillow is about to fill: at most MAX_PIXELS, checked before the pixels exist (Pillow's own
     MAX_IMAGE_PIXELS is process-wide and only warns below twice itself, so it is never what bounds us)."""
     width, height = size
-    if width < 1 or height < 1 or width * height > MAX_PIXELS:
-        at = f" at frame {frame}" if frame else ""
-        raise _refused(where, f"is {width}x{height} pixels{at}; at most {MAX_PIXELS:,} pixels are taken")
+    if width < 1 or height < 1 or width * height > most:
+        at = f" at frame {frame}" if frame is not None else ""
+        raise _refused(where, f"is {width}x{height} pixels{at}; at most {most:,} pixels are taken")
 
 
 @functools.cache
@@ -219,7 +222,7 @@ def _animated_frames(video: VideoInput, cap: int, fitted: Callable) -> tuple[lis
                                         "taken") from None
             except Exception as e:
                 raise _refused(where, f"frame {i} is truncated or corrupt ({type(e).__name__})") from None
-        _check_size(where, img.size, i)
+        _check_size(where, img.size, i, MAX_FRAME_PIXELS)
         decoded += img.size[0] * img.size[1]
         if decoded > MAX_VIDEO_PIXELS:
             raise _too_large(where, f"decoding its frames up to frame {i} takes more than the at most "

@@ -441,6 +441,8 @@ def media_bombs() -> list[tuple[str, list[dict]]]:
             (10, 10), [(0, 0, 10, 10)] + [(5600, 5600, 10, 10)] * 31), gif)}}]),
         ("gif frame past the pixel bound", [{"type": "video_url", "video_url": {"url": data_url(gif_with_frames(
             (10, 10), [(0, 0, 10, 10), (6000, 6000, 10, 10)]), gif)}}]),
+        ("gif frame at an offset under the canvas bound", [{"type": "video_url", "video_url": {"url": data_url(
+            gif_with_frames((10, 10), [(0, 0, 10, 10)] + [(3990, 3990, 10, 10)] * 23), gif)}}]),
         ("gif frame at an offset, medium", [{"type": "video_url", "video_url": {"url": data_url(gif_with_frames(
             (10, 10), [(0, 0, 10, 10)] + [(1490, 1490, 10, 10)] * 63), gif)}}]),
         ("gif frame at a large offset as an image", [image_part(gif_with_frames(
