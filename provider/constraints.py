@@ -2,7 +2,7 @@
 (`tools`, `tool_choice`). Plain data, checked once for both transports; a leaf beside `jobs`.
 
 Every schema is hostile until bounded: its serialized size, its nesting depth and the number of tools are
-capped here, before any grammar is compiled (provider.engine.grammar bounds the compile itself).
+capped here, before any grammar is compiled (provider.engine.grammar_compile bounds the compile itself).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import logs
-from .engine.grammar import Compiler, compile_rules
+from .engine.grammar_compile import Compiler, compile_rules
 from .images import ImageProcessor, VisionPrompt
 from .media_plan import MediaPlan, plan_media
 from .jobs import Job, JobError, check_vocabulary
@@ -32,7 +32,7 @@ log = logs.get("prompts")
 class CompiledGrammar:
     """A constrained job's matcher, compiled off the engine thread; the engine makes it a RowGrammar."""
 
-    matcher: Any  # llguidance.LLMatcher or grammar.LazyCall, used by one row only
+    matcher: Any  # llguidance.LLMatcher or grammar_compile.LazyCall, used by one row only
     n_vocab: int  # the matcher's mask width, in tokens
     kind: str  # OutputRules.kind
 

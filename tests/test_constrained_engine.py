@@ -13,7 +13,8 @@ from mlx_lm import load
 
 from provider.constraints import OutputRules, ResponseFormat, Tool, ToolChoice
 from provider.engine.drafters import DraftModelDrafter
-from provider.engine.grammar import Compiler, GrammarError, RowGrammar
+from provider.engine.grammar import GrammarError, RowGrammar
+from provider.engine.grammar_compile import Compiler
 from provider.jobs import Done, Job, SamplingParams
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.types import Cause
@@ -209,9 +210,9 @@ def test_what_the_node_got_wrong_is_the_nodes_error_not_the_requests(fixtures_di
 
 def test_the_compile_bound_counts_the_compile_not_its_wait_for_the_worker(fixtures_dir, monkeypatch):
     """A schema that compiles at once is not refused for the time it waited behind another job's compile."""
-    from provider.engine import grammar
+    from provider.engine import grammar_compile
 
-    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(grammar_compile, "COMPILE_TIMEOUT_S", 0.3)
     tok, compiler = _compiler(fixtures_dir)
     release = threading.Event()
     compiler._pool.submit(release.wait)  # another job's compile holds the one worker
@@ -233,9 +234,9 @@ def test_auto_is_free_until_the_opening_marker_then_held_to_the_call_then_free(t
     crossed the marker is rolled back to free."""
     from mlx_lm.utils import load_tokenizer
 
-    from provider.engine.grammar import compile_rules
+    from provider.engine.grammar_compile import compile_rules
     from provider.engine.tool_calls import ToolCallSplitter
-    from provider.models.fixtures import make_tool_format
+    from provider.models.tool_format_fixtures import make_tool_format
     from provider.models.tool_format import tool_format_for
 
     make_tool_format(tmp_path / fmt_name, fmt_name)

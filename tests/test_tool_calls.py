@@ -79,7 +79,7 @@ def test_the_generic_format_puts_tools_in_a_preamble_and_history_in_plain_turns(
 def test_a_format_without_a_call_grammar_refuses_forced_calls_naming_tool_choice_and_parses_auto():
     """A format with no grammar here (an unknown parser's name): `required` and named choices are a 400 naming
     tool_choice; `auto` compiles nothing (its calls are parsed after free generation)."""
-    from provider.engine.grammar import compile_rules
+    from provider.engine.grammar_compile import compile_rules
 
     fmt = ToolFormat("some_new_parser", "<call>", "</call>", _parse_json_call, True, {})
     tool = Tool("f", {"type": "object", "properties": {}})

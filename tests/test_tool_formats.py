@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 
-from provider.models.fixtures import TOOL_FORMATS, make_tool_format
+from provider.models.tool_format_fixtures import TOOL_FORMATS, make_tool_format
 from tests.helpers import make_node
 
 FORMATS = [*TOOL_FORMATS, "gemma4"]
@@ -209,7 +209,7 @@ def test_random_walks_through_each_forced_grammar_parse_into_valid_calls(tmp_pat
     from mlx_lm.utils import load_tokenizer
 
     from provider.constraints import OutputRules, Tool, ToolChoice
-    from provider.engine.grammar import Compiler, lark_for
+    from provider.engine.grammar_compile import Compiler, lark_for
     from provider.engine.tool_calls import ToolCallSplitter
     from provider.models.tool_format import tool_format_for
 

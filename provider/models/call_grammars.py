@@ -21,12 +21,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from ..constraints import ANNOTATIONS, ConstraintError, Tool, closed
 
-if TYPE_CHECKING:
-    from .tool_format import ToolFormat
+
+class Markers(Protocol):
+    """What a call grammar reads of a tool format (tool_format.ToolFormat, which imports this module)."""
+
+    start: str
+    end: str
+    special_ids: dict[str, int]
+
+    def marker(self, text: str) -> str: ...
 
 JSON_CALL_SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 JSON_TYPES = ("integer", "number", "boolean", "object", "array")
@@ -43,7 +50,7 @@ class CallGrammar:
 class _Rules:
     """Lark rules under construction, each named with a prefix of its own."""
 
-    def __init__(self, fmt: "ToolFormat"):
+    def __init__(self, fmt: Markers):
         self.fmt = fmt
         self.lines: list[str] = []
 
@@ -80,7 +87,7 @@ def _many(one: str, parallel: bool, sep: str = "") -> str:
 
 # --- JSON arguments ---------------------------------------------------------------------------------------
 
-def json_tools(fmt: "ToolFormat", tools: tuple[Tool, ...], parallel: bool) -> CallGrammar:
+def json_tools(fmt: Markers, tools: tuple[Tool, ...], parallel: bool) -> CallGrammar:
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (generic, json_tools)."""
     r = _Rules(fmt)
     for i, tool in enumerate(tools):
@@ -334,7 +341,7 @@ def _sequence(r: _Rules, prefix: str, items: list[tuple[str, bool]], sep: str = 
     return rest[0, True]
 
 
-GRAMMARS: dict[str, Callable[["ToolFormat", tuple[Tool, ...], bool], CallGrammar]] = {
+GRAMMARS: dict[str, Callable[[Markers, tuple[Tool, ...], bool], CallGrammar]] = {
     "generic": json_tools, "json_tools": json_tools, "mistral": mistral, "kimi_k2": kimi_k2, "kimi_k3": kimi_k3,
     "pythonic": pythonic, "muse_spark": muse_spark, "qwen3_coder": qwen3_coder, "glm47": glm47, "laguna": glm47,
     "longcat": longcat, "minimax_m2": minimax_m2, "minicpm5": minicpm5, "function_gemma": function_gemma,
