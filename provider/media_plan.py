@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .content import ImageInput, VideoInput
-from .images import ImageProcessor, PreparedImage, PreparedVideo, VisionPrompt, budget_for, decode
+from .images import ImageProcessor, PreparedImage, PreparedVideo, VisionPrompt, budget_for
+from .media_decode import decode
 from .types import Cause, JobError
 
 Submit = Callable[..., concurrent.futures.Future]  # an executor's submit: the prompt workers'

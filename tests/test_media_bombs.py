@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from provider.content import ImageInput, VideoInput
-from provider.images import MAX_MEDIA_BYTES, MAX_PIXELS
+from provider.images import MAX_MEDIA_BYTES
+from provider.media_decode import MAX_PIXELS
 from provider.memory.estimate import vision_scratch_bytes
 from provider.models.vision_fixtures import make_gemma4_vlm
 from provider.types import JobError
@@ -215,7 +216,7 @@ def test_video_frames_are_each_resized_to_the_processors_size_never_to_another_f
     at, none at the first's own size; the same for a GIF whose later frames grow its canvas."""
     from PIL import Image
 
-    from provider.images import video_frames
+    from provider.media_decode import video_frames
     from tools.harness.hostile import _png, gif_with_frames
 
     fit = lambda w, h: (min(w, 96), min(h, 96))  # noqa: E731 - the processor's rule is exercised by the server

@@ -248,7 +248,7 @@ def test_video_as_frames_and_as_an_animated_gif_equals_mlx_vlm(vlm):
 
 def test_a_long_video_is_sampled_to_the_frame_cap_at_its_real_rate():
     from provider.content import VideoInput
-    from provider.images import video_frames
+    from provider.media_decode import video_frames
 
     files = tuple(_encoded(f) for f in _frames(40, seed=1))
     frames, fps = video_frames(VideoInput(files, 8.0), cap=32)
