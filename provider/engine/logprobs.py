@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
 
 from ..jobs import TokenLogprob
+from .prompt_reader import PromptReader
 
 # What scoring a chunk of prompt may hold beyond the forward's own scratch: its logits for every position (a
 # plain prefill never computes them), their float32 log-softmax and the top-k indices, about 16 bytes a
@@ -120,10 +121,11 @@ def read(tokens: list[int], picked: tuple, texts: TokenTexts) -> list[TokenLogpr
 
 
 class PromptScorer:
-    """Reads a prompt through the model a chunk at a time into fresh caches, keeping each position's logprob
-    of the next prompt token (and its `top` alternatives): the logits the prefill computes anyway. The first
-    prompt token has none. Once `done`, its caches hold every prompt token but the last, as a prefix-cache
-    hit's would, so the row decodes on from there."""
+    """Reads a prompt through the model by the one prompt reader (provider.engine.prompt_reader) into fresh
+    caches, keeping each position's logprob of the next prompt token (and its `top` alternatives): the logits
+    the prefill computes anyway, a chunk's at most what fits SCORE_SCRATCH_BYTES. The first prompt token has
+    none. Once `done`, its caches hold every prompt token but the last, as a prefix-cache hit's would, so the
+    row decodes on from there."""
 
     def __init__(self, model, prompt: list[int], top: int, texts: TokenTexts, limit: int | None = None,
                  n_vocab: int = 0):
@@ -131,24 +133,34 @@ class PromptScorer:
 
         self.prompt = prompt
         self.n_vocab = n_vocab  # the logits' width: it bounds a chunk (score_chunk)
-        self.cache = make_prompt_cache(model)
-        self.read = 0  # prompt tokens in the caches
+        self.reader = PromptReader(prompt, make_prompt_cache(model), self._forward,
+                                   most=score_chunk(len(prompt), n_vocab))
         self.logprobs = [texts.scored(prompt[0], None)]  # nothing before it scores it
         self._model, self._top, self._texts, self._limit = model, top, texts, limit
+        self._picked: tuple = ()
+
+    @property
+    def cache(self) -> list:
+        return self.reader.cache
+
+    @property
+    def read(self) -> int:
+        """Prompt tokens in the caches."""
+        return self.reader.read
 
     @property
     def done(self) -> bool:
-        return self.read >= len(self.prompt) - 1
+        return self.reader.done
 
     def step(self, chunk: int) -> None:
         """Read up to `chunk` more tokens (all but the prompt's last), fewer if their logits would not fit."""
-        start = self.read
-        end = min(start + score_chunk(chunk, self.n_vocab), len(self.prompt) - 1)
-        if end <= start:
-            return
+        start, end = self.reader.step(chunk)
+        if end > start:
+            self.logprobs += read(self.prompt[start + 1:end + 1], self._picked, self._texts)
+            self._picked = ()
+
+    def _forward(self, start: int, end: int) -> list:
         logits = self._model(mx.array(self.prompt[start:end])[None], cache=self.cache)[0]
         following = mx.array(self.prompt[start + 1:end + 1])
-        picked = pick(log_softmax(logits), following, self._top, self._limit)
-        mx.eval([c.state for c in self.cache], [a for a in picked if a is not None])
-        self.logprobs += read(self.prompt[start + 1:end + 1], picked, self._texts)
-        self.read = end
+        self._picked = pick(log_softmax(logits), following, self._top, self._limit)
+        return [a for a in self._picked if a is not None]

@@ -11,8 +11,9 @@ what it does not do:
 - logprobs: a row that reports them records its raw logits as its first logits processor (mlx-lm's own
   logprobs are after the processors, in the model's dtype), and every such row's are read in one pick per
   step, in float32;
-- a scored prompt (echo with logprobs) is read a chunk per step by a PromptScorer, beside the batch, keeping
-  every position's logprobs; the row then joins the batch from the scorer's caches, as from a prefix hit.
+- a scored prompt (echo with logprobs) is read a chunk per step by a PromptScorer (the one prompt reader,
+  provider.engine.prompt_reader, in the chunk the plan gives it), beside the batch, keeping every position's
+  logprobs; the row then joins the batch from the scorer's caches, as from a prefix hit.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..models.loader import LoadedModel
 from ..types import FinishReason
 from .logprobs import LogprobRequest, PromptScorer, log_softmax, pick, read, texts_for
 from .output import JobOutput
-from .prefill_plan import plan_prefill
+from .prefill_plan import longest_read, plan_prefill
 from .prefix_cache import SYSTEM, PrefixCache
 
 QUEUED, READING, DECODING = "queued", "reading", "decoding"  # a row's stage in the generator
@@ -59,8 +60,10 @@ class PlainBatch:
         self.prefix = prefix
         self._budget = step_tokens
         self._prefill_rows = min(prefill_rows, max_rows)
+        # The generator reads what `_plan` gives each step (its prefill_step_size, set per step) in one forward: its
+        # prompt batch, made here, cuts a step's read at the size given here, so that is the longest the rule reads.
         self._gen = BatchGenerator(lm.model, completion_batch_size=max_rows, prefill_batch_size=self._prefill_rows,
-                                   prefill_step_size=step_tokens)
+                                   prefill_step_size=longest_read(step_tokens))
         self._rows: dict[int, Row] = {}
         self._by_job: dict[str, int] = {}
         self._scoring: dict[str, Row] = {}  # by job id: rows whose prompts are being scored, in arrival order
@@ -209,7 +212,7 @@ class PlainBatch:
         for row in self._rows.values():  # in insertion order: the generator's queue is first come, first served
             by_stage[row.stage].append(row.left)
         scoring = next(iter(self._scoring.values()), None)
-        reading = by_stage[READING] + ([len(scoring.scorer.prompt) - 1 - scoring.scorer.read] if scoring else [])
+        reading = by_stage[READING] + ([scoring.scorer.reader.left] if scoring else [])
         plan = plan_prefill(reading, by_stage[QUEUED], len(by_stage[DECODING]), self._budget)
         self._gen.prefill_batch_size = len(by_stage[READING]) + min(plan.join, self._prefill_rows)
         self._gen.prefill_step_size = plan.chunk

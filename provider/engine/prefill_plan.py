@@ -56,7 +56,7 @@ def plan_prefill(reading: list[int], queued: list[int], decoding: int, budget: i
     tokens = prefill_tokens(budget, decoding)
     active = [left for left in reading if left > 0]
     if len(active) == 1:  # finish what is being read first
-        return PrefillPlan(0, _whole_if_nearly(active[0], tokens))
+        return PrefillPlan(0, read_chunk(active[0], budget, decoding))
     if active:  # several, read together because they fit: they share the budget
         return PrefillPlan(0, max(1, tokens // len(active)))
     if len(active) < len(reading):  # a prompt just read: its first token before any new reading
@@ -67,8 +67,15 @@ def plan_prefill(reading: list[int], queued: list[int], decoding: int, budget: i
             break
         join = k
     if join == 1:
-        return PrefillPlan(1, _whole_if_nearly(queued[0], tokens))
+        return PrefillPlan(1, read_chunk(queued[0], budget, decoding))
     return PrefillPlan(join, tokens // join if join else tokens)
+
+
+def read_chunk(left: int, budget: int, decoding: int) -> int:
+    """The one chunk rule: tokens a prompt read alone reads this step, `left` of it still to read, beside
+    `decoding` rows. The plain batch's generator, a scored prompt, a speculating row and a prompt with media
+    all read by it (provider.engine.prompt_reader), and the ledger books its largest (`longest_read`)."""
+    return _whole_if_nearly(left, prefill_tokens(budget, decoding))
 
 
 def longest_read(budget: int) -> int:

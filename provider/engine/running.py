@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .. import logs
 from ..jobs import Error, Event, Job, JobError, Sink
 from ..types import Cause, FinishReason, SpecReason
-from ..memory.batch_kv import plain_batch_bytes, prefill_transient_bytes, spec_batch_bytes
+from ..memory.batch_kv import plain_batch_bytes, spec_batch_bytes
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..status import QueueStatus
@@ -24,9 +24,8 @@ from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..models.capability import media_token_ids
 from ..prompts import CompiledGrammar
 from .grammar import GrammarProcessor, RowGrammar
-from .logprobs import SCORE_SCRATCH_BYTES
 from .plain_batch import PlainBatch
-from .prefill_plan import longest_read
+from .prompt_reader import PREFILL_ROWS, reading_bytes
 from .output import JobOutput
 from . import sampling
 from .prefix_cache import PrefixCache
@@ -35,7 +34,6 @@ from .vision_prefill import MediaRead, MediaReads
 from .collective import collective_failure
 
 Delivery = tuple[list[Event], Sink]
-PREFILL_ROWS = 8  # prompts the plain batch reads in one forward (mlx-lm's prefill_batch_size)
 
 
 @dataclass
@@ -123,15 +121,7 @@ class Running:
         # A plain batch that copies its caches (a row joined or left) holds the copy beside them for a step.
         kv = plain_batch_bytes(plain.finals, lm.kv_shape) + plain.copying \
             + spec_batch_bytes(spec.finals, lm.kv_shape, lm.draft_kv_shape)
-        if lm.act_shape is None:
-            return kv
-        # The plain batch reads up to PREFILL_ROWS prompts in one forward, the speculative batch one at a time;
-        # the model's own footprint already holds one chunk of one row's scratch.
-        chunk = longest_read(self._step_tokens)
-        scratch = max(prefill_transient_bytes(plain.reading, lm.act_shape, chunk, PREFILL_ROWS),
-                      prefill_transient_bytes(spec.reading, lm.act_shape, chunk, 1))
-        return kv + max(0, scratch - lm.act_reserve) + (SCORE_SCRATCH_BYTES if plain.scoring else 0) \
-            + plain.media + plain.vision
+        return kv + reading_bytes(lm, plain, spec, self._step_tokens)
 
     # --- starting -----------------------------------------------------------------
 
@@ -203,7 +193,8 @@ class Running:
 
     def step(self) -> list[Delivery]:
         out: list[Delivery] = []
-        for read in self._media.step(self._step_tokens, idle=not (self._batches or self._speculating)):
+        for read in self._media.step(self._step_tokens, idle=not (self._batches or self._speculating),
+                                     decoding=self._decoding):
             try:
                 self._join(read.lm, read.output, read.sink, read.prompt, read.joining["plan"], read.cache,
                            read.read, read.joining["shared_prefix"])
@@ -216,6 +207,12 @@ class Running:
         for model_id, spec in list(self._speculating.items()):
             out += self._step_speculating(model_id, spec)
         return out
+
+    def _decoding(self, model_id: str) -> int:
+        """The model's rows decoding now: a prompt read beside them reads by the one chunk rule (prefill_plan)."""
+        plain, spec = self._batches.get(model_id), self._speculating.get(model_id)
+        return (sum(r.output.t_first is not None for r in plain.rows()) if plain else 0) \
+            + (sum(not r.spec.reading for r in spec.rows()) if spec else 0)
 
     def _step_speculating(self, model_id: str, spec: SpecBatch) -> list[Delivery]:
         try:

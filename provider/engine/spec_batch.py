@@ -20,7 +20,7 @@ from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from .acceptance import choice_for
 from .output import JobOutput
-from .prefill_plan import prefill_tokens
+from .prefill_plan import read_chunk
 from .prefix_cache import COMPLETION, PrefixCache
 from .drafters import drafter_for
 from .logprobs import LogprobRequest
@@ -45,7 +45,7 @@ class SpecBatch:
         self._decodable = lm.decodable
         self._speculator = Speculator(lm.model, drafter_for(lm))
         self.prefix = prefix
-        self._budget = step_tokens  # a prompt is read beside decoding rows as in the plain batch (prefill_plan)
+        self._budget = step_tokens  # a prompt is read beside decoding rows by the one chunk rule (prefill_plan)
         self._rows: dict[str, Row] = {}  # by job id, in arrival order
 
     def __len__(self) -> int:
@@ -71,7 +71,7 @@ class SpecBatch:
         decoding = [row for row in self._rows.values() if not row.spec.reading]
         reading = next((row for row in self._rows.values() if not row.spec.read_all_but_last), None)
         if reading is not None:
-            self._speculator.read(reading.spec, prefill_tokens(self._budget, len(decoding)))
+            self._speculator.read(reading.spec, read_chunk(reading.spec.left, self._budget, len(decoding)))
         starting = [row for row in self._rows.values() if row.spec.reading and row.spec.read_all_but_last]
         for row in starting:
             if row.output.job.share_prompt:  # the first of n choices: the others take its prompt's KV, which

@@ -32,6 +32,7 @@ from ..telemetry import SpecTelemetry
 from .acceptance import GreedyChoice
 from .grammar import masked
 from .logprobs import log_softmax, pick, read
+from .prompt_reader import PromptReader
 
 
 @dataclass
@@ -65,6 +66,13 @@ class SpecRow:
     @property
     def reading(self) -> bool:
         return self.last is None
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens its next read takes from: the drafter's part of a cached prefix, else the target's rest."""
+        if self.drafter_read < self.read:
+            return self.read - self.drafter_read
+        return max(0, len(self.prompt) - 1 - self.read)
 
     @property
     def read_all_but_last(self) -> bool:
@@ -152,17 +160,19 @@ class Speculator:
         return row
 
     def read(self, row: SpecRow, step: int) -> bool:
-        """Read up to `step` more prompt tokens, all but the last: first what the drafter has not read of a
-        cached prefix, then the rest of the prompt; True once they are all in the caches."""
+        """Read up to `step` more prompt tokens, all but the last, by the one prompt reader (prompt_reader): first
+        what the drafter has not read of a cached prefix, then the rest of the prompt, the drafter reading each
+        chunk after the target; True once they are all in the caches."""
         if row.drafter_read < row.read:
             self._drafter_reads(row, step)
             return row.read_all_but_last
-        rest = row.prompt[row.read:-1][:step]
-        if rest:
-            self.model(mx.array(rest)[None], cache=row.caches)
-            mx.eval([c.state for c in row.caches])
-            row.read += len(rest)
-            row.tokens += rest
+        def forward(start: int, end: int) -> None:
+            self.model(mx.array(row.prompt[start:end])[None], cache=row.caches)
+
+        start, end = PromptReader(row.prompt, row.caches, forward, read=row.read).step(step)
+        if end > start:
+            row.read = end
+            row.tokens += row.prompt[start:end]
             self._drafter_reads(row, step)
         return row.read_all_but_last
 

@@ -1,7 +1,8 @@
 """Prompts with images or video, read into mlx-lm caches a piece per engine pass, beside the batches.
 
 Each piece is one image (or one video's frames) through the checkpoint's vision tower, or one chunk of the
-prompt through the text model with the tower's features in place of the media tokens' embeddings. One piece a
+prompt through the text model with the tower's features in place of the media tokens' embeddings, read by the
+one prompt reader (provider.engine.prompt_reader: its chunk rule, beside the model's decoding rows). One piece a
 pass keeps the other streams going while an image is read, as chunked prefill does for long text prompts.
 
 What comes out is what a prefix-cache hit gives: caches holding every prompt token but the last. The row then
@@ -26,6 +27,7 @@ from ..media_plan import MediaPlan
 from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..models.loader import LoadedModel
 from ..types import Cause, JobError
+from .prompt_reader import PromptReader
 
 PIXELS_WAIT_S = 0.05  # with nothing else to run, the engine waits this long at most for an item's pixels
 
@@ -47,16 +49,15 @@ class MediaRead:
         if first < cached:
             raise JobError(Cause.INTERNAL, "a cached prefix reaches into an image")
         self.lm, self.output, self.sink, self.prompt, self.joining = lm, output, sink, prompt, joining
-        self.cache = cache if cache is not None else make_prompt_cache(lm.model)
-        self.read = cached
+        keep_at = keep_at if keep is not None and cached < keep_at <= first else 0
+        self._reader = PromptReader(prompt, cache if cache is not None else make_prompt_cache(lm.model),
+                                    self._forward, read=cached, pause_at=keep_at, on_pause=keep)
         self._text = lm.model.language_model.model  # mlx-lm's Gemma4TextModel: hidden states, no logits
         self._ids = mx.array(prompt[:-1])[None]
         self._embedded = media_read_bytes(lm.config, len(prompt))
         self._features: dict[int, list[mx.array]] = {}
         self._embeds: Any = None
         self._per_layer: Any = None
-        self._keep_at = keep_at if keep is not None and cached < keep_at <= first else 0
-        self._keep = keep
         # (media token, bytes its arrays hold, the tower's scratch for it, its pixels) for each item left to read
         self._todo = [(token, size, vision_scratch_bytes(lm.config, n) * at_once, future) for (token, _), size,
                       (n, at_once), future in zip(media.items(), media.item_bytes, media.encodes(), media.load())]
@@ -85,11 +86,21 @@ class MediaRead:
         self._todo = []
 
     @property
-    def done(self) -> bool:
-        return self.read >= len(self.prompt) - 1
+    def cache(self) -> list:
+        return self._reader.cache
 
-    def advance(self, tokens: int) -> None:
-        """One piece: the next image or video through the tower (once prepared), else up to `tokens` prompt tokens."""
+    @property
+    def read(self) -> int:
+        """Prompt tokens in the caches."""
+        return self._reader.read
+
+    @property
+    def done(self) -> bool:
+        return self._reader.done
+
+    def advance(self, budget: int, decoding: int = 0) -> None:
+        """One piece: the next image or video through the tower (once prepared), else a chunk of the prompt, by
+        the one chunk rule for a `budget`-token step beside `decoding` rows."""
         if self._todo:
             if self.waiting is not None:
                 return
@@ -106,15 +117,11 @@ class MediaRead:
             return
         if self._embeds is None:
             self._embed()
-        stop = min(len(self.prompt) - 1, self.read + max(1, tokens))
-        if self.read < self._keep_at < stop:
-            stop = self._keep_at
-        self._text(None, cache=self.cache, input_embeddings=self._embeds[:, self.read:stop],
-                   per_layer_inputs=None if self._per_layer is None else self._per_layer[:, self.read:stop])
-        mx.eval([c.state for c in self.cache])
-        self.read = stop
-        if stop == self._keep_at:
-            self._keep(self.cache)
+        self._reader.step(self._reader.chunk(budget, decoding))
+
+    def _forward(self, start: int, end: int) -> None:
+        self._text(None, cache=self.cache, input_embeddings=self._embeds[:, start:end],
+                   per_layer_inputs=None if self._per_layer is None else self._per_layer[:, start:end])
 
     def _embed(self) -> None:
         text, ids = self._text, self._ids
@@ -158,10 +165,11 @@ class MediaReads:
     def add(self, read: MediaRead) -> None:
         self._reads[read.output.job.id] = read
 
-    def step(self, tokens: int, idle: bool = False) -> list[MediaRead]:
-        """Advance the first read by one piece; the reads now done (out of this set, for their batches). `idle`:
-        nothing else runs this pass, so a read whose pixels are still being prepared is waited for a moment
-        rather than the engine spinning."""
+    def step(self, budget: int, idle: bool = False, decoding: Callable[[str], int] = lambda model_id: 0
+             ) -> list[MediaRead]:
+        """Advance the first read by one piece, in a `budget`-token step beside `decoding(model id)` rows; the
+        reads now done (out of this set, for their batches). `idle`: nothing else runs this pass, so a read
+        whose pixels are still being prepared is waited for a moment rather than the engine spinning."""
         if not self._reads:
             return []
         job_id, read = next(iter(self._reads.items()))
@@ -169,7 +177,7 @@ class MediaReads:
         if waiting is not None and idle:
             concurrent.futures.wait([waiting], timeout=PIXELS_WAIT_S)
         try:
-            read.advance(tokens)
+            read.advance(budget, decoding(read.lm.id))
         except Exception as e:  # this job's images or prompt fail it alone
             del self._reads[job_id]
             read.close()
