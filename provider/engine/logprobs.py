@@ -19,13 +19,9 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
 
 from ..jobs import TokenLogprob
-from .prompt_reader import PromptReader
+from .prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
 
-# What scoring a chunk of prompt may hold beyond the forward's own scratch: its logits for every position (a
-# plain prefill never computes them), their float32 log-softmax and the top-k indices, about 16 bytes a
-# position and vocabulary entry. A chunk is cut to fit this, and the engine books it while a prompt is scored.
-SCORE_SCRATCH_BYTES = 64 << 20
-SCORE_BYTES_PER_LOGIT = 16
+SCORE_BYTES_PER_LOGIT = 16  # a scored position's logits, their float32 log-softmax and top-k indices
 
 
 def score_chunk(chunk: int, n_vocab: int) -> int:

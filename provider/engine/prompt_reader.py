@@ -18,6 +18,12 @@ import mlx.core as mx
 from ..memory.batch_kv import prefill_transient_bytes
 from .prefill_plan import longest_read, read_chunk
 
+# What scoring a chunk of prompt may hold beyond the forward's own scratch: its logits for every position (a
+# plain prefill never computes them), their float32 log-softmax and the top-k indices, about 16 bytes a
+# position and vocabulary entry. logprobs.score_chunk cuts a chunk to fit this; the ledger books it while a
+# prompt is scored.
+SCORE_SCRATCH_BYTES = 64 << 20
+
 PREFILL_ROWS = 8  # prompts the plain batch reads in one forward (mlx-lm's prefill_batch_size)
 
 # (start, end) -> what to evaluate with the caches beside them (a scored chunk's logprobs), or None
@@ -69,11 +75,8 @@ def reading_bytes(lm, plain, spec, budget: int) -> int:
     """What reading prompts holds beyond the model's KV and footprint (which holds one chunk of one row's forward
     scratch): for each prompt being read, a chunk of at most `longest_read(budget)` (up to PREFILL_ROWS in one
     plain forward, one at a time speculating), and what its hook holds beside: a scored chunk's logits
-    (logprobs.SCORE_SCRATCH_BYTES), a media prompt's arrays and embeddings, the vision tower's scratch for the
+    (SCORE_SCRATCH_BYTES), a media prompt's arrays and embeddings, the vision tower's scratch for the
     largest item left to encode. `plain` and `spec` are running.Layout's."""
-    # logprobs reads with this module's reader: its bound is imported when first asked for
-    from .logprobs import SCORE_SCRATCH_BYTES
-
     if lm.act_shape is None:
         return 0
     chunk = longest_read(budget)

@@ -42,7 +42,7 @@ class Layout:
 
     finals: list[int] = field(default_factory=list)
     reading: list[int] = field(default_factory=list)
-    scoring: bool = False  # a prompt is being scored: its logits' scratch (logprobs.SCORE_SCRATCH_BYTES) is held
+    scoring: bool = False  # a prompt is being scored: its logits' scratch (prompt_reader.SCORE_SCRATCH_BYTES) is held
     copying: int = 0  # bytes of the copy of its caches its next step makes, rows having joined or left (PlainBatch)
     media: int = 0  # what prompts with media hold beside their KV until read: prepared arrays, embeddings
     vision: int = 0  # the vision tower's scratch, for the largest image left to encode (one encode at a time)
