@@ -202,16 +202,19 @@ def closed(schema: dict) -> dict:
     xgrammar's strict mode, vLLM's default, and OpenAI's strict schemas): a generator told "an object with these
     fields" writes those fields, and a small model cannot wander into inventing keys forever."""
     out = copy.deepcopy(schema)
-    for node in _subschemas(out):
+    for node in subschemas(out):
         if "properties" in node and "additionalProperties" not in node:
             node["additionalProperties"] = False
     return out
 
 
-def _subschemas(schema: dict):
-    stack = [schema]
-    while stack:
+def subschemas(schema: dict, most: int | None = None):
+    """Every schema object within `schema` (itself included), at most `most` of them. A node's subschemas are
+    read after the caller has seen it, so a keyword it deletes is not walked into."""
+    stack, seen = [schema], 0
+    while stack and (most is None or seen < most):
         node = stack.pop()
+        seen += 1
         if not isinstance(node, dict):
             continue
         yield node

@@ -16,8 +16,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from .. import logs
-from ..constraints import ANNOTATIONS, ENFORCED, MAX_DESCRIPTION_CHARS, MAX_TOOLS, NAME, SCHEMA_LISTS, SCHEMA_MAPS, \
-    SCHEMA_VALUES, Tool
+from ..constraints import ANNOTATIONS, ENFORCED, MAX_DESCRIPTION_CHARS, MAX_TOOLS, NAME, Tool, subschemas
 from ..jobs import Done, Error, Event, Job, JobError, Tokens, Usage
 from ..node import Node
 from . import openai_api as api
@@ -110,22 +109,10 @@ def _trim_schema(schema: dict) -> set[str]:
     """Drop, in place, the keywords no grammar enforces (propertyNames, uniqueItems, if/then...): an agent's
     schemas are written for a hosted model, and a keyword the node would refuse would stop the agent."""
     dropped: set[str] = set()
-    stack, seen = [schema], 0
-    while stack and seen < 100_000:  # a schema is bounded later (check_schema); this walk is bounded here
-        node = stack.pop()
-        seen += 1
-        if not isinstance(node, dict):
-            continue
+    for node in subschemas(schema, most=100_000):  # a schema is bounded later (check_schema); this walk here
         for key in [k for k in node if k not in ENFORCED and k not in ANNOTATIONS]:
             dropped.add(str(key)[:32])
             del node[key]
-        for key in SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                stack.extend(node[key].values())
-        for key in SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend(node[key])
-        stack.extend(node[key] for key in SCHEMA_VALUES if key in node)
     return dropped
 
 
@@ -176,6 +163,20 @@ async def run_job(node: Node, request: web.Request, job: Job, notes: EdgeNotes, 
 def usage_counts(usage: Usage) -> tuple[int, int, int]:
     """(prompt tokens computed, prompt tokens read from the prefix cache, output tokens)."""
     return usage.prompt_tokens - usage.cached_prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens
+
+
+async def collected(events) -> tuple[str, list, Done]:
+    """A job's whole answer from `run_job`'s events: its text, its tool calls and its end (a failure raised)."""
+    text, calls = [], []
+    async for batch, end in events:
+        for ev in batch:
+            text.append(ev.text)
+            calls += ev.tool_calls
+        if isinstance(end, Error):
+            raise failed(end)
+        if isinstance(end, Done):
+            return "".join(text), calls, end
+    raise api.RequestError("the job ended without a result", status=500, type_="server_error")
 
 
 def failed(end: Error) -> api.RequestError:

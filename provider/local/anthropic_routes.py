@@ -8,7 +8,7 @@ from ..jobs import Done, Error
 from ..node import Node
 from . import anthropic_messages as am
 from . import openai_api as api
-from .agent_edge import failed, run_job
+from .agent_edge import collected, failed, run_job
 from .anthropic_stream import MessageEvents, sse
 from .bodies import parse_json, read_body
 
@@ -33,16 +33,8 @@ class AnthropicMessages:
         async with run_job(self.node, request, req.job, req.notes, tools=req.tools) as (model, events):
             if req.stream:
                 return await self._stream(request, req, msg_id, model, events)
-            text, calls = [], []
-            async for batch, end in events:
-                for ev in batch:
-                    text.append(ev.text)
-                    calls += ev.tool_calls
-                if isinstance(end, Error):
-                    raise failed(end)
-                if isinstance(end, Done):
-                    return web.json_response(am.message_body(msg_id, model, "".join(text), calls, end, req.notes))
-        raise api.RequestError("the job ended without a result", status=500, type_="server_error")
+            text, calls, end = await collected(events)
+            return web.json_response(am.message_body(msg_id, model, text, calls, end, req.notes))
 
     async def _stream(self, request: web.Request, req: am.MessagesRequest, msg_id: str, model: str,
                       events) -> web.StreamResponse:

@@ -9,7 +9,7 @@ from ..jobs import Done, Error
 from ..node import Node
 from . import openai_api as api
 from . import responses_output as out
-from .agent_edge import failed, run_job
+from .agent_edge import collected, failed, run_job
 from .bodies import parse_json, read_body
 from .openai_responses import now
 from .responses_api import ResponsesRequest, parse_responses
@@ -56,19 +56,11 @@ class Responses:
             events_out = out.ResponseEvents(resp_id, model, now(), req.echo, req.notes)
             if req.stream:
                 return await self._stream(request, req, events_out, events)
-            text, calls = [], []
-            async for batch, end in events:
-                for ev in batch:
-                    text.append(ev.text)
-                    calls += ev.tool_calls
-                if isinstance(end, Error):
-                    raise failed(end)
-                if isinstance(end, Done):
-                    items = out.output_items(resp_id, "".join(text), calls)
-                    body = out.response_object(resp_id, model, events_out.created, req.echo, items, end, req.notes)
-                    self._keep(req, resp_id, items, body)
-                    return web.json_response(body)
-        raise api.RequestError("the job ended without a result", status=500, type_="server_error")
+            text, calls, end = await collected(events)
+            items = out.output_items(resp_id, text, calls)
+            body = out.response_object(resp_id, model, events_out.created, req.echo, items, end, req.notes)
+            self._keep(req, resp_id, items, body)
+            return web.json_response(body)
 
     def _keep(self, req: ResponsesRequest, resp_id: str, items: list[dict], body: dict) -> None:
         if req.store:
