@@ -121,7 +121,16 @@ class Running:
         # A plain batch that copies its caches (a row joined or left) holds the copy beside them for a step.
         kv = plain_batch_bytes(plain.finals, lm.kv_shape) + plain.copying \
             + spec_batch_bytes(spec.finals, lm.kv_shape, lm.draft_kv_shape)
-        return kv + reading_bytes(lm, plain, spec, self._step_tokens)
+        return kv + self._keeping_bytes(lm, plain.finals + spec.finals) + reading_bytes(lm, plain, spec,
+                                                                                     self._step_tokens)
+
+    def _keeping_bytes(self, lm: LoadedModel, finals: list[int]) -> int:
+        """A row that ends is kept for reuse: the prefix cache copies its KV (prefix_cache.owned) while its batch
+        still holds it, until the step is over. The largest row's copy is booked (an agent's 10k-token turn
+        copies ~80 MiB on the KV-heavy fixture; the prefix cache's own bytes are counted once the step ends)."""
+        if self._prefix_cache_bytes <= 0 or not finals:
+            return 0
+        return min(lm.kv_shape.bytes_for(max(finals)), self._prefix_cache_bytes)
 
     # --- starting -----------------------------------------------------------------
 

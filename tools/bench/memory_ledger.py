@@ -12,7 +12,17 @@ then, on a second node serving the fixture factory's Gemma 4 VLM (a 280-token de
 Gemma 4 checkpoints have; detail high is 1,120):
 
 - d: images, all at once: two jobs of one high-detail photo each, two of four photos at the default detail, one
-  of 16 one-pixel PNGs at detail low, and two text jobs beside them.
+  of 16 one-pixel PNGs at detail low, and two text jobs beside them;
+
+then, on a third node serving the same KV-heavy Llama with a 32k context:
+
+- e: agents at agent scale: two agents at once, one on /v1/messages (Anthropic's shape, `system` and `tools`
+  with input schemas) and one on /v1/responses (`instructions` and function tools), each resending its own
+  ~10k-token system prompt and tool list for three turns, each turn appending the previous answer and a new
+  user message, so the prefix cache holds and reuses long prefixes. Per turn it prints the prompt's tokens
+  and how many came from the prefix cache (usage's cache_read_input_tokens / input_tokens_details.cached_tokens).
+  ~10k, not the 20k agents send: MLX's CPU attention reads a 20.6k-token prompt of this model in 284 s (its
+  next turn, from the cache, in 1 s), quadratic in the length; 10k keeps the phase to a few minutes.
 
 For each phase it prints the sample with the most MLX memory active (`memory.mlx_active_bytes`) beside the ledger
 at that sample (`memory.reserved_bytes` = models + jobs' KV + prefix caches, with its parts), the same at idle,
@@ -20,9 +30,10 @@ and a verdict for the target: active <= ledger x 1.10 + 16 MiB at every sample. 
 into numpy arrays, which MLX does not count, so phase d is judged on the node process's RSS as well: RSS beyond
 what the process holds outside the ledger at rest (interpreter, libraries, tokenizers: RSS - ledger, measured
 after a warm-up image) stays within ledger x 1.10 + 64 MiB at every sample. End-of-sequence tokens are
-biased away (logit_bias -100) so every job runs to its max_tokens. The exit code is 0 whatever the verdict.
+biased away (logit_bias -100) so every job runs to its max_tokens (not in phase e: neither agent API takes a
+logit_bias). Phase e is judged as a-c. The exit code is 0 whatever the verdict.
 
-    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcd]
+    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcde]
 """
 
 from __future__ import annotations
@@ -49,12 +60,21 @@ RSS_SLACK = 64 * MiB  # phase d's RSS target: ledger x 1.10 + this
 PHASE_TIMEOUT = 600.0  # seconds for a phase's jobs; its idle period has its own bound below
 IDLE_TIMEOUT, IDLE_SAMPLE = 30.0, 2.0  # wait at most this for every job to end, then sample this long
 WORDS = fixtures.CORPUS.split()
+# Phase e: an agent's prompt (a system prompt of AGENT_SYSTEM tokens and AGENT_TOOLS tools of AGENT_TOOL tokens of text,
+# ~440 tokens each as the generic tool preamble renders them: ~10k tokens in all), on a model with this context.
+AGENT_CONTEXT = 32768
+AGENT_SYSTEM, AGENT_TOOLS, AGENT_TOOL = 4000, 14, 220
+AGENT_ASK, AGENT_ANSWER = 120, 32  # tokens of each new user message; max tokens of each answer
+AGENT_TURNS = 3
 
 
-def build_model(out: Path) -> tuple[Path, list[int]]:
-    """The fixture factory's KV-heavy Llama (8 KiB of fp32 KV per token), and its end-of-sequence ids."""
+def build_model(out: Path, context: int = 4096) -> tuple[Path, list[int]]:
+    """The fixture factory's KV-heavy Llama (8 KiB of fp32 KV per token) with a `context`-token window (its
+    rotary embedding is unscaled, so the window is the config's bound alone), and its end-of-sequence ids."""
     fixtures.make_llama_kv_heavy(out)
     config = json.loads((out / "config.json").read_text())
+    if config["max_position_embeddings"] != context:
+        (out / "config.json").write_text(json.dumps(config | {"max_position_embeddings": context}, indent=2))
     return out, list(config["eos_token_id"])
 
 
@@ -92,6 +112,7 @@ class Load:
         self.threads: list[threading.Thread] = []
         self.ok = self.failed = self.dropped = self.tokens = 0
         self.errors: list[str] = []  # the first words of each refusal
+        self.turns: list[dict] = []  # phase e: each agent turn's prompt tokens, cached tokens and seconds
         self.lock = threading.Lock()
 
     def prompt(self, n_tokens: int, rng: random.Random) -> str:
@@ -143,6 +164,52 @@ class Load:
             pass
         with self.lock:
             setattr(self, outcome, getattr(self, outcome) + 1)
+
+    def agent(self, api: str, system: str, tools: list[dict], asks: list[str]) -> None:
+        """An agent on `api` (messages | responses): `asks` as successive turns, the whole conversation resent
+        each time behind the same system prompt and tools."""
+        t = threading.Thread(target=self._agent, args=(api, system, tools, asks), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _agent(self, api: str, system: str, tools: list[dict], asks: list[str]) -> None:
+        history: list[dict] = []
+        headers = self.srv.headers | ({"anthropic-version": "2023-06-01"} if api == "messages" else {})
+        for turn, ask in enumerate(asks, 1):
+            history.append({"role": "user", "content": ask})
+            if api == "messages":
+                body = {"system": system, "messages": history, "tools": tools, "max_tokens": AGENT_ANSWER,
+                        "temperature": 1.0}
+            else:
+                body = {"instructions": system, "input": history, "tools": tools, "store": False,
+                        "max_output_tokens": AGENT_ANSWER, "temperature": 1.0}
+            started = time.perf_counter()
+            try:
+                r = httpx.post(f"{self.srv.url}/v1/{api}", json=body, headers=headers, timeout=PHASE_TIMEOUT)
+                out = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                r, out = None, None
+            if out is None:
+                with self.lock:
+                    self.failed += 1
+                    if r is not None:
+                        self.errors.append(f"{r.status_code} {r.content[:200]!r}")
+                return
+            seconds = time.perf_counter() - started
+            u = out["usage"]
+            if api == "messages":
+                cached, answered = u["cache_read_input_tokens"], u["output_tokens"]
+                prompt = u["input_tokens"] + cached
+                history += messages_reply(out["content"])
+            else:
+                prompt, cached, answered = u["input_tokens"], u["input_tokens_details"]["cached_tokens"], \
+                    u["output_tokens"]
+                history += responses_reply(out["output"])
+            with self.lock:
+                self.ok += 1
+                self.tokens += answered
+                self.turns.append({"agent": api, "turn": turn, "prompt_tokens": prompt, "cached_tokens": cached,
+                                   "seconds": seconds})
 
     def join(self, deadline: float) -> bool:
         for t in self.threads:
@@ -197,10 +264,59 @@ def phase_d(load: Load, rng: random.Random) -> None:
         load.chat([{"type": "text", "text": load.prompt(200, rng)}], 48)
 
 
+def messages_reply(content: list[dict]) -> list[dict]:
+    """What an agent appends after an Anthropic answer: the answer, and a result for each tool it called."""
+    blocks = [b for b in content if b["type"] == "tool_use" or b.get("text")]
+    results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "done"}
+               for b in blocks if b["type"] == "tool_use"]
+    return [{"role": "assistant", "content": blocks or "..."}] + ([{"role": "user", "content": results}]
+                                                                   if results else [])
+
+
+def responses_reply(output: list[dict]) -> list[dict]:
+    """What an agent appends after a Responses answer: its message and calls, and each call's output."""
+    items: list[dict] = []
+    for o in output:
+        if o["type"] == "message":
+            text = "".join(p.get("text", "") for p in o["content"])
+            items.append({"role": "assistant", "content": text or "..."})
+        elif o["type"] == "function_call":
+            items.append({k: o[k] for k in ("type", "call_id", "name", "arguments")})
+            items.append({"type": "function_call_output", "call_id": o["call_id"], "output": "done"})
+    return items
+
+
+def agent_tools(load: Load, rng: random.Random, api: str) -> list[dict]:
+    """AGENT_TOOLS tools as an agent declares them: a long description and a few described arguments."""
+    tools = []
+    for i in range(AGENT_TOOLS):
+        args = {f"arg_{j}": {"type": "string", "description": load.prompt(AGENT_TOOL // 8, rng)} for j in range(3)}
+        schema = {"type": "object", "properties": args, "required": ["arg_0"]}
+        about = load.prompt(AGENT_TOOL * 5 // 8, rng)
+        tools.append({"name": f"tool_{i}", "description": about, "input_schema": schema} if api == "messages" else
+                     {"type": "function", "name": f"tool_{i}", "description": about, "parameters": schema})
+    return tools
+
+
+def phase_e(load: Load, rng: random.Random) -> None:
+    for api in ("messages", "responses"):  # two agents at once, each with its own prompt
+        system, tools = load.prompt(AGENT_SYSTEM, rng), agent_tools(load, rng, api)
+        load.agent(api, system, tools, [load.prompt(AGENT_ASK, rng) for _ in range(AGENT_TURNS)])
+
+
+def print_turns(turns: list[dict]) -> None:
+    print("  agent      turn   prompt   cached  from cache  seconds")
+    for t in sorted(turns, key=lambda t: (t["agent"], t["turn"])):
+        print(f"  {t['agent']:10} {t['turn']:4} {t['prompt_tokens']:8} {t['cached_tokens']:8} "
+              f"{t['cached_tokens'] / max(t['prompt_tokens'], 1):10.1%} {t['seconds']:8.1f}")
+
+
 TEXT_PHASES = [("a", "8 x ~800-token prompts at once", phase_a),
                ("b", "one ~1,500-token prompt beside 15 short decoding", phase_b),
                ("c", "30 random jobs, 10 clients drop mid-stream", phase_c)]
 IMAGE_PHASES = [("d", "images: 2 x 1 high-detail, 2 x 4 default, 1 x 16 tiny at low, 2 text jobs", phase_d)]
+AGENT_PHASES = [("e", f"2 agents at once (messages, responses), {AGENT_TURNS} turns each of a ~10k-token prompt",
+                 phase_e)]
 
 
 def bound(m: dict) -> float:
@@ -291,6 +407,8 @@ def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.
                 print(f"  refused: {error}")
             print(describe("peak", busy))
             print(describe("idle", rest))
+            if load.turns:
+                print_turns(load.turns)
             peak_rss = max(busy, key=lambda s: s["rss"] - s["memory"]["reserved_bytes"], default=None)
             if peak_rss is not None:
                 print(f"  RSS   {peak_rss['rss'] / MiB:8.1f} MiB at its furthest past the ledger "
@@ -302,7 +420,8 @@ def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.
             results.append({"phase": name, "title": title, "verdict": verdict, "seconds": seconds,
                             "ok": load.ok, "dropped": load.dropped, "failed": load.failed,
                             "samples_over": len(over), "rss_samples_over": len(rss_over),
-                            "samples": len(busy) + len(rest), "outside_ledger_bytes": outside})
+                            "samples": len(busy) + len(rest), "outside_ledger_bytes": outside,
+                            "turns": load.turns})
     finally:
         sampler.stopping.set()
         srv.stop()
@@ -313,7 +432,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write every /health sample and the verdicts as JSON")
-    ap.add_argument("--phases", default="abcd", help="the phases to run (default: all)")
+    ap.add_argument("--phases", default="abcde", help="the phases to run (default: all)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     results: list[dict] = []
@@ -331,6 +450,11 @@ def main() -> int:
                   "(1,120 at detail high); /health and RSS every 50 ms")
             serve(model, no_eos, Path(tmp) / "home-vlm", images, rng,
                   [image_part(1, (320, 240), "auto"), {"type": "text", "text": "What is it?"}], results, samples)
+        agents = [p for p in AGENT_PHASES if p[0] in args.phases]
+        if agents:
+            model, no_eos = build_model(Path(tmp) / "llama-kv-heavy-32k", AGENT_CONTEXT)
+            print(f"model {model.name}: the same Llama, context {AGENT_CONTEXT}; /health every 50 ms")
+            serve(model, no_eos, Path(tmp) / "home-agents", agents, rng, None, results, samples)
     if args.out:
         args.out.write_text(json.dumps({"seed": args.seed, "phases": results, "samples": samples}, indent=1))
     verdicts = ", ".join(f"{r['phase']} {r['verdict']}" for r in results)
