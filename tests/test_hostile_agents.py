@@ -38,5 +38,7 @@ def test_hostile_agent_bodies_are_4xx_in_their_apis_shape_and_the_node_keeps_ser
     assert not bad, bad
     path, good = good_request(MODEL)
     r = httpx.post(server.url + path, json=good, headers=server.headers, timeout=120)
-    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] >= 1, r.text
+    # A whole answer (a random model may end at its first token: no count of tokens is asked of it).
+    assert r.status_code == 200 and r.json()["type"] == "message" and r.json()["stop_reason"] in (
+        "end_turn", "max_tokens"), r.text
     assert server.proc.poll() is None

@@ -78,7 +78,10 @@ def test_busy_models_are_never_evicted(fixtures_dir, monkeypatch):
 
 def test_load_that_cannot_fit_is_typed_and_node_serves_one_that_fits(fixtures_dir):
     f = footprints(fixtures_dir)
-    node = node_for(fixtures_dir, f["qwen3-tiny"] + 4096)
+    # Room for qwen3-tiny and its job's KV (the footprint's reserve), not for the copy a prefix cache takes of a
+    # finished row (booked beside it): this node keeps no prefixes.
+    node = make_node({n: fixtures_dir / n for n in THREE}, budget_bytes=f["qwen3-tiny"] + 4096, manager_kw=SMALL,
+                     max_concurrent_jobs=4, prefix_cache_gb=0)
 
     async def main():
         _, _, err, _ = await collect(node, Job("g", "gemma4-tiny", greedy(3), prompt="hi"))
