@@ -164,6 +164,7 @@ class Job:
     share_prompt: bool = False  # keep the prompt's KV for reuse once read (the first of n choices)
     images: tuple[ImageInput, ...] = ()  # in the order their IMAGE_PART placeholders appear in `messages`
     videos: tuple[VideoInput, ...] = ()  # likewise, VIDEO_PART
+    verify: Claim | None = None  # a verify job: check this claim against the prompt instead of generating
 
     def __post_init__(self) -> None:
         if sum(p is not None for p in (self.prompt, self.messages, self.prompt_ids)) != 1:
@@ -186,6 +187,10 @@ class Job:
                                                                                   m.get("content"))))
             check_message_tool_fields(i, m)
         check_media(self.images, self.videos, placeholders)
+        if self.verify is not None and not isinstance(self.verify, Claim):
+            raise _invalid("verify", "must be a claim")
+        if self.verify is not None and (self.images or self.videos):
+            raise _invalid("verify", "claims about prompts with images or video are not verified here yet")
         if not isinstance(self.rules, OutputRules):
             raise _invalid("response_format", "must be the job's output rules")
         if not isinstance(self.speculation, str) or self.speculation not in {p.value for p in Policy}:
@@ -260,6 +265,56 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Proof:
+    """What a verifier needs beyond the request and the tokens (provider.verification): the commitment to each
+    token's hidden state (None when this model's family cannot make one), and how sampled tokens were drawn."""
+
+    commitment: bytes | None
+    sampler: str  # GREEDY, REPLAYABLE (seeded Gumbel draws, `seed`) or SPECULATIVE (not replayable)
+    seed: int | None = None
+
+
+GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER = "greedy", "replayable", "speculative"
+MAX_COMMITMENT_BYTES = 4 + (2 + 2 * 4 * 32) * (1 << 15)  # a commitment to the longest output a node makes
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A verify job's subject: the output another node says it made for this job's prompt and sampling."""
+
+    output: tuple[int, ...]
+    proof: Proof
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.output, tuple) or not 0 < len(self.output) <= 1 << 20:
+            raise _invalid("verify.output_ids", "must be a non-empty array of token ids")
+        for t in self.output:
+            check_int("verify.output_ids", t, 0)
+        p = self.proof
+        if p.sampler not in (GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER):
+            raise _invalid("verify.proof.sampler", "must name how the tokens were drawn")
+        if p.sampler == REPLAYABLE_SAMPLER and p.seed is None:
+            raise _invalid("verify.proof.seed", "a replayable proof needs the seed its tokens were drawn with")
+        if not isinstance(p.commitment, bytes) or not 0 < len(p.commitment) <= MAX_COMMITMENT_BYTES:
+            raise _invalid("verify.proof.commitment", "must be the commitment of the claimed output")
+
+
+@dataclass(frozen=True)
+class VerdictSummary:
+    """A verify job's answer (provider.verification.verifier.Verdict, as it travels)."""
+
+    passed: bool
+    reason: str
+    first_failure: int | None
+    tokens: int
+    chunks: int
+    min_overlap: float | None = None  # the lowest share of a chunk's committed entries the verifier found again
+    max_rel_err: float | None = None  # among those, the largest relative error
+    max_gap: float | None = None  # the largest shortfall of a token from the one expected (nats)
+    ties: int = 0  # tokens within the tie tolerance of the expected one
+
+
+@dataclass(frozen=True)
 class Done:
     job_id: JobId
     finish_reason: FinishReason
@@ -267,6 +322,8 @@ class Done:
     telemetry: Telemetry
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token, when it was scored
     stop_sequence: str | None = None  # the stop string that ended it (Anthropic's stop_reason names it)
+    proof: Proof | None = None  # a committing node's (Settings.committing)
+    verdict: VerdictSummary | None = None  # a verify job's
 
 
 @dataclass(frozen=True)

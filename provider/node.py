@@ -131,11 +131,12 @@ class Node:
         self.settings = settings
         self.models = models
         self.group = group
-        running = Running
+        running = functools.partial(Running, commit=settings.committing)
         if group is not None:  # rank 0 of a node group: its batches lead the other ranks' (docs/group.md)
             self._watchdog = Watchdog(settings.group_step_timeout_s, self._group_stalled)
             self._group_ready = threading.Event()
-            running = functools.partial(LeaderRunning, group.link, self._watchdog.beat, self._group_ready)
+            running = functools.partial(LeaderRunning, group.link, self._watchdog.beat, self._group_ready,
+                                        commit=settings.committing)
         self.engine = Engine(
             models,
             max_concurrent=settings.max_concurrent_jobs,

@@ -177,6 +177,12 @@ class PromptPreparer:
                 f"the prompt encodes to token id {beyond} ({m.tokenizer.convert_ids_to_tokens(beyond)!r}), which "
                 f"{job.model} has no embedding for (its {m.vocab_size} rows end at {m.vocab_size - 1}): its "
                 "tokenizer knows tokens its weights do not; remove that text", where)
+        if job.verify is not None:  # its claim is read, not generated: inside the vocabulary and the context
+            check_vocabulary("verify.output_ids", job.verify.output, m.vocab_size)
+            sampling = replace(sampling, max_tokens=len(job.verify.output))
+            if len(ids) + len(job.verify.output) > m.context_length:
+                raise JobError(Cause.CONTEXT_LENGTH_EXCEEDED, f"the claim is {len(ids) + len(job.verify.output)} "
+                               f"tokens but {job.model} has a context of {m.context_length}", "verify.output_ids")
         if len(ids) >= m.context_length + (sampling.max_tokens == 0):  # room to generate, unless it only scores
             raise JobError(
                 Cause.CONTEXT_LENGTH_EXCEEDED,

@@ -115,6 +115,9 @@ class Settings:
     prefill_step_size: int = field(default=0, metadata=_range(0, 1 << 16))
     # KV of recent prompts kept per model for prefix reuse (dropped first when the budget needs room); 0: off.
     prefix_cache_gb: float = field(default=1.0, metadata=_range(0, 4096))
+    # A proof in every outcome (docs/verification.md): per token, a commitment to the model's hidden state, and
+    # the seed of sampled tokens. auto: on when a coordinator is set (it is what the network checks), else off.
+    commitments: str = field(default="auto", metadata=_choice("auto", "on", "off"))
     # On SIGTERM/Ctrl-C, in-flight jobs get this long to finish before they are cancelled.
     shutdown_grace_s: float = field(default=10.0, metadata=_range(0, 3600))
 
@@ -174,6 +177,10 @@ class Settings:
     @property
     def cors_origin_list(self) -> tuple[str, ...]:
         return tuple(o.strip().rstrip("/") for o in self.cors_origins.split(",") if o.strip())
+
+    @property
+    def committing(self) -> bool:
+        return self.commitments == "on" or (self.commitments == "auto" and bool(self.coordinator))
 
     @classmethod
     def load(

@@ -65,9 +65,9 @@ def test_a_failing_sampler_or_processor_fails_that_job_only(fixtures_dir, monkey
     node = make_node({"q": fixtures_dir / "qwen3-tiny"})
     real = getattr(sampling, f"{where}_for" if where == "sampler" else "logits_processors_for")
 
-    def broken(params, *limit):
+    def broken(params, *limit, **kw):
         if params.seed != 666:
-            return real(params, *limit)
+            return real(params, *limit, **kw)
         if where == "logits_processors":  # raises while the job starts
             raise RuntimeError("injected processor failure")
 

@@ -10,6 +10,12 @@ output is then distributed exactly as plain sampling from p. Both p and q are th
 log-softmax, then top_p / min_p / top_k, then temperature, exactly as the plain sampler builds it. Every
 draw comes from the job's own PRNG key, so a seeded job reproduces run to run.
 
+Coupled (a seeded job): position j's token is the Gumbel-max draw of the job's seed at j, for the drafter and
+the target alike (sampling.perturbed). The target keeps the drafts that equal its own draw, then adds its own
+draw at the first that does not. The tokens are then exactly plain sampling's with that seed, so a verifier
+replays them (provider.verification); the price is acceptance: a draft is kept when both argmaxes agree, at
+most Σ min(p, q) (what speculative sampling keeps) and measured by `provider bench`.
+
 `verify` returns device arrays and never reads back; the round loop reads everything once.
 """
 
@@ -19,7 +25,7 @@ import mlx.core as mx
 
 from ..jobs import SamplingParams
 from ..speculation import GREEDY, SPECULATIVE_SAMPLING
-from .sampling import filters_for, job_seed
+from .sampling import filters_for, job_seed, perturbed, sampling_scores
 
 
 def greedy_tokens(logits: mx.array, limit: int | None = None) -> mx.array:
@@ -35,6 +41,9 @@ class GreedyChoice:
 
     def __init__(self, limit: int | None = None):
         self._limit = limit
+
+    def at(self, position: int) -> None:
+        pass  # greedy tokens depend on no position
 
     def first(self, logits: mx.array) -> mx.array:
         return greedy_tokens(logits, self._limit)
@@ -58,6 +67,9 @@ class SampledChoice:
         self._filtered = filters_for(params)
         self._inv_temp = 1 / params.temperature
         self._key = mx.random.key(job_seed(params) if seed is None else seed)
+
+    def at(self, position: int) -> None:
+        pass  # its draws follow one another from its key, whatever the position
 
     def _next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
@@ -95,5 +107,43 @@ class SampledChoice:
         return n, bonus[None], overlap
 
 
-def choice_for(params: SamplingParams, limit: int | None = None) -> GreedyChoice | SampledChoice:
-    return GreedyChoice(limit) if params.greedy else SampledChoice(params, limit=limit)
+class CoupledChoice:
+    """Drafts and verdicts drawn with the job's seeded noise at each output position: the round loop says
+    which position its next token is (`at`) before the first token and before each round."""
+
+    scheme = SPECULATIVE_SAMPLING
+
+    def __init__(self, params: SamplingParams, seed: int, limit: int | None = None):
+        self._params, self._seed, self._limit = params, seed, limit
+        self._position = 0
+        self._drafted = 0
+
+    def at(self, position: int) -> None:
+        self._position, self._drafted = position, 0
+
+    def _draw(self, logits: mx.array, position: int) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.argmax(perturbed(sampling_scores(logprobs, self._params, self._limit), self._seed, position),
+                         axis=-1)
+
+    def first(self, logits: mx.array) -> mx.array:
+        return self._draw(logits, self._position)
+
+    def draft(self, logits: mx.array) -> tuple[mx.array, None]:
+        self._drafted += 1
+        return self._draw(logits, self._position + self._drafted - 1), None
+
+    def verify(self, logits: mx.array, drafts: mx.array, q: list) -> tuple[mx.array, mx.array, dict]:
+        k = drafts.shape[0]
+        verdict = mx.concatenate([self._draw(logits[i:i + 1], self._position + i) for i in range(k + 1)])
+        n = mx.cumprod((verdict[:k] == drafts).astype(mx.int32)).sum()
+        return n, mx.take(verdict, n)[None], {}
+
+
+def choice_for(params: SamplingParams, limit: int | None = None,
+               seed: int | None = None) -> GreedyChoice | SampledChoice | CoupledChoice:
+    """Greedy matching; coupled draws for a seeded job (`seed`: the job's own, or the one it was given);
+    speculative sampling for one nobody will replay."""
+    if params.greedy:
+        return GreedyChoice(limit)
+    return CoupledChoice(params, seed, limit) if seed is not None else SampledChoice(params, limit=limit)

@@ -12,10 +12,12 @@ import time
 
 import mlx.core as mx
 
-from ..jobs import Done, Event, Job, TokenLogprob, Tokens, Usage
+from ..jobs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Event, Job, Proof, \
+    TokenLogprob, Tokens, Usage
 from ..telemetry import SpecTelemetry, Telemetry
 from ..types import FinishReason, SpecMode
 from ..models.tool_format import ToolFormat
+from .sampling import job_seed
 from .stops import StopMatcher
 from .tool_calls import ToolCallSplitter
 
@@ -25,6 +27,11 @@ class JobOutput:
                  cached_prompt_tokens: int = 0, spec_off_reason: str = "", spec_choice=None,
                  tool_format: ToolFormat | None = None):
         self.job = job
+        # The seed its sampled tokens are drawn with: the job's, or one drawn now (reported, so they replay).
+        self.seed = None if job.sampling.greedy else job_seed(job.sampling)
+        self.commitment = None  # a committing job's verification.commitment.CommitmentBuilder
+        self.replayable = True  # false once it drew by speculative sampling, whose draws nobody replays
+        self.verdict = None  # a verify job's jobs.VerdictSummary, once its claim is read
         self.grammar = None  # a constrained job's RowGrammar, wherever the job decodes
         self._calls = (ToolCallSplitter(tool_format, [t.as_openai() for t in job.rules.tools])
                        if job.rules.calls_tools and tool_format is not None else None)
@@ -91,8 +98,15 @@ class JobOutput:
                 reason = FinishReason.TOOL_CALLS
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
         events.append(Done(self.job.id, reason, usage, self.telemetry(reason), self.prompt_logprobs,
-                           self._stops.hit))
+                           self._stops.hit, self._proof(), self.verdict))
         return events
+
+    def _proof(self) -> Proof | None:
+        if self.commitment is None:
+            return None
+        sampler = (GREEDY_SAMPLER if self.seed is None else REPLAYABLE_SAMPLER if self.replayable
+                   else SPECULATIVE_SAMPLER)
+        return Proof(self.commitment.finish(len(self.emitted_ids)), sampler, self.seed)
 
     def _chunk(self, text: str, ids: tuple[int, ...], logprobs: tuple = ()) -> Tokens:
         calls = ()

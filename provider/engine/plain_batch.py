@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from ..jobs import Event, Sink
@@ -32,6 +33,7 @@ from .logprobs import LogprobRequest, PromptScorer, log_softmax, pick, read, tex
 from .output import JobOutput
 from .prefill_plan import longest_read, plan_prefill
 from .prefix_cache import SYSTEM, PrefixCache
+from ..verification.hidden_tap import HiddenTap
 
 QUEUED, READING, DECODING = "queued", "reading", "decoding"  # a row's stage in the generator
 
@@ -46,6 +48,7 @@ class Row:
     generator_done: bool = False  # the generator removed the row itself (EOS or its max_tokens)
     logprobs: LogprobRequest | None = None
     raw: deque = field(default_factory=deque)  # raw logits recorded by its tap, oldest first (one per token)
+    entries: deque = field(default_factory=deque)  # its hidden state's top entries per token, oldest first
     scorer: PromptScorer | None = None  # its prompt is being scored, before it joins the generator
     joining: dict | None = None  # how it joins the generator once scored
     stage: str = QUEUED
@@ -54,9 +57,11 @@ class Row:
 
 class PlainBatch:
     def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, step_tokens: int, max_rows: int,
-                 prefill_rows: int = 8):
+                 prefill_rows: int = 8, commit: bool = False):
         self.model_id = lm.id
         self.lm = lm
+        # Committing: every row reads its hidden state from the model's tap (hidden_tap: row by row, so all must)
+        self._hidden = lm.hidden_tap if commit else None
         self.prefix = prefix
         self._budget = step_tokens
         self._prefill_rows = min(prefill_rows, max_rows)
@@ -90,6 +95,8 @@ class PlainBatch:
         row = Row(-1, output, sink, 0, logprobs=LogprobRequest.of(output, self.lm))
         if row.logprobs is not None:  # first: the logits before any processor changes them
             processors = [_tap(row), *(processors or ())]
+        if self._hidden is not None:
+            processors = [_hidden_entries(row, self._hidden), *(processors or ())]
         if output.job.sampling.prompt_logprobs and output.t_first is None:
             row.scorer = PromptScorer(self.lm.model, prompt, output.job.sampling.top_logprobs,
                                       texts_for(self.lm.tokenizer), self.lm.decodable, self.lm.logits_width)
@@ -127,6 +134,7 @@ class PlainBatch:
                 row.stage, row.left = (DECODING, 0) if r.end_of_prompt else (READING, max(0, total - done - 1))
         self._keep_system_prefixes(prompt_responses)
         logprobs = self._logprobs(gen_responses)
+        self._commit_entries(gen_responses)
         dropped, ended = [], []  # rows the generator removed itself; rows a stop string ended
         for r in gen_responses:
             row = self._rows.get(r.uid)
@@ -260,6 +268,16 @@ class PlainBatch:
             out[r.uid] = dataclasses.replace(lp, top=lp.top[:row.logprobs.top])
         return out
 
+    def _commit_entries(self, gen_responses) -> None:
+        """Each committing row's entries of the token it gives this step (computed a step ago: read back now
+        without waiting), before its output takes the token and may end with its proof."""
+        rows = [row for r in gen_responses if (row := self._rows.get(r.uid)) is not None and row.entries]
+        entries = [row.entries.popleft() for row in rows]
+        mx.eval(entries)
+        for row, (indices, bits) in zip(rows, entries):
+            if row.output.commitment is not None:
+                row.output.commitment.add(np.array(indices), np.array(bits))
+
     def _keep_system_prefixes(self, prompt_responses) -> None:
         done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
                 and r.uid in self._rows and self._rows[r.uid].shared_prefix]
@@ -293,6 +311,18 @@ def _tap(row: Row):
         return logits
 
     return tap
+
+
+def _hidden_entries(row: Row, tap: HiddenTap):
+    """A logits processor that keeps the top entries of the row's hidden state at this forward (being computed)."""
+
+    def entries(tokens: mx.array, logits: mx.array) -> mx.array:
+        entries = tap.next_row_entries()  # every row takes its own, committing or not: the n-th call is row n
+        if row.output.commitment is not None:
+            row.entries.append(entries)
+        return logits
+
+    return entries
 
 
 def _guarded_processor(processor, row: Row):

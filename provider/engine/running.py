@@ -23,6 +23,7 @@ from ..media_plan import MediaPlan
 from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..models.capability import media_token_ids
 from ..prompts import CompiledGrammar
+from ..verification.commitment import CommitmentBuilder
 from .grammar import GrammarProcessor, RowGrammar
 from .plain_batch import PlainBatch
 from .prompt_reader import PREFILL_ROWS, reading_bytes
@@ -30,6 +31,7 @@ from .output import JobOutput
 from . import sampling
 from .prefix_cache import PrefixCache
 from .spec_batch import SpecBatch
+from .verify_reads import VerifyReads
 from .vision_prefill import MediaRead, MediaReads
 from .collective import collective_failure
 
@@ -52,14 +54,17 @@ log = logs.get("engine")
 
 
 class Running:
-    def __init__(self, stats: QueueStatus, *, step_tokens: int, max_rows: int, prefix_cache_bytes: int):
+    def __init__(self, stats: QueueStatus, *, step_tokens: int, max_rows: int, prefix_cache_bytes: int,
+                 commit: bool = False):
         self._step_tokens = step_tokens
+        self._commit = commit  # every job's outcome carries a proof (provider.verification)
         self._max_rows = max_rows
         self._prefix_cache_bytes = prefix_cache_bytes
         self._batches: dict[str, PlainBatch] = {}  # by model id: the jobs that decode together
         self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
         self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
         self._media = MediaReads()  # jobs with images or video, read before they join a batch
+        self._verifying = VerifyReads()  # verify jobs: claims read back through the model
         self.stats = stats  # the engine's (EngineStats): batch and prefix-reuse counters are added to it here
 
     def __len__(self) -> int:
@@ -71,18 +76,18 @@ class Running:
 
     def on_model(self, model_id: str) -> int:
         return sum(len(rows) for rows in (self._batches.get(model_id), self._speculating.get(model_id)) if rows) \
-            + len(self._media.rows(model_id))
+            + len(self._media.rows(model_id)) + len(self._verifying.rows(model_id))
 
     def _groups(self) -> list:
-        return [*self._batches.values(), *self._speculating.values(), self._media]
+        return [*self._batches.values(), *self._speculating.values(), self._media, self._verifying]
 
     # --- what the batches will hold ---------------------------------------------------
 
     def booked_bytes(self, model_id: str) -> int:
         """What the model's batches will hold: KV when every row they run now reaches its final length, and the
         scratch of reading the prompts still being read."""
-        rows = self._batches.get(model_id) or self._speculating.get(model_id) or next(iter(self._media.rows(model_id)),
-                                                                                      None)
+        rows = self._batches.get(model_id) or self._speculating.get(model_id) or next(
+            iter(self._media.rows(model_id) + self._verifying.rows(model_id)), None)
         return self._bytes(rows.lm, *self._layout(model_id)) if rows is not None else 0
 
     def booking_with(self, lm: LoadedModel, prompt: int, final: int, scored: bool = False,
@@ -102,12 +107,14 @@ class Running:
         return max(self._bytes(lm, p, s) for p, s in layouts)
 
     def models(self) -> set[str]:
-        return set(self._batches) | set(self._speculating) | {r.lm.id for r in self._media.rows()}
+        return set(self._batches) | set(self._speculating) | {r.lm.id for r in self._media.rows()} \
+            | {r.lm.id for r in self._verifying.rows()}
 
     def _layout(self, model_id: str) -> tuple[Layout, Layout]:
         """The model's plain rows and speculating rows; a row still reads its prompt until its first token."""
         plain, spec = self._batches.get(model_id), self._speculating.get(model_id)
-        plain_rows = (plain.rows() if plain else []) + self._media.rows(model_id)  # media reads: read, not decoding
+        # Media reads and verify reads: read, not decoding (a verify read as a scored prompt to the claim's end).
+        plain_rows = (plain.rows() if plain else []) + self._media.rows(model_id) + self._verifying.rows(model_id)
         layout = _layout(plain_rows, lambda r: r.output.t_first is None)
         layout.copying = plain.copying if plain else 0
         reads = self._media.rows(model_id)
@@ -140,14 +147,20 @@ class Running:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
             prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes, media_token_ids(lm.config))
-        # A scored prompt is read whole (every position's logits are wanted), so it takes nothing from the cache.
-        cache, cached = (None, 0) if job.sampling.prompt_logprobs else prefix.lookup(prompt)
+        # A scored prompt is read whole (every position's logits are wanted), so it takes nothing from the cache;
+        # nor does a claim, read whole by its verifier.
+        cache, cached = (None, 0) if job.sampling.prompt_logprobs or job.verify else prefix.lookup(prompt)
         if cached:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += cached
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice,
                            tool_format=tool_format)
+        if job.verify is not None:
+            self._verifying.add(lm, output, sink, prompt)
+            return
+        if self._commit and lm.hidden_tap is not None and vision is None:  # media: the verifier reads no images yet
+            output.commitment = CommitmentBuilder(lm.hidden_tap.hidden_size)
         if grammar is not None:
             output.grammar = RowGrammar(grammar.matcher, grammar.n_vocab, lm.logits_width, output.end_ids,
                                         grammar.kind)
@@ -188,14 +201,16 @@ class Running:
             processors.append(GrammarProcessor(output.grammar, len(prompt)))
         self._plain_batch(lm).add(output, sink, prompt, cache=cache,
                                   sampler=None if params.greedy and lm.decodable is None
-                                  else sampling.sampler_for(params, lm.decodable),
+                                  else sampling.sampler_for(params, lm.decodable, seed=output.seed,
+                                                            start=output.completion_tokens),
                                   processors=processors, shared_prefix=shared_prefix, cached=cached)
 
     def _plain_batch(self, lm: LoadedModel) -> PlainBatch:
         batch = self._batches.get(lm.id)
         if batch is None:
             batch = self._batches[lm.id] = PlainBatch(lm, self._prefix[lm.id], step_tokens=self._step_tokens,
-                                                      max_rows=self._max_rows, prefill_rows=PREFILL_ROWS)
+                                                      max_rows=self._max_rows, prefill_rows=PREFILL_ROWS,
+                                                      commit=self._commit)
         return batch
 
     # --- one pass -------------------------------------------------------------------
@@ -211,6 +226,8 @@ class Running:
                 self.cancel(read.output.job.id)  # whatever part of it a batch took
                 out.append(([_failed(read.output.job.id, e)], read.sink))
         out += self._faulted(self._media)
+        out += [(events, read.sink) for read, events in self._verifying.step(self._step_tokens)]
+        out += self._faulted(self._verifying)
         for model_id, batch in list(self._batches.items()):
             out += self._step_batch(model_id, batch)
         for model_id, spec in list(self._speculating.items()):
@@ -286,6 +303,7 @@ class Running:
         self._batches.clear()
         self._speculating.clear()
         self._media.close()
+        self._verifying.close()
 
     # --- prefix caches --------------------------------------------------------------
 

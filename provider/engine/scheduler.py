@@ -258,7 +258,8 @@ class Engine:
         # Booked for the batch it joins, as that batch will be (rows x its longest row), not for the job alone.
         # Its media (made from here) and the tower's scratch are part of that batch's layout while it is read.
         booking = self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens,
-                                             scored=prepared.job.sampling.prompt_logprobs, media=prepared.vision)
+                                             scored=prepared.job.sampling.prompt_logprobs or bool(prepared.job.verify),
+                                             media=prepared.vision)
         admission = self.models.admit_batch(lm.id, booking)
         if admission.decision != ADMIT:
             self.models.release(lm.id)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..jobs import Event, Sink
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
-from .acceptance import choice_for
+from .acceptance import SampledChoice, choice_for
 from .output import JobOutput
 from .prefill_plan import read_chunk
 from .prefix_cache import COMPLETION, PrefixCache
@@ -60,9 +60,13 @@ class SpecBatch:
     def add(self, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, *, cache, cached: int) -> None:
         stats = SpecTelemetry(plan.mode, k=plan.k, choice=plan.choice)
         output.spec_stats = stats
-        choice = choice_for(output.job.sampling, self._decodable)
+        # A job given a seed replays exactly (coupled draws); one without keeps speculative sampling's acceptance.
+        choice = choice_for(output.job.sampling, self._decodable,
+                            seed=output.seed if output.job.sampling.seed is not None else None)
+        output.replayable = output.replayable and not isinstance(choice, SampledChoice)
         spec = self._speculator.new_row(prompt, stats=stats, choice=choice, caches=cache, cached=cached,
-                                        grammar=output.grammar, logprobs=LogprobRequest.of(output, self.lm))
+                                        grammar=output.grammar, logprobs=LogprobRequest.of(output, self.lm),
+                                        commit=output.commitment is not None)
         self._rows[output.job.id] = Row(output, sink, spec, auto=plan.choice is not None)
 
     def step(self) -> list[tuple[Row, list[Event]]]:
@@ -95,6 +99,8 @@ class SpecBatch:
             row.fault = row.spec.grammar.error  # its grammar stopped: these tokens are not its grammar's
             return []
         logprobs = row.spec.emitted_logprobs or [None] * len(tokens)
+        if row.spec.emitted_entries is not None and row.output.commitment is not None:
+            row.output.commitment.add(*row.spec.emitted_entries)
         try:
             for token, logprob in zip(tokens, logprobs):
                 events += row.output.token(token, logprob)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, RotatingKVCache,
                                  make_prompt_cache)
 
@@ -33,6 +34,7 @@ from .acceptance import GreedyChoice
 from .grammar import masked
 from .logprobs import log_softmax, pick, read
 from .prompt_reader import PromptReader
+from ..verification.hidden_tap import top_entries
 
 
 @dataclass
@@ -53,6 +55,8 @@ class SpecRow:
     grammar: Any = None  # a constrained row's grammar.RowGrammar: drafts and verdicts drawn under its masks
     logprobs: Any = None  # a row that reports logprobs: its LogprobRequest (top, texts, limit)
     emitted_logprobs: list = field(default_factory=list)  # the TokenLogprobs of the tokens the last call gave
+    commit: bool = False  # its outcome carries a commitment: keep its hidden state's top entries per token
+    emitted_entries: tuple | None = None  # (indices, bits) [n, K] of the tokens the last call gave, when it commits
 
     @property
     def committed(self) -> int:
@@ -62,6 +66,11 @@ class SpecRow:
     @property
     def k(self) -> int:
         return self.stats.k
+
+    @property
+    def position(self) -> int:
+        """The output position of the row's next token (0: its first)."""
+        return len(self.tokens) + 1 - len(self.prompt)
 
     @property
     def reading(self) -> bool:
@@ -100,6 +109,19 @@ def _emitted_logprobs(row: SpecRow, picked: tuple | None, tokens: list[int]) -> 
         n = len(tokens)
         row.emitted_logprobs = read(tokens, tuple(a[:n] if a is not None else None for a in picked),
                                     row.logprobs.texts)
+
+
+def _entries(rows: list[SpecRow], hidden: mx.array | None) -> list:
+    """Lazy top entries [B, L, K] of a forward's hidden states, when a row commits (and the model has them)."""
+    if hidden is None or not any(r.commit for r in rows):
+        return []
+    return list(top_entries(hidden))
+
+
+def _emitted_entries(row: SpecRow, entries: list, i: int, n: int) -> None:
+    """Row i's entries of its first n positions (the tokens it emits), read back."""
+    if row.commit and entries:
+        row.emitted_entries = tuple(np.array(a[i, :n]) for a in entries)
 
 
 def rollback(caches: list, n: int) -> None:
@@ -148,12 +170,12 @@ class Speculator:
         self.drafter = drafter
 
     def new_row(self, prompt: list[int], *, stats: SpecTelemetry, choice=None, caches: list | None = None,
-                cached: int = 0, grammar=None, logprobs=None) -> SpecRow:
+                cached: int = 0, grammar=None, logprobs=None, commit: bool = False) -> SpecRow:
         """A row for `prompt`; `caches` may already hold the K/V of its first `cached` tokens."""
         choice = choice or GreedyChoice()
         stats.sampling_scheme = choice.scheme
         row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model),
-                      grammar=grammar, logprobs=logprobs)
+                      grammar=grammar, logprobs=logprobs, commit=commit)
         row.read = cached
         row.tokens = list(prompt[:cached])
         self.drafter.begin(row)  # a cached prefix the drafter reads as the prompt is read, a chunk per step
@@ -189,11 +211,15 @@ class Speculator:
             self._drafter_reads(r, r.read)
         caches = merged([r.caches for r in rows])
         logits, hidden = self.target.forward(mx.array([[r.prompt[-1]] for r in rows]), caches)
+        for r in rows:
+            r.choice.at(r.position)
         firsts = [r.choice.first(_under_grammar(r, logits[i:i + 1, -1, :])) for i, r in enumerate(rows)]
         scored = [_picked(r, logits[i:i + 1, -1, :], first) for i, (r, first) in enumerate(zip(rows, firsts))]
-        mx.eval(firsts, hidden if hidden is not None else [], _arrays(scored))
+        entries = _entries(rows, hidden)
+        mx.eval(firsts, hidden if hidden is not None else [], _arrays(scored), entries)
         for i, (row, own, first) in enumerate(zip(rows, split(caches, len(rows)), firsts)):
             _emitted_logprobs(row, scored[i], [first.item()])
+            _emitted_entries(row, entries, i, 1)
             row.caches = own
             row.last, row.read = first.item(), len(row.prompt)
             if row.grammar is not None:
@@ -212,6 +238,8 @@ class Speculator:
         assert all(r.k == k for r in rows), "a round's rows share one k"
         t0 = time.perf_counter()
         caches = merged([r.caches for r in rows])
+        for r in rows:
+            r.choice.at(r.position)
         drafts, qs = self.drafter.propose(rows, k, caches)
         mx.eval(drafts, qs)  # materialized here so the draft views into the caches are released before verify
         t1 = time.perf_counter()
@@ -225,13 +253,15 @@ class Speculator:
         # The target's own logprobs of what each row emits: its accepted drafts, then the token after them.
         scored = [_picked(r, logits[i], mx.where(mx.arange(k + 1) == n, after, mx.concatenate([drafts[i], after])))
                   for i, (r, (n, after, _)) in enumerate(zip(rows, verdicts))]
-        mx.eval(verdicts, steered, _arrays(scored))  # the round's one read-back
+        entries = _entries(rows, hidden_all)
+        mx.eval(verdicts, steered, _arrays(scored), entries)  # the round's one read-back
         t2 = time.perf_counter()
         out = []
         drafted = drafts.tolist()
         for i, (row, own, (accepted, after, extras)) in enumerate(zip(rows, split(caches, len(rows)), verdicts)):
             n, bonus = accepted.item(), after.item()
             _emitted_logprobs(row, scored[i], [*drafted[i][:n], bonus])
+            _emitted_entries(row, entries, i, n + 1)
             rollback(own, k - n)
             row.caches = own
             row.tokens += [row.last, *drafted[i][:n]]

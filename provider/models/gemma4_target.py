@@ -1,6 +1,7 @@
-"""The target model as the speculative round loop sees it: logits for any mlx-lm model, and for Gemma 4 also
-what its MTP assistant (provider.models.gemma4_assistant) reads: the final-norm hidden state and the committed
-K/V of the last non-shared sliding and full layers."""
+"""The target model as the speculative round loop sees it: logits for any mlx-lm model and its final-norm
+hidden state (for Gemma 4 computed here, for others read from its verification tap, when it has one), and for
+Gemma 4 also what its MTP assistant (provider.models.gemma4_assistant) reads: the committed K/V of the last
+non-shared sliding and full layers."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ class Target:
     """The target model seen by the round loop: logits, and for Gemma 4 its final-norm hidden and K/V."""
 
     def __init__(self, model):
+        from ..verification.hidden_tap import installed
+
         self.model = model
+        self.tap = installed(model)  # another family's final-norm hidden, when the model has a tap
         lm = getattr(model, "language_model", model)
         self.gemma4 = lm.__class__.__module__.endswith("gemma4_text")
         self.lm = lm
@@ -31,7 +35,8 @@ class Target:
     def forward(self, tokens: mx.array, caches: list) -> tuple[mx.array, mx.array | None]:
         """tokens [B, L] -> (logits [B, L, V], final-norm hidden [B, L, H] or None)."""
         if not self.gemma4:
-            return self.model(tokens, cache=caches), None
+            logits = self.model(tokens, cache=caches)
+            return logits, (self.tap.last if self.tap is not None else None)
         text = self.lm.model
         hidden = text(tokens, cache=caches)
         logits = text.embed_tokens.as_linear(hidden) if self.lm.tie_word_embeddings else self.lm.lm_head(hidden)

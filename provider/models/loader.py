@@ -32,6 +32,7 @@ class LoadedModel:
     act_shape: Any = None  # memory.estimate.ActivationShape: a forward's scratch (set by the residency)
     act_reserve: int = 0  # the scratch its footprint already reserves (one chunk of one row)
     vision: Any = None  # models.vision.VisionTower: the checkpoint's own image encoder, when it takes images
+    hidden_tap: Any = None  # verification.hidden_tap.HiddenTap: its final-norm hidden state, for commitments
 
     @property
     def context_length(self) -> int:
@@ -118,6 +119,9 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
     before = mx.get_active_memory()
     lm = load(model_id, path, group, split)
     active_delta = mx.get_active_memory() - before
+    from ..verification.hidden_tap import install
+
+    lm.hidden_tap = install(lm.model)  # before the warm-up, whose forward tells it the hidden size
     warm_up(lm)
     lm.drafter_reason = drafting.reason
     if drafter_path is None:

@@ -35,24 +35,27 @@ class AcceptEveryDraft(SampledChoice):
 def plain_samples(model, prompt: list[int], params: SamplingParams, n: int, positions: int,
                   batch: int = 500, grammar=None) -> list[tuple[int, ...]]:
     """`n` independent plain samples of the first `positions` tokens: batches of rows that read the prompt
-    once, each then decoding one token per forward and sampling with the node's plain sampler (under its own
-    grammar, a fresh `grammar()` per row, when given)."""
+    once, each then decoding one token per forward and sampling with the node's plain sampler, a seed per row
+    (under its own grammar, a fresh `grammar()` per row, when given)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from provider.engine.spec_rounds import merged, prefill
 
     read = make_prompt_cache(model)
     prefill(model, read, prompt[:-1], 2048)
-    out, sample = [], sampler_for(params)
+    out = []
     for start in range(0, n, batch):
         rows = min(batch, n - start)
         cache, x, cols = merged([read] * rows), mx.array([prompt[-1:]] * rows), []
         grammars = [grammar() for _ in range(rows)] if grammar else None
+        # A seed of its own per row, as every job has: one seed at one position is one draw.
+        samplers = [sampler_for(params, seed=(params.seed or 0) * 1_000_003 + start + i) for i in range(rows)]
         for _ in range(positions):
             logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
             if grammars:
                 logits = mx.concatenate([g.mask(logits[i:i + 1]) for i, g in enumerate(grammars)])
-            y = sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            y = mx.concatenate([sample(logprobs[i:i + 1]) for i, sample in enumerate(samplers)])
             cols.append(y.tolist())
             for g, token in zip(grammars or (), cols[-1]):
                 g.consume([token])

@@ -1,0 +1,91 @@
+"""The final-norm hidden state of a model's forwards (TOPLOC's tensor: what the LM head reads), and each
+token's largest entries of it.
+
+`install` swaps the class of the text model's final norm for a subclass that keeps its last output, so every
+forward (mlx-lm's batch generator, the round loop, a verifier's prefill) leaves its hidden state where the
+engine reads it, and the parameter tree and the model's code stay as they are. A plain batch reads it per row
+from a logits processor: mlx-lm calls a step's processors row by row right after its forward, so the n-th
+call since the forward is row n (`HiddenTap.next_row`); every row of a committing batch has one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+
+from .commitment import TOP_K
+
+
+class HiddenTap:
+    """Per thread: the engine thread's forwards and their processors run on it, while another thread may run
+    the same model (the speculation profiler measures a pair while it serves)."""
+
+    def __init__(self):
+        self.hidden_size = 0  # known from the first forward (the load's warm-up)
+        self._local = threading.local()
+
+    @property
+    def last(self) -> mx.array | None:
+        """[B, L, H] of this thread's latest forward."""
+        return getattr(self._local, "last", None)
+
+    def record(self, hidden: mx.array) -> None:
+        self._local.last, self._local.row, self.hidden_size = hidden, 0, hidden.shape[-1]
+
+    def next_row(self) -> mx.array:
+        """The next row's hidden state at this thread's latest forward's last position [1, H]."""
+        row = self._local.row
+        self._local.row = row + 1
+        return self._local.last[row:row + 1, -1, :]
+
+    def next_row_entries(self) -> tuple[mx.array, mx.array]:
+        """The next row's top entries [1, K] at this thread's latest forward's last position, lazily. The first
+        row's call takes every row's at once (one small graph a step, not one a row); they are evaluated a step
+        later, when the forward they read has long been computed with the step's tokens."""
+        local = self._local
+        row = local.row
+        local.row = row + 1
+        if row == 0:
+            local.entries = top_entries(local.last[:, -1, :])
+        return tuple(a[row:row + 1] for a in local.entries)
+
+
+def _text_model(model):
+    lm = getattr(model, "language_model", model)
+    return getattr(lm, "model", None)
+
+
+def installed(model) -> HiddenTap | None:
+    """The model's tap if `install` put one on it."""
+    return getattr(type(getattr(_text_model(model), "norm", None)), "hidden_tap", None)
+
+
+def install(model) -> HiddenTap | None:
+    """The model's tap, installed once; None when its text model has no final norm named `norm` (a family
+    whose commitments this node cannot make)."""
+    inner = _text_model(model)
+    norm = getattr(inner, "norm", None)
+    if norm is None or not callable(norm):
+        return None
+    existing = getattr(type(norm), "hidden_tap", None)
+    if existing is not None:
+        return existing
+    tap = HiddenTap()
+    base = type(norm)
+
+    def __call__(self, x, *args, **kwargs):
+        out = base.__call__(self, x, *args, **kwargs)
+        tap.record(out)
+        return out
+
+    norm.__class__ = type(f"Tapped{base.__name__}", (base,), {"__call__": __call__, "hidden_tap": tap})
+    return tap
+
+
+def top_entries(hidden: mx.array) -> tuple[mx.array, mx.array]:
+    """hidden [..., H] -> each position's TOP_K largest-magnitude entries: indices [..., K] (uint32) and
+    their float16 bits [..., K] (uint16). Lazy."""
+    idx = mx.argpartition(-mx.abs(hidden.astype(mx.float32)), kth=TOP_K - 1, axis=-1)[..., :TOP_K]
+    vals = mx.take_along_axis(hidden, idx, axis=-1).astype(mx.float16)
+    return idx.astype(mx.uint32), mx.view(vals, mx.uint16)

@@ -1,0 +1,165 @@
+"""A claim checked: prompt + output read through the model in one chunked prefill (the one prompt reader,
+engine.prompt_reader), each output position's hidden state met with the node's commitment (`commitment`) and
+its token with the distribution it was drawn from (`replay`); then judged by `Tolerance`.
+
+    reader = ClaimReader(lm, claim)
+    while not reader.done:
+        reader.step(256)
+    verdict = reader.verdict()
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..engine.logprobs import SCORE_BYTES_PER_LOGIT
+from ..engine.prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
+from ..jobs import SPECULATIVE_SAMPLER, Proof, SamplingParams
+from .commitment import CHUNK, ChunkMatch, CommitmentError, decode, match_chunk
+from .hidden_tap import install, top_entries
+from .replay import PLAUSIBLE, processed, token_gaps
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a node says it did: these output tokens, after this prompt, with this model, drawn as `proof` says."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    sampling: SamplingParams
+    proof: Proof
+    constrained: bool = False  # drawn under a grammar's masks, which the verifier does not replay (yet)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far an honest node's numbers may fall from the verifier's (measured: docs/verification.md).
+    rel_tol: a committed value within this relative error of the verifier's counts as matched; min_overlap: a
+    chunk fails below this share of matched points; tie: a token this many nats short of the expected one is
+    a near-tie the two forwards broke apart, not a failure, at most max_ties of them; floor: a speculative
+    token less likely than this (nats) under the declared distribution fails."""
+
+    rel_tol: float = 0.02
+    min_overlap: float = 0.9
+    tie: float = 0.02
+    max_tie_share: float = 0.05
+    floor: float = 18.0
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    reason: str  # "" when passed; else what failed first
+    first_failure: int | None  # the output position where it failed (a chunk's first token for a chunk)
+    tokens: int
+    chunks: list[ChunkMatch] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # per output position (replay.token_gaps)
+    ties: int = 0
+
+    def summary(self) -> dict:
+        overlaps = [c.overlap for c in self.chunks]
+        return {"passed": self.passed, "reason": self.reason, "first_failure": self.first_failure,
+                "tokens": self.tokens, "chunks": len(self.chunks),
+                "min_overlap": min(overlaps) if overlaps else None,
+                "max_rel_err": max((c.max_rel_err for c in self.chunks), default=None),
+                "max_gap": max(self.gaps, default=None), "ties": self.ties}
+
+
+class ClaimReader:
+    """Reads a claim's prompt + output (all but the last output token) through `lm`'s model, a chunk a step."""
+
+    def __init__(self, lm, claim: Claim):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.lm, self.claim = lm, claim
+        self._tap = install(lm.model)
+        self._sequence = list(claim.prompt) + list(claim.output)
+        self._first = len(claim.prompt) - 1  # the position whose forward gives output token 0
+        most = max(1, SCORE_SCRATCH_BYTES // max(1, lm.logits_width * SCORE_BYTES_PER_LOGIT))
+        self.reader = PromptReader(self._sequence, make_prompt_cache(lm.model), self._forward, most=most)
+        self._indices: list[np.ndarray] = []
+        self._bits: list[np.ndarray] = []
+        self._gaps: list[np.ndarray] = []
+        self._pending: tuple = ()
+        if self._tap is None:
+            raise CommitmentError(f"{lm.id}: this model's family has no final norm to read a hidden state from")
+
+    @property
+    def sampler(self) -> str:
+        """The check its tokens get: the proof's, or plausibility for tokens drawn under masks it cannot replay."""
+        return PLAUSIBLE if self.claim.constrained else self.claim.proof.sampler
+
+    @property
+    def done(self) -> bool:
+        return self.reader.done or not self.claim.output
+
+    def step(self, tokens: int) -> None:
+        start, end = self.reader.step(tokens)
+        if self._pending:
+            indices, bits, gaps = self._pending
+            self._indices.append(np.array(indices))
+            self._bits.append(np.array(bits))
+            self._gaps.append(np.array(gaps))
+            self._pending = ()
+
+    def _forward(self, start: int, end: int) -> list:
+        logits = self.lm.model(mx.array(self._sequence[start:end])[None], cache=self.reader.cache)[0]
+        lo = max(start, self._first)
+        if lo >= end:
+            return []
+        hidden = self._tap.last[0, lo - start:]
+        logits = logits[lo - start:]
+        j0, j1 = lo - self._first, end - self._first  # output positions of this chunk
+        c = self.claim
+        logprobs = processed(logits, c.sampling, self._sequence, lo + 1)
+        gaps = token_gaps(logprobs, list(c.output[j0:j1]), list(range(j0, j1)), c.sampling, self.sampler,
+                          c.proof.seed, self.lm.decodable)
+        self._pending = (*top_entries(hidden), gaps)
+        return list(self._pending)
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """The top entries [n, K] it read for each output position (what an honest commitment is built from:
+        also what a forger with the real weights can compute for any output, which the token checks answer)."""
+        return np.concatenate(self._indices), np.concatenate(self._bits)
+
+    def verdict(self, tolerance: Tolerance = Tolerance()) -> Verdict:
+        n = len(self.claim.output)
+        gaps = np.concatenate(self._gaps).astype(float) if self._gaps else np.zeros(0)
+        chunks: list[ChunkMatch] = []
+        commitment = self.claim.proof.commitment
+        if commitment is None:
+            return Verdict(False, "no commitment", 0, n, gaps=list(gaps))
+        try:
+            polys = decode(commitment, n)
+        except CommitmentError as e:
+            return Verdict(False, f"commitment unreadable: {e}", 0, n, gaps=list(gaps))
+        indices = np.concatenate(self._indices) if self._indices else np.zeros((0, 0))
+        bits = np.concatenate(self._bits) if self._bits else np.zeros((0, 0))
+        for i, (modulus, coeffs) in enumerate(polys):
+            s = slice(i * CHUNK, min(n, (i + 1) * CHUNK))
+            chunks.append(match_chunk(i * CHUNK, modulus, coeffs, indices[s], bits[s], self._tap.hidden_size,
+                                      tolerance.rel_tol))
+        return judge(n, chunks, gaps, self.sampler, tolerance)
+
+
+def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str, tolerance: Tolerance) -> Verdict:
+    """The verdict from the numbers alone: the first chunk under min_overlap, the first token past its tie (or
+    for a speculative draw, below the floor), too many near-ties."""
+    plausible_only = sampler in (SPECULATIVE_SAMPLER, PLAUSIBLE)
+    limit = tolerance.floor if plausible_only else tolerance.tie
+    bad_tokens = [j for j, g in enumerate(gaps) if not (g <= limit)]
+    ties = 0 if plausible_only else int(((gaps > 0) & (gaps <= limit)).sum())
+    bad_chunks = [c.start for c in chunks if c.overlap < tolerance.min_overlap]
+    failures = sorted([(j, "token") for j in bad_tokens] + [(j, "hidden state") for j in bad_chunks])
+    out = Verdict(True, "", None, tokens, chunks, [float(g) for g in gaps], ties)
+    if failures:
+        out.passed, out.first_failure = False, failures[0][0]
+        out.reason = (f"output token {failures[0][0]} is not the model's" if failures[0][1] == "token"
+                      else f"the hidden states of tokens {failures[0][0]}.. do not match the commitment")
+    elif ties > max(1, math.ceil(tolerance.max_tie_share * tokens)):
+        out.passed, out.reason, out.first_failure = False, f"{ties} near-ties in {tokens} tokens", 0
+    return out
