@@ -7,8 +7,9 @@ import json
 from provider.constraints import (MAX_SCHEMA_BYTES, MAX_TOOLS, TOOL_CHOICE_MODES, ConstraintError, OutputRules,
                                   ResponseFormat, Tool, ToolChoice)
 from provider.content import IMAGE_MEDIA, IMAGE_PART, MAX_IMAGES, ImageInput
-from provider.jobs import (MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Done, Error, Job, JobError,
-                           SamplingParams, ToolCall, Tokens, Usage, resolve_max_tokens)
+from provider.jobs import (GREEDY_SAMPLER, MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, REPLAYABLE_SAMPLER,
+                           MAX_COMMITMENT_BYTES, SPECULATIVE_SAMPLER, Claim, Done, Error, Job, JobError, Proof,
+                           SamplingParams, ToolCall, Tokens, Usage, VerdictSummary, resolve_max_tokens)
 from provider.types import Cause, Policy
 
 from provider.telemetry import Telemetry
@@ -58,7 +59,7 @@ def _invalid(message: str) -> JobError:
     return JobError(Cause.INVALID_REQUEST, message)
 
 
-def check_counts(req: pb.JobRequest) -> None:
+def check_counts(req: pb.JobRequest, max_tokens_limit: int = 1 << 20) -> None:
     """Every repeated field's length against its bound, before any element becomes a Python object: `len` of a
     repeated field is free, and building a tuple of a 15 MiB frame's prompt ids held 122 MiB. The bounds are the
     Job's (the local API's), and MAX_CHAT_ITEMS for a chat."""
@@ -66,7 +67,8 @@ def check_counts(req: pb.JobRequest) -> None:
                             ("stop", len(req.stop), MAX_STOP_STRINGS),
                             ("stop_token_ids", len(req.stop_token_ids), MAX_STOP_TOKEN_IDS),
                             ("tools", len(req.tools), MAX_TOOLS),
-                            ("chat.messages", len(req.chat.messages), MAX_CHAT_ITEMS)):
+                            ("chat.messages", len(req.chat.messages), MAX_CHAT_ITEMS),
+                            ("verify.output_ids", len(req.verify.output_ids), max_tokens_limit)):
         if n > limit:
             raise JobError(Cause.INVALID_REQUEST, f"{param} may hold at most {limit} items, got {n}", param)
     items = sum(1 + len(m.parts) + len(m.tool_calls) for m in req.chat.messages)
@@ -79,7 +81,7 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     """Validate a JobRequest and build the Job; a bad field raises JobError(INVALID_REQUEST) naming it.
     The value bounds are SamplingParams' and Job's, the same as the local API's; counts come first."""
     check_job_id(req.job_id)
-    check_counts(req)
+    check_counts(req, max_tokens_limit)
     which = req.WhichOneof("input")
     if which is None:
         raise _invalid("the job has neither chat messages nor a prompt")
@@ -110,9 +112,14 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
         prompt_logprobs=req.prompt_logprobs,
         **present,
     )
+    verify = None
+    if req.HasField("verify"):  # bounded by check_counts; each id and the proof checked by Claim, the vocabulary
+        if len(req.verify.proof.commitment) > MAX_COMMITMENT_BYTES:  # when prepared
+            raise _invalid("verify.proof.commitment is longer than any commitment")
+        verify = Claim(tuple(req.verify.output_ids), proof_from_pb(req.verify.proof))
     return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
                prompt_ids=prompt_ids, speculation=POLICY[req.speculation], rules=output_rules(req),
-               images=tuple(images))
+               images=tuple(images), verify=verify)
 
 
 def _message(m: pb.ChatMessage, i: int, images: list[ImageInput]) -> dict:
@@ -228,10 +235,43 @@ def usage_to_pb(u: Usage) -> pb.Usage:
                     total_tokens=u.total_tokens, cached_prompt_tokens=u.cached_prompt_tokens)
 
 
+PROOF_SAMPLER_TO_PB = {GREEDY_SAMPLER: pb.PROOF_SAMPLER_GREEDY, REPLAYABLE_SAMPLER: pb.PROOF_SAMPLER_REPLAYABLE,
+                       SPECULATIVE_SAMPLER: pb.PROOF_SAMPLER_SPECULATIVE}
+PROOF_SAMPLER_FROM_PB = {v: k for k, v in PROOF_SAMPLER_TO_PB.items()}
+
+
+def proof_to_pb(proof: Proof | None) -> pb.Proof | None:
+    if proof is None:
+        return None
+    out = pb.Proof(commitment=proof.commitment or b"", sampler=PROOF_SAMPLER_TO_PB[proof.sampler])
+    if proof.seed is not None:
+        out.seed = proof.seed
+    return out
+
+
+def proof_from_pb(proof: pb.Proof) -> Proof:
+    """A Proof as a verifier reads it; JobError(INVALID_REQUEST) for a sampler it does not know."""
+    if proof.sampler not in PROOF_SAMPLER_FROM_PB:
+        raise JobError(Cause.INVALID_REQUEST, "the proof names no sampler this node knows", "proof")
+    return Proof(proof.commitment or None, PROOF_SAMPLER_FROM_PB[proof.sampler],
+                 proof.seed if proof.HasField("seed") else None)
+
+
 def done_frame(ev: Done) -> pb.ProviderFrame:
-    return pb.ProviderFrame(job_done=pb.JobDone(
+    frame = pb.ProviderFrame(job_done=pb.JobDone(
         job_id=ev.job_id, finish_reason=ev.finish_reason.value, usage=usage_to_pb(ev.usage),
         telemetry=telemetry_to_pb(ev.telemetry)))
+    if ev.verdict is not None:
+        frame.job_done.verdict.CopyFrom(verdict_to_pb(ev.verdict))
+    return frame
+
+
+def verdict_to_pb(v: VerdictSummary) -> pb.Verdict:
+    out = pb.Verdict(passed=v.passed, reason=v.reason, tokens=v.tokens, chunks=v.chunks, ties=v.ties)
+    for name in ("first_failure", "min_overlap", "max_rel_err", "max_gap"):
+        if getattr(v, name) is not None:
+            setattr(out, name, getattr(v, name))
+    return out
 
 
 def error_frame(job_id: str, cause: Cause, message: str, usage: Usage | None = None, *, sealed: bool = False,

@@ -23,7 +23,9 @@ from .sealing import JobKeys
 log = logs.get("coordinator")
 
 RESULT_DOMAIN = b"provider.v1.result\0"
-SIGNATURE_LAYOUT = 2  # 0 was the NUL-joined layout: a job id holding NUL made two results sign the same bytes
+# 3 signs the proof's digest too; 2 signed none, 0 was the NUL-joined layout (a job id holding NUL made two
+# results sign the same bytes): both refused.
+SIGNATURE_LAYOUT = 3
 MAX_UNACKED = 10_000
 MAX_UNACKED_BYTES = 64 << 20  # a coordinator that never acks holds at most this much of them
 MAX_FINISHED = 10_000  # outcomes kept to answer a repeated JobRequest (ids older than that count as new)
@@ -39,6 +41,13 @@ def token_digest(token_ids, keys: JobKeys | None = None) -> bytes:
     """SHA-256 over the token ids (each a 4-byte little-endian uint32); for a sealed job, HMAC-SHA256 under the
     run's digest key instead: a plain hash in the clear let a relaying coordinator confirm a guessed output."""
     data = b"".join(int(t).to_bytes(4, "little") for t in token_ids)
+    return hashlib.sha256(data).digest() if keys is None else hmac.new(keys.digest, data, hashlib.sha256).digest()
+
+
+def proof_digest(proof: pb.Proof, keys: JobKeys | None = None) -> bytes:
+    """SHA-256 over the Proof serialized deterministically; HMAC-SHA256 under the run's digest key for a sealed
+    job, as the token digest (a commitment in the clear would let a coordinator test a guessed output)."""
+    data = proof.SerializeToString(deterministic=True)
     return hashlib.sha256(data).digest() if keys is None else hmac.new(keys.digest, data, hashlib.sha256).digest()
 
 
@@ -62,9 +71,17 @@ class Transcript:
         self.logprobs.extend(body.logprobs)
         self.prompt_logprobs.extend(body.prompt_logprobs)
 
-    def completion(self, job_id: str, keys: JobKeys | None = None) -> pb.Completion:
-        """The whole completion, sealed back to the sender for a sealed job."""
-        out = pb.Completion(chunks=self.chunks, token_ids_sha256=token_digest(self.token_ids, keys))
+    def completion(self, job_id: str, keys: JobKeys | None = None, proof: pb.Proof | None = None) -> pb.Completion:
+        """The whole completion (with the job's proof, when the node commits), sealed back to the sender for a
+        sealed job."""
+        proof = proof or pb.Proof()
+        out = pb.Completion(chunks=self.chunks, token_ids_sha256=token_digest(self.token_ids, keys),
+                            proof_sha256=proof_digest(proof, keys))
+        if proof.ByteSize():
+            if keys is not None:
+                out.sealed_proof = keys.seal_proof(job_id, proof)
+            else:
+                out.proof.CopyFrom(proof)
         body = pb.Completion(text="".join(self.text), token_ids=self.token_ids, tool_calls=self.tool_calls,
                              logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
         if keys is not None:
@@ -87,14 +104,16 @@ class InvalidResult(ValueError):
 
 
 def result_bytes(done: pb.JobDone) -> bytes:
-    """What JobDone.signature signs: layout 2 (the proto, above `JobDone.signature`), every field
+    """What JobDone.signature signs: layout 3 (the proto, above `JobDone.signature`), every field
     length-prefixed. InvalidResult for a model hash that is not canonical: "", a short one and "0" * 64 all
     signed 32 zero bytes, and upper and lower case the same bytes."""
     c, u = done.completion, done.usage
     if not is_sha256_hex(done.model_sha256):
         raise InvalidResult("model_sha256 must be 64 lowercase hex digits (the manifest hash of the weights)")
     model = bytes.fromhex(done.model_sha256)
-    fields = (done.job_id.encode(), done.finish_reason.encode(), c.token_ids_sha256, done.request_sha256, model)
+    verdict = hashlib.sha256(done.verdict.SerializeToString(deterministic=True)).digest()
+    fields = (done.job_id.encode(), done.finish_reason.encode(), c.token_ids_sha256, done.request_sha256, model,
+              c.proof_sha256, verdict)
     counts = (c.chunks, u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
     return (RESULT_DOMAIN + SIGNATURE_LAYOUT.to_bytes(4, "big")
             + b"".join(len(f).to_bytes(4, "big") + f for f in fields)
@@ -108,8 +127,9 @@ def verify_result(done: pb.JobDone, public_key: bytes, request: pb.JobRequest | 
     a malformed result is a typed refusal, never a ValueError out of a coordinator's reader."""
     if done.signature_layout != SIGNATURE_LAYOUT:
         raise InvalidResult(f"signature layout {done.signature_layout}; only {SIGNATURE_LAYOUT} is accepted")
-    if len(done.completion.token_ids_sha256) != 32 or len(done.request_sha256) != 32:
-        raise InvalidResult("token_ids_sha256 and request_sha256 must be 32 bytes")
+    c = done.completion
+    if len(c.token_ids_sha256) != 32 or len(done.request_sha256) != 32 or len(c.proof_sha256) != 32:
+        raise InvalidResult("token_ids_sha256, request_sha256 and proof_sha256 must be 32 bytes")
     if request is not None and request_digest(request) != done.request_sha256:
         raise InvalidResult("the result answers another request than the one sent under its job id")
     signed = result_bytes(done)

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from .identity import InvalidSignature, verify_hello
-from .outcomes import InvalidResult, token_digest, verify_result
+from .outcomes import InvalidResult, proof_digest, token_digest, verify_result
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys, SealingError, SenderKeys, seal_job
+from .spot_checks import SpotChecks
 
 MAX_SKEW_MS = 60_000
 VERSION = "reference-coordinator/1"
@@ -57,8 +58,10 @@ def _serialize(frame) -> bytes:
 
 class ReferenceCoordinator:
     def __init__(self, port: int = 0, heartbeat_interval_ms: int = 500, ack_outcomes: bool = True,
-                 nonce_bytes: int = 32, read_frames: bool = True):
+                 nonce_bytes: int = 32, read_frames: bool = True, verify_fraction: float = 0.0,
+                 verify_seed: int | None = None):
         self.port = port
+        self.spot_checks = SpotChecks(verify_fraction, verify_seed)  # jobs verified again on another node
         self.read_frames = read_frames  # False: after the handshake it sends but never reads (flow-control tests)
         self.nonce_bytes = nonce_bytes  # tests set it below 16 to check that the node refuses to sign
         self.hellos = 0  # Hello frames received
@@ -78,6 +81,7 @@ class ReferenceCoordinator:
         self.bad_results: dict[str, str] = {}  # job id -> why its JobDone was refused (never acknowledged)
         self.next_reject: pb.Reject | None = None  # refuse the next Hello with this, to test the node's reaction
         self.requests: dict[str, pb.JobRequest] = {}  # job id -> the request sent (a result must answer it)
+        self.plain_requests: dict[str, pb.JobRequest] = {}  # a sealed job's request before it was sealed
         self.next_challenge: bytes | None = None  # send these bytes instead of the next Challenge (garbage tests)
         self._job_keys: dict[str, SenderKeys] = {}  # sealed jobs' keys, to open what comes back
         self._run_keys: dict[str, JobKeys] = {}  # and the keys of their current run (JobAccepted.seal_salt)
@@ -136,6 +140,7 @@ class ReferenceCoordinator:
         outer = pb.JobRequest(job_id=request.job_id, model=request.model, deadline_ms=request.deadline_ms,
                               model_sha256=request.model_sha256)
         sealed, keys = seal_job(session.registration.sealing_key, request.job_id, request)
+        self.plain_requests[request.job_id] = request
         outer.sealed.CopyFrom(sealed)
         self._job_keys[request.job_id] = keys
         self.dispatch(session, outer)  # its result answers the sealed request, as sent
@@ -172,6 +177,15 @@ class ReferenceCoordinator:
             raise ValueError(f"{job_id}: {len(ids)} tokens do not match the outcome's digest (a truncated result)")
         return text, ids
 
+    def proof_of(self, done: pb.JobDone) -> pb.Proof | None:
+        """The outcome's proof (empty if none), opened for a sealed job this coordinator sent (SealingError if it
+        does not open); None for one sealed to another sender."""
+        c = done.completion
+        if not c.sealed_proof:
+            return c.proof
+        keys = self._keys(done.job_id, c.seal_salt)
+        return keys.open_proof(done.job_id, c.sealed_proof) if keys is not None else None
+
     def check_result(self, session: NodeSession, done: pb.JobDone) -> str | None:
         """Why a JobDone cannot be accepted (bad signature, or a digest that does not match what arrived),
         or None. Chunks may be missing only if the outcome carries the whole completion."""
@@ -185,6 +199,12 @@ class ReferenceCoordinator:
         if c.sealed and keys is None:  # relayed for another sender, which alone can open it and check its digest
             sent = self.requests.get(done.job_id)
             return "a sealed completion for a job sent in the clear" if sent and not sent.HasField("sealed") else None
+        try:
+            proof = self.proof_of(done)
+        except SealingError:
+            return "the sealed proof does not open with the job's keys"
+        if proof is not None and proof_digest(proof, keys) != done.completion.proof_sha256:
+            return "the proof does not match its signed digest"
         if c.sealed:
             try:
                 c = keys.open_completion(done.job_id, c.sealed)
@@ -297,6 +317,7 @@ class ReferenceCoordinator:
                     continue
                 self.outcomes[job_id].append(frame)
                 self._outcome_waiters[job_id].set()
+                self.spot_checks.after(self, session, job_id, frame)
                 if self.ack_outcomes:
                     session.outgoing.put_nowait(pb.CoordinatorFrame(job_ack=pb.JobAck(job_ids=[job_id])))
             elif kind == "drained":
@@ -321,10 +342,10 @@ class ReferenceCoordinator:
         return body
 
 
-async def _main(port: int) -> None:
-    coord = ReferenceCoordinator(port)
+async def _main(port: int, verify_fraction: float) -> None:
+    coord = ReferenceCoordinator(port, verify_fraction=verify_fraction)
     await coord.start()
-    print(f"reference coordinator listening on {coord.url}", flush=True)
+    print(f"reference coordinator listening on {coord.url}; verifying {verify_fraction:.0%} of jobs", flush=True)
     await asyncio.Event().wait()
 
 
@@ -333,4 +354,7 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", "50051")))
-    asyncio.run(_main(ap.parse_args().port))
+    ap.add_argument("--verify-fraction", type=float, default=0.0,
+                    help="re-verify this share of finished jobs on another connected node (0 to 1)")
+    args = ap.parse_args()
+    asyncio.run(_main(args.port, args.verify_fraction))

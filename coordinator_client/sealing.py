@@ -25,6 +25,7 @@ REQUEST_INFO = b"provider.v1.seal request"
 RESPONSE_INFO = b"provider.v1.seal response"
 DIGEST_INFO = b"provider.v1.seal digest"  # the key of a sealed run's token digest (HMAC-SHA256), sender and node only
 COMPLETION_COUNTER = 2**64 - 1
+PROOF_COUNTER = 2**64 - 2  # the outcome's proof, sealed apart from its completion (it goes out on the first send)
 KEY_BYTES = 32
 RUN_SALT_BYTES = 16  # drawn for every run of a sealed job: no (key, nonce) pair is ever used twice
 SENDER_KEYS_REMEMBERED = 65_536  # ~6 MB; a key seen among the last this many is refused
@@ -81,6 +82,10 @@ class JobKeys:
     def seal_completion(self, job_id: str, body: pb.Completion) -> bytes:
         return self.response.encrypt(nonce(COMPLETION_COUNTER), body.SerializeToString(), aad(job_id, "completion"))
 
+    def seal_proof(self, job_id: str, body: pb.Proof) -> bytes:
+        return self.response.encrypt(nonce(PROOF_COUNTER), body.SerializeToString(deterministic=True),
+                                     aad(job_id, "proof"))
+
     # The sender's side (the reference coordinator and tests use these, through SenderKeys.for_run).
     def open_chunk(self, job_id: str, seq: int, sealed: bytes) -> pb.TokenChunk:
         return pb.TokenChunk.FromString(self._open(self.response, nonce(seq), sealed, aad(job_id, "chunk")))
@@ -88,6 +93,9 @@ class JobKeys:
     def open_completion(self, job_id: str, sealed: bytes) -> pb.Completion:
         return pb.Completion.FromString(
             self._open(self.response, nonce(COMPLETION_COUNTER), sealed, aad(job_id, "completion")))
+
+    def open_proof(self, job_id: str, sealed: bytes) -> pb.Proof:
+        return pb.Proof.FromString(self._open(self.response, nonce(PROOF_COUNTER), sealed, aad(job_id, "proof")))
 
     @staticmethod
     def _open(aead: ChaCha20Poly1305, n: bytes, sealed: bytes, associated: bytes) -> bytes:

@@ -214,7 +214,8 @@ class CoordinatorJobs:
 
     def _ending(self, end, transcript: Transcript, weights: str, keys: JobKeys | None, *,
                 deadline_passed: bool, request_sha256: bytes) -> pb.ProviderFrame:
-        completion = transcript.completion(end.job_id, keys)
+        proof = convert.proof_to_pb(end.proof) if isinstance(end, Done) else None
+        completion = transcript.completion(end.job_id, keys, proof)
         if isinstance(end, Done) and deadline_passed and end.finish_reason == "cancelled":
             frame = convert.error_frame(end.job_id, Cause.DEADLINE_EXCEEDED, "the job's deadline passed after "
                                         f"{end.usage.completion_tokens} tokens", end.usage, sealed=keys is not None)

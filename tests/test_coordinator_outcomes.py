@@ -128,20 +128,26 @@ def test_a_result_in_another_layout_with_a_short_digest_or_for_another_request_i
 
     identity = Identity.load_or_create(tmp_path)
     request = pb.JobRequest(job_id="j", model="m", prompt="The cache")
-    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=2, request_sha256=request_digest(request),
+    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=3, request_sha256=request_digest(request),
                       model_sha256="a" * 64)
-    done.completion.token_ids_sha256 = bytes(32)
+    done.completion.token_ids_sha256 = done.completion.proof_sha256 = bytes(32)
     done.signature = identity.sign(result_bytes(done))
     verify_result(done, identity.public_key, request)  # the real thing verifies
-    old = pb.JobDone()
-    old.CopyFrom(done)
-    old.signature_layout = 0
-    short = pb.JobDone()
-    short.CopyFrom(done)
-    short.completion.token_ids_sha256 = bytes(31)
-    short.signature = identity.sign(result_bytes(short))  # signed, but no node signs a 31-byte digest
+    olds = []
+    for layout in (0, 2):  # NUL-joined; signed no proof
+        old = pb.JobDone()
+        old.CopyFrom(done)
+        old.signature_layout = layout
+        olds.append((old, request))
+    shorts = []
+    for field in ("token_ids_sha256", "proof_sha256"):
+        short = pb.JobDone()
+        short.CopyFrom(done)
+        setattr(short.completion, field, bytes(31))
+        short.signature = identity.sign(result_bytes(short))  # signed, but no node signs a 31-byte digest
+        shorts.append((short, request))
     other = pb.JobRequest(job_id="j", model="m", prompt="Another prompt")
-    for bad, against in ((old, request), (short, request), (done, other)):
+    for bad, against in (*olds, *shorts, (done, other)):
         try:
             verify_result(bad, identity.public_key, against)
         except InvalidResult:
@@ -156,7 +162,7 @@ def test_a_stored_result_sent_for_another_request_under_its_id_is_refused(fixtur
         async with harness(_models(fixtures_dir), tmp_path) as (coord, node, session):
             s = await coord.wait_for_node()
             coord.dispatch(s, job("reused", "g", max_tokens=2, prompt="The cache"))
-            assert (await _one_outcome(coord, "reused")).job_done.signature_layout == 2
+            assert (await _one_outcome(coord, "reused")).job_done.signature_layout == 3
             assert not coord.bad_results
             coord.dispatch(s, job("reused", "g", max_tokens=2, prompt="Another prompt"))
             await until(lambda: "reused" in coord.bad_results, "the stored outcome was accepted for another request")

@@ -151,9 +151,9 @@ BAD_HASHES = ["", "ab", GOOD_HASH[:63], GOOD_HASH + "0", GOOD_HASH.upper(), "g" 
 
 
 def _signed(identity, model_sha256: str, request: pb.JobRequest) -> pb.JobDone:
-    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=2, request_sha256=request_digest(request),
+    done = pb.JobDone(job_id="j", finish_reason="stop", signature_layout=3, request_sha256=request_digest(request),
                       model_sha256=GOOD_HASH)
-    done.completion.token_ids_sha256 = bytes(32)
+    done.completion.token_ids_sha256 = done.completion.proof_sha256 = bytes(32)
     done.signature = identity.sign(result_bytes(done))
     done.model_sha256 = model_sha256  # what a forger or a buggy node puts there, after signing
     return done

@@ -28,6 +28,13 @@ class SpeculationPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_POLICY_ON: _ClassVar[SpeculationPolicy]
     SPECULATION_POLICY_OFF: _ClassVar[SpeculationPolicy]
 
+class ProofSampler(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROOF_SAMPLER_UNSPECIFIED: _ClassVar[ProofSampler]
+    PROOF_SAMPLER_GREEDY: _ClassVar[ProofSampler]
+    PROOF_SAMPLER_REPLAYABLE: _ClassVar[ProofSampler]
+    PROOF_SAMPLER_SPECULATIVE: _ClassVar[ProofSampler]
+
 class ErrorCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ERROR_CAUSE_UNSPECIFIED: _ClassVar[ErrorCause]
@@ -58,6 +65,10 @@ NODE_STATUS_UNHEALTHY: NodeStatus
 SPECULATION_POLICY_AUTO: SpeculationPolicy
 SPECULATION_POLICY_ON: SpeculationPolicy
 SPECULATION_POLICY_OFF: SpeculationPolicy
+PROOF_SAMPLER_UNSPECIFIED: ProofSampler
+PROOF_SAMPLER_GREEDY: ProofSampler
+PROOF_SAMPLER_REPLAYABLE: ProofSampler
+PROOF_SAMPLER_SPECULATIVE: ProofSampler
 ERROR_CAUSE_UNSPECIFIED: ErrorCause
 ERROR_CAUSE_INVALID_REQUEST: ErrorCause
 ERROR_CAUSE_UNKNOWN_MODEL: ErrorCause
@@ -396,7 +407,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job_id", "model", "chat", "prompt", "prompt_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256", "sealed", "response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "prompt_logprobs")
+    __slots__ = ("job_id", "model", "chat", "prompt", "prompt_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256", "sealed", "response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "prompt_logprobs", "verify")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +427,7 @@ class JobRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     chat: ChatMessages
@@ -435,7 +447,38 @@ class JobRequest(_message.Message):
     parallel_tool_calls: bool
     logprobs: int
     prompt_logprobs: bool
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    verify: VerifyInput
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., verify: _Optional[_Union[VerifyInput, _Mapping]] = ...) -> None: ...
+
+class VerifyInput(_message.Message):
+    __slots__ = ("output_ids", "proof")
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    proof: Proof
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("passed", "reason", "first_failure", "tokens", "chunks", "min_overlap", "max_rel_err", "max_gap", "ties")
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MIN_OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_REL_ERR_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAP_FIELD_NUMBER: _ClassVar[int]
+    TIES_FIELD_NUMBER: _ClassVar[int]
+    passed: bool
+    reason: str
+    first_failure: int
+    tokens: int
+    chunks: int
+    min_overlap: float
+    max_rel_err: float
+    max_gap: float
+    ties: int
+    def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., first_failure: _Optional[int] = ..., tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., min_overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
     __slots__ = ("ids",)
@@ -610,7 +653,7 @@ class Telemetry(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ..., constraint: _Optional[str] = ..., mask_ms_per_token: _Optional[float] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls", "seal_salt", "logprobs", "prompt_logprobs")
+    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls", "seal_salt", "logprobs", "prompt_logprobs", "proof", "sealed_proof", "proof_sha256")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_SHA256_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -620,6 +663,9 @@ class Completion(_message.Message):
     SEAL_SALT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    SEALED_PROOF_FIELD_NUMBER: _ClassVar[int]
+    PROOF_SHA256_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     token_ids_sha256: bytes
     text: str
@@ -629,10 +675,23 @@ class Completion(_message.Message):
     seal_salt: bytes
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., seal_salt: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    proof: Proof
+    sealed_proof: bytes
+    proof_sha256: bytes
+    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., seal_salt: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ..., sealed_proof: _Optional[bytes] = ..., proof_sha256: _Optional[bytes] = ...) -> None: ...
+
+class Proof(_message.Message):
+    __slots__ = ("commitment", "sampler", "seed")
+    COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    commitment: bytes
+    sampler: ProofSampler
+    seed: int
+    def __init__(self, commitment: _Optional[bytes] = ..., sampler: _Optional[_Union[ProofSampler, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class JobDone(_message.Message):
-    __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature", "signature_layout", "request_sha256")
+    __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature", "signature_layout", "request_sha256", "verdict")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -642,6 +701,7 @@ class JobDone(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     finish_reason: str
     usage: Usage
@@ -651,7 +711,8 @@ class JobDone(_message.Message):
     signature: bytes
     signature_layout: int
     request_sha256: bytes
-    def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ..., model_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signature_layout: _Optional[int] = ..., request_sha256: _Optional[bytes] = ...) -> None: ...
+    verdict: Verdict
+    def __init__(self, job_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ..., model_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ..., signature_layout: _Optional[int] = ..., request_sha256: _Optional[bytes] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("job_id", "cause", "message", "usage", "completion")

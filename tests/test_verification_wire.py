@@ -1,0 +1,62 @@
+"""Spot checks through the real wire: an honest node and a cheating one (other weights, served by the real node
+code under the honest model's name and hash) take jobs from the reference coordinator, which verifies every
+finished job on a third node and tallies each producer's verdicts. Sealed jobs are checked sealed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from coordinator_client.identity import Identity
+from coordinator_client.pb import provider_pb2 as pb
+from coordinator_client.reference_coordinator import ReferenceCoordinator
+from provider.models import cheat_fixtures
+from tests.helpers import run, until
+from tools.harness.nodes import harness
+
+
+def _job(job_id: str, i: int) -> pb.JobRequest:
+    sampling = pb.SamplingParams(temperature=0.0) if i % 2 == 0 else pb.SamplingParams(temperature=0.8, seed=i)
+    return pb.JobRequest(job_id=job_id, model="m", max_tokens=24, sampling=sampling,
+                         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=f"Tell me {i} things")]))
+
+
+def test_the_reference_coordinator_verifies_jobs_on_a_third_node_and_tallies_the_cheat(fixtures_dir, tmp_path):
+    real = fixtures_dir / "gemma4-tiny"
+    noisy = cheat_fixtures.noisy(real, tmp_path / "noisy", 0.01)
+    ids = {name: Identity.load_or_create(tmp_path / name).node_id for name in ("honest", "cheat", "verifier")}
+
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=200, verify_fraction=1.0, verify_seed=0)
+        await coord.start()
+        coord.spot_checks.verifiers = {ids["verifier"]}
+        async with contextlib.AsyncExitStack() as stack:
+            nodes = {}
+            for name, path in (("honest", real), ("cheat", noisy), ("verifier", real)):
+                _, nodes[name], _ = await stack.enter_async_context(
+                    harness({"m": path}, tmp_path / name, coordinator=coord, commitments="on"))
+            await until(lambda: len(coord.sessions) == 3, "three sessions")
+            await nodes["honest"].preload("m")
+            await nodes["cheat"].preload("m")
+            nodes["cheat"].model_hash = nodes["honest"].model_hash  # its wrong claim: the honest weights' hash
+            sent = []
+            for name in ("honest", "cheat"):
+                session = coord.sessions[ids[name]]
+                for i in range(4):
+                    job_id = f"{name}-{i}"
+                    (coord.dispatch_sealed if i == 3 else coord.dispatch)(session, _job(job_id, i))
+                    sent.append(job_id)
+            for job_id in sent:
+                assert (await coord.outcome(job_id)).WhichOneof("frame") == "job_done"
+            await until(lambda: not coord.spot_checks.pending and sum(
+                t.checked + t.errors for t in coord.spot_checks.tally.values()) == len(sent), "every verdict", 300)
+            return coord
+    coord = run(main())
+    honest, cheat = coord.spot_checks.tally[ids["honest"]], coord.spot_checks.tally[ids["cheat"]]
+    assert (honest.checked, honest.passed, honest.failed, honest.errors) == (4, 4, 0, 0), honest
+    assert (cheat.checked, cheat.failed, cheat.errors) == (4, 4, 0), cheat
+    assert all(f["first_failure"] == 0 for f in cheat.failures), cheat.failures
+    assert not coord.bad_results
+    # The verdicts came signed by the verifier, as every result.
+    verdicts = [coord.outcomes[j][0].job_done for j in coord.outcomes if j.startswith("verify-")]
+    assert len(verdicts) == 8 and all(d.signature and d.signature_layout == 3 for d in verdicts)
