@@ -116,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", default="", help="where (default: group_secret_file, else the state directory)")
     init.add_argument("--force", action="store_true", help="replace an existing secret")
     from .generate import add_parser as add_generate
+    from .verify_cli import add_parser as add_verify
 
     add_generate(sub)
+    add_verify(sub)
     st = sub.add_parser("status", help="the running daemon's state (models, jobs, memory), from its state directory")
     st.add_argument("--json", action="store_true", help="the whole status as JSON")
     return parser
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import generate
 
         _leave(generate.run(args))
+    if args.command == "verify":
+        from . import verify_cli
+
+        _leave(verify_cli.run(args))
     if args.command == "models":
         return _models(args)
     if args.command == "group":

@@ -60,6 +60,7 @@ class Completions:
             r = results[choice.index]
             for ev in batch:
                 r.text += ev.text
+                r.ids += ev.token_ids
                 r.calls += ev.tool_calls
                 r.logprobs += ev.logprobs
             if isinstance(end, Error):
@@ -86,9 +87,11 @@ class Completions:
                 await send(out.chat_chunk(reply.job_id, reply.model, reply.created, index=c.index, role=True,
                                           text=""))
         calls_sent = {c.index: 0 for c in choices}
+        ids: dict[int, list[int]] = {c.index: [] for c in choices}  # what a committing node's proof commits to
         ended: list[out.ChoiceResult] = []
         async for choice, batch, end in merged(choices):
             i = choice.index
+            ids[i] += [t for e in batch for t in e.token_ids]
             reply.scored(i, batch[0].prompt_logprobs if batch else end.prompt_logprobs if isinstance(end, Done)
                          else None)
             echo = reply.echo_chunk(i)
@@ -106,7 +109,7 @@ class Completions:
                 await send(api.error_for(end.cause, end.message, end.param).body())
             elif isinstance(end, Done):
                 ended.append(out.ChoiceResult(i, end))
-                await send(reply.final(i, end))
+                await send(reply.final(i, end) | out.proof_of(end, ids[i]))
         if len(ended) == len(choices):
             usage = out.usage_of(ended, reply.req.n)
             request[USAGE] = usage

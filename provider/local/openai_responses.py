@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ class ChoiceResult:
     text: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # its token ids (a proof commits to them)
 
 
 def _envelope(job_id: str, model: str, obj: str, created: int) -> dict[str, Any]:
@@ -38,7 +40,17 @@ def _totals(choices: list[ChoiceResult], n: int) -> dict[str, Any]:
 
 
 def _own_telemetry(choices: list[ChoiceResult], c: ChoiceResult) -> dict[str, Any]:
-    return {"telemetry": c.done.telemetry.as_dict()} if len(choices) > 1 else {}
+    return ({"telemetry": c.done.telemetry.as_dict()} if len(choices) > 1 else {}) | proof_of(c.done, c.ids)
+
+
+def proof_of(done: Done, ids: list[int]) -> dict[str, Any]:
+    """A committing node's proof of a choice (docs/verification.md), with the token ids it commits to: what
+    `provider verify` and a verify job take."""
+    p = done.proof
+    if p is None:
+        return {}
+    return {"proof": {"commitment": base64.b64encode(p.commitment or b"").decode(), "sampler": p.sampler,
+                      "seed": p.seed, "output_ids": list(ids)}}
 
 
 def chat_response(job_id: str, model: str, choices: list[ChoiceResult], created: int, n: int,
