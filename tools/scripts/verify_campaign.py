@@ -1,0 +1,220 @@
+"""Honest work always passes, cheating is caught where it starts: a campaign of verified jobs (issue 39).
+
+Honest: jobs across the engine's paths, made on producer nodes that commit (the fixture gemma4-tiny alone and
+in batches of 16 with mixed lengths and sampling, prefix hits, prefill chunks 64 and 2048; the bundled MTP pair
+and the llama draft pair speculating; logprob jobs), each verified on a separate verifier node holding the real
+weights. Expected: 0 false rejections.
+
+Cheats, each claimed as the real model's work and verified the same way: other weights (1% noise), the real
+weights quantized by mlx-lm to 8 and 4 bits, one layer dropped, another system prompt, the drafter's output
+alone (llama-tiny-draft for llama-tiny), a higher temperature than declared, another seed than declared, and a
+splice (the real model's first k tokens, then another model's, with a commitment the forger computed with the
+real weights over the whole output: the strongest forgery, answered by the token checks). Expected: each caught
+in >= 99.9% of its jobs, and where it starts (the first token that is not the real model's, or the first chunk
+whose hidden states are another model's; never before, and past it only by near-ties).
+
+    python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--tokens 48] [--seed 39]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from provider.jobs import Done, Job, Proof, SamplingParams  # noqa: E402
+from provider.models import cheat_fixtures, fixtures  # noqa: E402
+from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
+from provider.verification.commitment import CommitmentBuilder  # noqa: E402
+from provider.verification.verifier import Claim, ClaimReader  # noqa: E402
+from tools.harness.nodes import make_node  # noqa: E402
+
+SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
+
+
+def sampling_for(rng: random.Random, tokens: int, seeded: bool = True) -> SamplingParams:
+    if rng.random() < 0.4:
+        return SamplingParams(max_tokens=rng.randint(8, tokens), temperature=0.0)
+    kw = rng.choice([{"top_p": rng.choice([0.8, 0.95])}, {"top_k": rng.choice([10, 40])},
+                     {"min_p": rng.choice([0.02, 0.1])}, {}])
+    return SamplingParams(max_tokens=rng.randint(8, tokens), temperature=round(rng.uniform(0.3, 1.2), 2),
+                          seed=rng.randrange(1 << 31) if seeded else None,
+                          logprobs=rng.choice([None, 2]), **kw)
+
+
+def messages(rng: random.Random, system: bool = False) -> tuple:
+    words = " ".join(rng.choice(fixtures.CORPUS.split()) for _ in range(rng.randint(3, 40)))
+    return ((SYSTEM,) if system else ()) + ({"role": "user", "content": words},)
+
+
+async def produce(node, model: str, jobs: list[Job]) -> list[tuple[Job, list[int], Done]]:
+    async def one(job):
+        ids, end = [], None
+        async with node.run(dataclasses.replace(job, model=model)) as stream:
+            async for ev in stream:
+                ids += getattr(ev, "token_ids", ())
+                end = ev
+        return job, ids, end
+    return await asyncio.gather(*(one(j) for j in jobs))
+
+
+def read(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> ClaimReader:
+    """The claim read through the verifier's real model (its prompt templated as the producer did)."""
+    prepared = verifier.prompts.prepare(dataclasses.replace(job, model=model)).result()
+    asyncio.run(verifier.preload(model))
+    lm = verifier.models.acquire(model)
+    try:
+        reader = ClaimReader(lm, Claim(prepared.prompt, tuple(ids), prepared.job.sampling, proof))
+        while not reader.done:
+            reader.step(512)
+        return reader
+    finally:
+        verifier.models.release(model)
+
+
+def forged(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> Proof:
+    """A commitment to `ids` computed with the real weights (what a forger holding them can make for any output)."""
+    indices, bits = read(verifier, model, job, ids, proof).entries()
+    builder = CommitmentBuilder(verifier.models.acquire(model).hidden_tap.hidden_size)
+    verifier.models.release(model)
+    builder.add(indices, bits)
+    return dataclasses.replace(proof, commitment=builder.finish(len(ids)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--honest", type=int, default=2000)
+    ap.add_argument("--cheats", type=int, default=1000)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=39)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        fixtures.write_all(root / "fx")
+        real, llama, draft = root / "fx" / "gemma4-tiny", root / "fx" / "llama-tiny", root / "fx" / "llama-tiny-draft"
+        bad = {"noise_1pct": cheat_fixtures.noisy(real, root / "noisy", 0.01),
+               "quantized_8bit": cheat_fixtures.quantized(real, root / "q8", 8),
+               "quantized_4bit": cheat_fixtures.quantized(real, root / "q4", 4),
+               "layer_dropped": cheat_fixtures.layer_dropped(real, root / "dropped", 1)}
+        verifier = make_node({"g": real, "demo": DEMO_TARGET, "llama": llama}, commitments="on",
+                             speculation="off", manager_kw={"max_resident": 8})
+        producers = {
+            "plain_chunk64": (make_node({"g": real}, commitments="on", speculation="off", prefill_step_size=64,
+                                        max_concurrent_jobs=16), "g"),
+            "plain_chunk2048": (make_node({"g": real}, commitments="on", speculation="off", prefill_step_size=2048,
+                                          max_concurrent_jobs=16), "g"),
+            "mtp": (make_node({"demo": DEMO_TARGET}, commitments="on", speculation="on",
+                              manager_kw={"drafters": {"demo": DEMO_ASSISTANT}}, max_concurrent_jobs=16), "demo"),
+            "draft_model": (make_node({"llama": llama}, commitments="on", speculation="on",
+                                      manager_kw={"drafters": {"llama": draft}}, max_concurrent_jobs=16), "llama"),
+        }
+        cheat_node = make_node({**bad, "g": real, "draft": draft, "llama": llama}, commitments="on",
+                               speculation="off", manager_kw={"max_resident": 8}, max_concurrent_jobs=16)
+        report = {"honest": collections.Counter(), "honest_failures": [], "cheats": {}}
+        # Honest: batches of 1 to 16 jobs, a quarter repeating an earlier prompt (a prefix hit).
+        done, history = 0, []
+        while done < args.honest:
+            path = rng.choice(list(producers))
+            node, model = producers[path]
+            batch = []
+            for i in range(min(rng.choice([1, 4, 16]), args.honest - done)):
+                msgs = rng.choice(history) if history and rng.random() < 0.25 else messages(rng)
+                history.append(msgs)
+                batch.append(Job(id=f"h{done + i}", model=model, messages=msgs,
+                                 sampling=sampling_for(rng, args.tokens, seeded=path != "mtp" or rng.random() < 0.5)))
+            for job, ids, end in asyncio.run(produce(node, model, batch)):
+                assert isinstance(end, Done), end
+                verdict = read(verifier, model, job, ids, end.proof).verdict()
+                report["honest"][(path, verdict.passed)] += 1
+                if not verdict.passed:
+                    report["honest_failures"].append({"path": path, "job": job.id, **verdict.summary()})
+            done += len(batch)
+        # Cheats.
+        kinds = [*bad, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice"]
+        for kind in kinds:
+            caught = at_start = 0
+            for n in range(0, args.cheats, 16):
+                jobs = [Job(id=f"{kind}{n + i}", model="g", messages=messages(rng),
+                            sampling=sampling_for(rng, args.tokens) if kind not in ("hotter", "other_seed")
+                            else SamplingParams(max_tokens=args.tokens, temperature=0.7, seed=rng.randrange(1 << 31)))
+                        for i in range(min(16, args.cheats - n))]
+                results = _cheat(kind, jobs, cheat_node, verifier, rng, args.tokens)
+                for ok, right_place in results:
+                    caught += not ok
+                    at_start += (not ok) and right_place
+            report["cheats"][kind] = {"jobs": args.cheats, "caught": caught, "caught_where_it_starts": at_start}
+            print(f"{kind}: caught {caught}/{args.cheats}, where it starts {at_start}", flush=True)
+    honest_total = sum(report["honest"].values())
+    false = sum(v for (_, passed), v in report["honest"].items() if not passed)
+    print(f"honest: {honest_total} jobs, {false} false rejections; by path: "
+          f"{ {p: v for (p, ok), v in report['honest'].items() if ok} }")
+    print(json.dumps({"honest_jobs": honest_total, "false_rejections": false, "cheats": report["cheats"],
+                      "honest_failures": report["honest_failures"][:20], "seconds": round(time.perf_counter() - t0)}))
+    worst = min(c["caught"] / c["jobs"] for c in report["cheats"].values())
+    return 0 if false == 0 and worst >= 0.999 else 1
+
+
+def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple[bool, bool]]:
+    """(passed, failed where it starts) for each cheating job, verified as the real model's ("g")."""
+    out = []
+    if kind in ("noise_1pct", "quantized_8bit", "quantized_4bit", "layer_dropped"):
+        for job, ids, end in asyncio.run(produce(node, kind, jobs)):
+            v = read(verifier, "g", job, ids, end.proof).verdict()
+            out.append((v.passed, v.first_failure == 0))
+    elif kind == "system_prompt":  # made with a system message, claimed without it
+        made = asyncio.run(produce(node, "g", [dataclasses.replace(j, messages=(SYSTEM, *j.messages)) for j in jobs]))
+        for job, (_, ids, end) in zip(jobs, made):
+            v = read(verifier, "g", job, ids, end.proof).verdict()
+            out.append((v.passed, v.first_failure == 0))
+    elif kind == "drafter_alone":  # the draft model's output claimed as its target's
+        for job, ids, end in asyncio.run(produce(node, "draft", jobs)):
+            v = read(verifier, "llama", job, ids, end.proof).verdict()
+            honest = asyncio.run(produce(verifier, "llama", [job]))[0][1]
+            start = next((j for j, (a, b) in enumerate(zip(ids, honest)) if a != b), None)
+            out.append((v.passed, start is not None and v.first_failure is not None and v.first_failure <= start))
+    elif kind in ("hotter", "other_seed"):
+        lie = [dataclasses.replace(j, sampling=dataclasses.replace(
+            j.sampling, **({"temperature": 1.3} if kind == "hotter" else {"seed": j.sampling.seed + 1}))) for j in jobs]
+        honest = asyncio.run(produce(node, "g", jobs))
+        for (job, ids, end), (_, real_ids, _) in zip(asyncio.run(produce(node, "g", lie)), honest):
+            claimed = dataclasses.replace(end.proof, seed=job.sampling.seed - (kind == "other_seed"))
+            truthful = next(j for j in jobs if j.id == job.id)
+            v = read(verifier, "g", truthful, ids, claimed).verdict()
+            start = next((j for j, (a, b) in enumerate(zip(ids, real_ids)) if a != b), None)
+            out.append((v.passed if start is not None else False, _from(v.first_failure, start)))
+    elif kind == "splice":  # k real tokens, then another model's; the commitment forged with the real weights
+        greedy = [dataclasses.replace(j, sampling=SamplingParams(max_tokens=tokens, temperature=0.0)) for j in jobs]
+        for job, real_ids, end in asyncio.run(produce(node, "g", greedy)):
+            k = rng.randrange(1, max(2, len(real_ids)))
+            prompt_ids = verifier.prompts.prepare(dataclasses.replace(job, model="g")).result().prompt
+            tail = asyncio.run(produce(node, "layer_dropped", [Job(id=job.id + "t", model="layer_dropped",
+                               prompt_ids=tuple(prompt_ids) + tuple(real_ids[:k]),
+                               sampling=SamplingParams(max_tokens=tokens - k, temperature=0.0))]))[0][1]
+            ids = real_ids[:k] + tail
+            proof = forged(verifier, "g", job, ids, end.proof)
+            v = read(verifier, "g", job, ids, proof).verdict()
+            start = next((j for j, (a, b) in enumerate(zip(ids, real_ids)) if a != b), None)
+            out.append((v.passed if start is not None else False, _from(v.first_failure, start)))
+    return out
+
+
+def _from(failure: int | None, start: int | None) -> bool:
+    """Caught where the cheat starts: never before its first token that differs from the real model's (an
+    honest prefix is never blamed), at it, or past it by near-ties only (a token within the tie tolerance of the
+    real model's choice is one a second honest run could give too)."""
+    return start is None or (failure is not None and failure >= start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
