@@ -27,8 +27,12 @@ def _range(lo: float | None = None, hi: float | None = None) -> dict:
     return {"lo": lo, "hi": hi}
 
 
-def _choice(*options: str) -> dict:
+def _choice(*options: str | int) -> dict:
     return {"choices": options}
+
+
+KV_BITS = (0, 4, 8)  # 0: full-precision KV; 4 or 8: quantized as mlx-lm's QuantizedKVCache stores it
+KV_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,21 @@ class ModelSpec:
     sha256: str = ""  # pinned checkpoint hash (`provider models verify` prints it); a mismatch refuses the load
     drafter: str = ""  # Gemma 4 assistant or same-vocabulary draft model for speculation
     drafter_sha256: str = ""  # pinned hash of the drafter's files; a mismatch refuses the load
+    # Residency (docs/memory.md): a pinned model loads at start and is never unloaded; idle_timeout_s overrides
+    # the node's (None: the node's; 0: never by idleness).
+    pin: bool = False
+    idle_timeout_s: float | None = None
+    # KV cache precision (None: the node's kv_bits / kv_group_size).
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
 
     @classmethod
     def parse(cls, model_id: str, raw: Any, source: str) -> "ModelSpec":
         where = f"{source}: models.{model_id}"
         if not isinstance(raw, dict):
             raise SettingsError(f"{where} must be a table with at least `source`")
-        allowed = ("source", "sha256", "drafter", "drafter_sha256")
+        allowed = ("source", "sha256", "drafter", "drafter_sha256", "pin", "idle_timeout_s", "kv_bits",
+                   "kv_group_size")
         unknown = set(raw) - set(allowed)
         if unknown:
             raise SettingsError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(allowed)}")
@@ -62,7 +74,19 @@ class ModelSpec:
             raise SettingsError(f"{where}.drafter must be a string")
         if pins["drafter_sha256"] and not drafter:
             raise SettingsError(f"{where}.drafter_sha256 pins a drafter, so {where}.drafter must name it")
-        return cls(model_id, raw["source"], pins["sha256"], drafter, pins["drafter_sha256"])
+        pin = raw.get("pin", False)
+        if not isinstance(pin, bool):
+            raise SettingsError(f"{where}.pin must be true or false")
+        ttl = raw.get("idle_timeout_s")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= 7 * 86400):
+            raise SettingsError(f"{where}.idle_timeout_s must be seconds from 0 (never) to {7 * 86400}")
+        kv_bits, group = raw.get("kv_bits"), raw.get("kv_group_size")
+        if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+            raise SettingsError(f"{where}.kv_bits must be one of {', '.join(map(str, KV_BITS))}")
+        if group is not None and (isinstance(group, bool) or group not in KV_GROUP_SIZES):
+            raise SettingsError(f"{where}.kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}")
+        return cls(model_id, raw["source"], pins["sha256"], drafter, pins["drafter_sha256"], pin,
+                   None if ttl is None else float(ttl), kv_bits, group)
 
 
 @dataclass(frozen=True)
@@ -132,7 +156,13 @@ class Settings:
     memory_fraction: float = field(default=0.75, metadata=_range(0.05, 0.98))
     memory_reserve_gb: float = field(default=1.0, metadata=_range(0, 4096))
     max_resident_models: int = field(default=2, metadata=_range(1, 64))
+    # A model idle this long is unloaded and its memory given back (0: never; per model in [models.<id>]; a
+    # request's keep_alive overrides it for that model until the next request says otherwise).
     idle_timeout_s: float = field(default=0.0, metadata=_range(0, 7 * 86400))
+    # KV cache precision for every model (per model in [models.<id>]): 0 full precision, 8 or 4 bits quantized in
+    # groups of kv_group_size along the head dimension (docs/memory.md: bytes, speed and quality measured).
+    kv_bits: int = field(default=0, metadata=_choice(*KV_BITS))
+    kv_group_size: int = field(default=64, metadata=_choice(*KV_GROUP_SIZES))
 
     # Node group (docs/group.md): several machines serving one model as one provider, over MLX's distributed
     # engine. `group_hostfile` is MLX's ring hostfile (a JSON list, per rank, of "ip:port"); empty: no group,
@@ -265,7 +295,7 @@ def _coerce(f: dataclasses.Field, raw: Any, source: str) -> Any:
 def _check_bounds(f: dataclasses.Field, value: Any, source: str) -> None:
     meta = f.metadata
     if "choices" in meta and value not in meta["choices"]:
-        raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed: {', '.join(meta['choices'])}")
+        raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed: {', '.join(map(str, meta['choices']))}")
     lo, hi = meta.get("lo"), meta.get("hi")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed range is {lo} to {hi}")

@@ -24,6 +24,10 @@ class StoredModel:
     sha256: str | None = None  # pinned checkpoint hash, if any
     drafter: str | None = None  # configured drafter source, if any
     drafter_sha256: str | None = None  # pinned hash of the drafter's files, if any
+    pin: bool = False  # loaded at start, never unloaded (settings.ModelSpec)
+    idle_timeout_s: float | None = None  # None: the node's idle_timeout_s
+    kv_bits: int | None = None  # None: the node's kv_bits
+    kv_group_size: int | None = None
 
 
 def _config(path: Path) -> dict | None:
@@ -80,7 +84,8 @@ def discover(settings: Settings, extra: list[ModelSpec] = ()) -> list[StoredMode
     for spec in [*extra, *settings.models]:
         p = Path(spec.source).expanduser()
         add(StoredModel(spec.id or model_id_for(spec.source), spec.source, p if p.is_dir() else None, "configured",
-                        spec.sha256 or None, spec.drafter or None, spec.drafter_sha256 or None))
+                        spec.sha256 or None, spec.drafter or None, spec.drafter_sha256 or None, spec.pin,
+                        spec.idle_timeout_s, spec.kv_bits, spec.kv_group_size))
     root = models_dir(settings)
     if root.is_dir():
         for p in sorted(root.iterdir()):
