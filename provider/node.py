@@ -121,6 +121,8 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
         kv_reserve_tokens=settings.kv_reserve_tokens,
         prefill_step=longest_prefill_read(settings),
         speculation=SpeculationConfig.of(settings),
+        kv_bits=settings.kv_bits,
+        kv_group_size=settings.kv_group_size,
     )
 
 

@@ -65,8 +65,21 @@ class KVShape:
                        self.sliding_window)
 
 
-def kv_shape(config: dict, dtype_bytes: int = 2) -> KVShape:
-    """K and V bytes per token, per non-shared layer; sliding layers separately (they stop at the window)."""
+@dataclass(frozen=True)
+class KVQuant:
+    """A quantized KV cache: `bits` per element in groups of `group_size` along the head dimension, each group
+    with a scale and a bias in the activations' float type (mlx-lm's QuantizedKVCache layout)."""
+
+    bits: int
+    group_size: int
+
+    def bytes(self, elements: int, dtype_bytes: int) -> int:
+        return elements * self.bits // 8 + 2 * dtype_bytes * -(-elements // self.group_size)
+
+
+def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -> KVShape:
+    """K and V bytes per token, per non-shared layer; sliding layers separately (they stop at the window). With
+    `quant`, every layer's KV as the quantized cache stores it."""
     tc = text_config(config)
     layers = tc.get("num_hidden_layers", 0)
     heads = tc.get("num_attention_heads", 1)
@@ -78,12 +91,16 @@ def kv_shape(config: dict, dtype_bytes: int = 2) -> KVShape:
     full = sliding = 0
     for kind in types[: layers - shared]:
         if kind == "sliding_attention" and window:
-            sliding += 2 * kv_heads * head_dim * dtype_bytes
+            sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, quant)
         else:  # Gemma 4's full layers have their own head size and KV head count
             d = tc.get("global_head_dim") or head_dim
             h = tc.get("num_global_key_value_heads") or kv_heads
-            full += (1 if tc.get("attention_k_eq_v") else 2) * h * d * dtype_bytes
+            full += (1 if tc.get("attention_k_eq_v") else 2) * _kv_bytes(h * d, dtype_bytes, quant)
     return KVShape(full, sliding, window if sliding else None)
+
+
+def _kv_bytes(elements: int, dtype_bytes: int, quant: KVQuant | None) -> int:
+    return elements * dtype_bytes if quant is None else quant.bytes(elements, dtype_bytes)
 
 
 @dataclass(frozen=True)

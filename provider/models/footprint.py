@@ -24,14 +24,15 @@ class Footprint:
         return self.weights + self.kv + self.activations
 
 
-def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int, ranks: int = 1) -> Footprint:
+def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step: int, ranks: int = 1,
+                       kv_quant: estimate.KVQuant | None = None) -> Footprint:
     """What loading the model will hold; in a node group of `ranks`, what one rank will (no vision tower)."""
     tensors = open_checkpoint(path).tensors
     weights = estimate.weight_bytes(config, tensors, with_vision=images_refused(config) is None) if ranks == 1 \
         else estimate.rank_weight_bytes(config, tensors, ranks)
     dtype_bytes = _dominant_float_bytes(tensors)
     tokens = min(kv_tokens, context_length(config))
-    shape = estimate.kv_shape(config, dtype_bytes).per_rank(ranks)
+    shape = estimate.kv_shape(config, dtype_bytes, kv_quant).per_rank(ranks)
     return Footprint(weights, shape.bytes_for(tokens), estimate.activation_bytes(config, prefill_step), shape,
                      estimate.activation_shape(config))
 
@@ -46,9 +47,9 @@ def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_
         prefill_step)
 
 
-def kv_shape_of(path: Path, config: dict) -> estimate.KVShape:
+def kv_shape_of(path: Path, config: dict, kv_quant: estimate.KVQuant | None = None) -> estimate.KVShape:
     """Per-token KV of a checkpoint, in the float width its weights (and so its activations) use."""
-    return estimate.kv_shape(config, _dominant_float_bytes(open_checkpoint(path).tensors))
+    return estimate.kv_shape(config, _dominant_float_bytes(open_checkpoint(path).tensors), kv_quant)
 
 
 def _dominant_float_bytes(tensors: dict) -> int:

@@ -23,7 +23,7 @@ from ..jobs import JobError
 from ..types import Cause, Policy, SpecMode, SpecReason
 from ..memory.admission import ADMIT, JobAdmission, Resident, idle_to_unload, plan_job, plan_load
 from ..memory.batch_kv import plain_batch_bytes
-from ..memory.estimate import KVShape
+from ..memory.estimate import KVQuant, KVShape
 from ..memory.budget import Budget
 from ..speculation import DrafterPlan, SpeculationConfig, plan_drafter
 from ..status import MemoryStatus, ModelStatus
@@ -70,7 +70,8 @@ class _Entry:
 class Residency:
     def __init__(self, catalog: Catalog, budget: Budget, *, max_resident: int = 2, idle_timeout: float = 0.0,
                  kv_reserve_tokens: int = 4096, prefill_step: int = 2048,
-                 speculation: SpeculationConfig = SpeculationConfig(), group=None, group_split: str = "auto"):
+                 speculation: SpeculationConfig = SpeculationConfig(), group=None, group_split: str = "auto",
+                 kv_bits: int = 0, kv_group_size: int = 64):
         self.catalog = catalog
         self.group = group  # a node group's mx.distributed Group: loads split across it, no drafter, per-rank sizes
         self._ranks = group.size() if group is not None else 1
@@ -80,6 +81,7 @@ class Residency:
         self._idle_timeout = idle_timeout
         self._kv_tokens = kv_reserve_tokens
         self._prefill_step = prefill_step
+        self._kv_bits, self._kv_group_size = kv_bits, kv_group_size  # the node's; a model's own config wins
         self.speculation = speculation  # the node's one owner of policy and k; the engine reads it here
         self._entries: dict[str, _Entry] = {}
         # What each model's batches will hold in KV, worst case (memory.batch_kv): booked by the engine when a
@@ -270,8 +272,9 @@ class Residency:
         if stored.drafter_sha256 and stored.drafter:
             verify_pin(f"{model_id}'s drafter", Path(stored.drafter).expanduser(), stored.drafter_sha256)
         try:
+            kv_quant = self.kv_quant(stored)
             fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step,
-                                    ranks=self._ranks)
+                                    ranks=self._ranks, kv_quant=kv_quant)
         except (HeaderError, OSError) as e:
             raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read the weights of {model_id}: {e}") from None
         caps, drafter_path, drafter_need = self._drafter_need(stored, path, config)
@@ -300,6 +303,7 @@ class Residency:
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting,
                                             self.group, self.group_split)
         lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
+        lm.kv_quant = kv_quant
         if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
             lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:
@@ -316,6 +320,12 @@ class Residency:
                  drafter=lm.drafter_mode, speculation_reason=lm.drafter_reason, measured_weight_bytes=measured,
                  active_delta_bytes=active_delta, reserved_bytes=entry.bytes, evicted=list(plan.evict))
         return lm
+
+    def kv_quant(self, stored: StoredModel) -> KVQuant | None:
+        """The KV cache precision a model is served with: its own [models.<id>] keys, else the node's."""
+        bits = self._kv_bits if stored.kv_bits is None else stored.kv_bits
+        group = self._kv_group_size if stored.kv_group_size is None else stored.kv_group_size
+        return KVQuant(bits, group) if bits else None
 
     def _drafter_need(self, stored: StoredModel, path: Path, config: dict):
         """What the target can do with its configured drafter, and the drafter's bytes: config files and
