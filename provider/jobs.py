@@ -12,6 +12,7 @@ from typing import Any, Callable, Union
 
 from .content import ImageInput, VideoInput, check_content, check_media, check_text, content_text  # noqa: F401
 from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
+from .keep_alive import parse_keep_alive
 from .types import Cause, FinishReason, JobError, JobId, Policy
 from .telemetry import Telemetry
 
@@ -165,6 +166,8 @@ class Job:
     images: tuple[ImageInput, ...] = ()  # in the order their IMAGE_PART placeholders appear in `messages`
     videos: tuple[VideoInput, ...] = ()  # likewise, VIDEO_PART
     verify: Claim | None = None  # a verify job: check this claim against the prompt instead of generating
+    # How long its model stays loaded once idle after it (keep_alive.py: seconds, FOREVER); None: the settings'.
+    keep_alive: float | str | None = None
 
     def __post_init__(self) -> None:
         if sum(p is not None for p in (self.prompt, self.messages, self.prompt_ids)) != 1:
@@ -196,6 +199,7 @@ class Job:
         if not isinstance(self.speculation, str) or self.speculation not in {p.value for p in Policy}:
             raise _invalid("speculation", "must be one of auto, on, off", self.speculation)
         object.__setattr__(self, "speculation", Policy(self.speculation))
+        object.__setattr__(self, "keep_alive", parse_keep_alive(self.keep_alive))
 
     @property
     def prompt_chars(self) -> int:

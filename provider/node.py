@@ -25,6 +25,7 @@ from .engine.scheduler import Engine
 from .group.lockstep import LeaderRunning
 from .group.member import EXIT_GROUP_LOST, Membership, Watchdog
 from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
+from .keep_alive import parse_keep_alive
 from .types import Cause, ModelId
 from .machine import decide_node_budget, longest_prefill_read, node_step_tokens
 from .memory.budget import Budget, pin_mlx_limits, system_facts
@@ -35,7 +36,7 @@ from .prompts import PromptPreparer, encode_prompt
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
 from .metrics import Metrics
-from .status import GroupStatus, NodeStatus, Platform
+from .status import GroupStatus, ModelStatus, NodeStatus, Platform
 
 log = logs.get("node")
 
@@ -204,6 +205,35 @@ class Node:
         if isinstance(loaded, concurrent.futures.Future):
             await asyncio.wrap_future(loaded)
         return model_id
+
+    def pinned_ids(self) -> list[str]:
+        """Models the operator pinned: loaded at start, never unloaded."""
+        return [mid for mid in self.catalog.ids() if self.catalog.stored(mid).pin]
+
+    async def load_model(self, name: str | None, keep_alive: object = None) -> ModelStatus:
+        """Load a model ahead of work (the CLI, the local API, the coordinator's warm frame), joining a load under
+        way, and keep it as `keep_alive` says (keep_alive.py; not given: the settings'). JobError if it cannot."""
+        model_id = self.resolve_model(name)
+        seconds = parse_keep_alive(keep_alive)
+
+        def load():
+            loaded = self.models.request(model_id)
+            self.models.keep(model_id, seconds, reset=True)
+            return loaded
+
+        loaded = await asyncio.wrap_future(self.engine.call(load))
+        if isinstance(loaded, concurrent.futures.Future):
+            await asyncio.wrap_future(loaded)
+        return self.model_status(model_id)
+
+    async def unload_model(self, name: str | None) -> str:
+        """Unload a model and give its memory back: `unloaded`, `unloading` (once its jobs end) or `not_loaded`;
+        JobError for a pinned one. A job that asks for it afterwards loads it again."""
+        model_id = self.resolve_model(name)
+        return await asyncio.wrap_future(self.engine.call(lambda: self.models.unload(model_id)))
+
+    def model_status(self, model_id: str) -> ModelStatus:
+        return next(m for m in self.models.statuses() if m.id == model_id)
 
     def group_ready(self) -> None:
         """Every rank holds the model (preload returned): rank 0's steps start leading the others'."""

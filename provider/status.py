@@ -37,6 +37,9 @@ class ModelStatus:
     # Where those costs came from (engine.profile_store): source file | measured (and when, and the file), or
     # measuring (auto decodes plain meanwhile); `measuring` also marks a stale file being measured again.
     speculation_profile: dict | None = None
+    pinned: bool = False  # loaded at start and never unloaded
+    keep_alive_s: float | None = None  # how long it may stay idle before it is unloaded; None: for ever
+    unload_at: float | None = None  # unix time it unloads if nothing uses it before; None: busy or kept
 
     @property
     def resident(self) -> bool:

@@ -1,6 +1,7 @@
 """Memory decisions are pure functions over plain numbers."""
 
-from provider.memory.admission import ADMIT, NEVER, WAIT, Resident, idle_to_unload, plan_job, plan_load
+from provider.memory.admission import (ADMIT, FOREVER, NEVER, WAIT, Resident, idle_to_unload, keep_seconds, plan_job,
+                                      plan_load)
 from provider.memory.budget import SystemFacts, decide_budget
 
 GB = 1 << 30
@@ -46,9 +47,29 @@ def test_max_resident_models_forces_lru_eviction():
 
 
 def test_idle_timeout():
-    residents = [Resident("a", 1, False, 0.0), Resident("b", 1, True, 0.0), Resident("c", 1, False, 95.0)]
-    assert idle_to_unload(residents, now=100.0, idle_timeout=10) == ["a"]
-    assert idle_to_unload(residents, now=100.0, idle_timeout=0) == []
+    residents = [Resident("a", 1, False, 0.0, 10), Resident("b", 1, True, 0.0, 10), Resident("c", 1, False, 95.0, 10)]
+    assert idle_to_unload(residents, now=100.0) == ["a"]
+    forever = [Resident("a", 1, False, 0.0, None), Resident("p", 1, False, 0.0, 0, pinned=True)]
+    assert idle_to_unload(forever, now=100.0) == []
+
+
+def test_how_long_a_model_stays_idle_pin_then_request_then_model_then_node():
+    assert keep_seconds(pinned=True, asked=0, model_ttl=5, node_ttl=9) is None
+    assert keep_seconds(pinned=False, asked=0, model_ttl=5, node_ttl=9) == 0
+    assert keep_seconds(pinned=False, asked=FOREVER, model_ttl=5, node_ttl=9) is None
+    assert keep_seconds(pinned=False, asked=None, model_ttl=5, node_ttl=9) == 5
+    assert keep_seconds(pinned=False, asked=None, model_ttl=0, node_ttl=9) is None  # the model's 0: never
+    assert keep_seconds(pinned=False, asked=None, model_ttl=None, node_ttl=9) == 9
+    assert keep_seconds(pinned=False, asked=None, model_ttl=None, node_ttl=0) is None
+
+
+def test_a_pinned_model_is_never_evicted_to_make_room():
+    residents = [Resident("pinned", 40, False, 0.0, pinned=True), Resident("idle", 40, False, 5.0)]
+    assert plan_load(50, 100, residents, max_resident=4).evict == ("idle",)
+    assert not plan_load(70, 100, residents, max_resident=4).admit  # only the pin could make room
+    assert not plan_load(1, 100, residents[:1], max_resident=1).admit  # the cap counts the pin
+    job = plan_job(60, 100, [Resident("m", 10, True, 0.0)] + residents, "m", jobs_kv=0, prefix_bytes=0)
+    assert job.decision == WAIT and not job.evict
 
 
 def test_a_job_is_admitted_from_free_memory_then_from_prefix_caches_then_by_evicting_idle_models():

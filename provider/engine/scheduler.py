@@ -20,7 +20,6 @@ import concurrent.futures
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from .. import logs
@@ -33,6 +32,7 @@ from ..prompts import Prepared
 from ..status import EngineStats
 from ..telemetry import NOT_STARTED
 from .books import Books, deliver
+from .inbox import WAKE, Call, Cancel, Stop
 from .job_plan import job_plan
 from .running import Running, restore_random_state
 from .collective import collective_failure
@@ -44,19 +44,6 @@ STOPPED_MESSAGE = "the node stopped before this job started; retry elsewhere"
 FAILED_MESSAGE = "the node's engine stopped after an internal failure ({}); the node is restarting, retry elsewhere"
 
 
-@dataclass(frozen=True)
-class _Cancel:
-    job_id: str
-
-
-@dataclass(frozen=True)
-class _Stop:
-    grace_s: float  # in-flight jobs get this long to finish
-
-
-_WAKE = object()  # a prompt or a model became ready: look at the queue again
-
-# The inbox carries Pending (a submitted job), _Cancel, _Stop and _WAKE.
 
 
 class Engine:
@@ -101,10 +88,16 @@ class Engine:
             else:
                 prepared = prepare(job)
                 self._inbox.put(Pending(job, sink, time.perf_counter(), prepared))
-                prepared.add_done_callback(lambda _: self._inbox.put(_WAKE))
+                prepared.add_done_callback(lambda _: self._inbox.put(WAKE))
 
     def cancel(self, job_id: str) -> None:
-        self._inbox.put(_Cancel(job_id))
+        self._inbox.put(Cancel(job_id))
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """`fn()` on the engine thread between steps (loads and unloads the operator asks for); its outcome."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(Call(fn, result))
+        return result
 
     def drain(self) -> None:
         """Accept no new jobs; in-flight and queued ones run to the end."""
@@ -121,7 +114,7 @@ class Engine:
     def stop(self, grace_s: float = 10.0) -> None:
         """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread."""
         self.drain()
-        self._inbox.put(_Stop(grace_s))
+        self._inbox.put(Stop(grace_s))
         self._thread.join()
 
     # --- engine thread ----------------------------------------------------------
@@ -151,6 +144,8 @@ class Engine:
                 break
             if isinstance(msg, Pending):
                 sinks[msg.job.id] = msg.sink
+            elif isinstance(msg, Call):
+                msg.result.set_exception(JobError(cause, message))
         for job_id, sink in sinks.items():
             deliver(sink, Error(job_id, cause, message))
         self._running.clear()
@@ -208,15 +203,24 @@ class Engine:
         while True:
             if isinstance(msg, Pending):
                 self._enqueue(msg)
-            elif isinstance(msg, _Cancel):
+            elif isinstance(msg, Cancel):
                 self._cancel(msg.job_id)
-            elif isinstance(msg, _Stop):
+            elif isinstance(msg, Stop):
                 self._stop_at = time.monotonic() + msg.grace_s
+            elif isinstance(msg, Call):
+                self._call(msg)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
         self._update_counts()
+
+    def _call(self, msg: Call) -> None:
+        try:
+            msg.result.set_result(msg.fn())
+        except Exception as e:
+            msg.result.set_exception(e)
+        self._running.keep_prefix_caches_of(set(self.models.resident()))  # an unloaded model's prefixes go too
 
     def _enqueue(self, p: Pending) -> None:
         if p.job.id in self._books:  # one job id, one life: a second submit under it is refused, not merged
@@ -249,7 +253,7 @@ class Engine:
             self._running.trim_prefix_caches(0)  # prefix caches go before any model is evicted to make room
             self._publish_prefix_bytes()
             self._waiting.park(p, loaded)
-            loaded.add_done_callback(lambda _: self._inbox.put(_WAKE))
+            loaded.add_done_callback(lambda _: self._inbox.put(WAKE))
             return Verdict.GONE
         lm = self.models.acquire(loaded.id)  # held from here: nothing evicts it while the job is decided
         if lm is None:  # evicted since `request` (a load on the loader thread made room): ask for it again
@@ -268,6 +272,7 @@ class Engine:
             self._fail(p, JobError(Cause.INSUFFICIENT_MEMORY, admission.message(lm.id)))
             return Verdict.GONE
         self._books.started(p.job.id, lm.id)  # from here `finish` gives the model back (and _rebook its KV)
+        self.models.keep(lm.id, prepared.job.keep_alive)
         self._running.trim_prefix_caches(admission.prefix_keep)
         self._publish_prefix_bytes()
         return Verdict.STARTED if self._start(p, prepared, lm, max_tokens) else Verdict.GONE

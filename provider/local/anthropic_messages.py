@@ -74,7 +74,7 @@ def parse_messages(body: Any, job_id: str, limits: api.Limits, *, counting: bool
             temperature=_given(body, "temperature", 1.0), top_p=_given(body, "top_p", 1.0),
             top_k=_given(body, "top_k", 0), stop=tuple(stop))
         job = Job(id=job_id, model=model, sampling=sampling, messages=tuple(messages), rules=rules,
-                  images=tuple(images))
+                  images=tuple(images), keep_alive=body.get("keep_alive"))
     except JobError as e:
         raise api.RequestError(e.message, e.param) from None
     return MessagesRequest(job, stream and not counting, notes, len(rules.tools))

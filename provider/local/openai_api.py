@@ -199,7 +199,7 @@ def _finish(body: dict[str, Any], job_id: str, limits: Limits, prompts: list[dic
                               prompt_logprobs=(scored and c == 0) or sampling.max_tokens == 0)
                 jobs.append(Job(id=job_id if len(prompts) * n == 1 else f"{job_id}-{p * n + c}", model=model,
                                 sampling=own, rules=rules, speculation=speculation, share_prompt=n > 1 and c == 0,
-                                **prompt))
+                                keep_alive=body.get("keep_alive"), **prompt))
     except JobError as e:  # the shared bounds (jobs.py, constraints.py), reported against the field at fault
         raise RequestError(e.message, e.param) from None
     return ParsedRequest(tuple(jobs), stream, _bool(options, "include_usage", False), n, echo, logprobs is not None)

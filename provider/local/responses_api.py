@@ -80,7 +80,7 @@ def parse_responses(body: Any, job_id: str, limits: api.Limits, prior: tuple[dic
         sampling = SamplingParams(max_tokens=notes.clamp(asked, limits.default_max_tokens, limits.max_tokens_limit),
                                   temperature=_given(body, "temperature", 1.0), top_p=_given(body, "top_p", 1.0))
         job = Job(id=job_id, model=model, sampling=sampling, messages=tuple(messages), rules=rules,
-                  images=tuple(images))
+                  images=tuple(images), keep_alive=body.get("keep_alive"))
     except JobError as e:
         raise api.RequestError(e.message, e.param) from None
     echo = {"instructions": instructions, "max_output_tokens": asked, "parallel_tool_calls": rules.parallel_tool_calls,

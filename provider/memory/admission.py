@@ -11,6 +11,12 @@ class Resident:
     bytes: int  # what it holds now (measured weights + reserved KV and activations)
     busy: bool  # jobs in flight, or still loading: never evicted
     last_used: float
+    keep_s: float | None = None  # how long it may stay idle before it is unloaded (keep_seconds); None: for ever
+    pinned: bool = False  # never unloaded, not even to make room
+
+    @property
+    def evictable(self) -> bool:
+        return not self.busy and not self.pinned
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class Admission:
 def plan_load(needed: int, budget: int, residents: list[Resident], max_resident: int) -> Admission:
     """Admit a load of `needed` bytes, evicting idle models LRU-first only if that makes it fit."""
     free = budget - sum(r.bytes for r in residents)
-    idle = sorted((r for r in residents if not r.busy), key=lambda r: r.last_used)
+    idle = sorted((r for r in residents if r.evictable), key=lambda r: r.last_used)
     evict: list[str] = []
     room, count = free, len(residents)
     for r in idle:
@@ -50,11 +56,24 @@ def plan_load(needed: int, budget: int, residents: list[Resident], max_resident:
     return Admission(False, (), needed, free, budget, reason)
 
 
-def idle_to_unload(residents: list[Resident], now: float, idle_timeout: float) -> list[str]:
-    """Models idle longer than `idle_timeout` seconds (0 disables idle unloading)."""
-    if idle_timeout <= 0:
-        return []
-    return [r.id for r in residents if not r.busy and now - r.last_used >= idle_timeout]
+FOREVER = float("inf")
+
+
+def keep_seconds(*, pinned: bool, asked: float | None, model_ttl: float | None, node_ttl: float) -> float | None:
+    """How long a model may stay idle before it is unloaded; None: for ever. A pin wins over everything; then
+    what the last request or load asked (Ollama's keep_alive: seconds, 0 to unload once idle, FOREVER to keep);
+    then the model's own idle_timeout_s; then the node's (0 in either: no idle unloading)."""
+    if pinned:
+        return None
+    if asked is not None:
+        return None if asked == FOREVER else max(0.0, asked)
+    ttl = node_ttl if model_ttl is None else model_ttl
+    return ttl if ttl > 0 else None
+
+
+def idle_to_unload(residents: list[Resident], now: float) -> list[str]:
+    """Models idle for longer than they may be (`keep_s`)."""
+    return [r.id for r in residents if r.evictable and r.keep_s is not None and now - r.last_used >= r.keep_s]
 
 
 ADMIT, WAIT, NEVER = "admit", "wait", "never"
@@ -89,7 +108,7 @@ def plan_job(needed: int, usable: int, residents: list[Resident], model_id: str,
     if free + prefix_bytes >= needed:
         return JobAdmission(ADMIT, needed, free, usable, prefix_bytes - (needed - free), ())
     room, evict = free + prefix_bytes, []
-    for r in sorted((r for r in residents if not r.busy and r.id != model_id), key=lambda r: r.last_used):
+    for r in sorted((r for r in residents if r.evictable and r.id != model_id), key=lambda r: r.last_used):
         evict.append(r.id)
         room += r.bytes
         if room >= needed:

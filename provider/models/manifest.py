@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from .. import paths
+from ..jobs import JobError
+from ..types import Cause
 
 CHUNK = 8 << 20
 
@@ -57,3 +59,12 @@ def model_hash(files: dict[str, str]) -> str:
     """One SHA-256 for the whole checkpoint: over `sha256sum`-style lines, sorted by path."""
     lines = "".join(f"{digest}  {rel}\n" for rel, digest in sorted(files.items()))
     return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def verify_pin(model_id: str, path: Path, pinned: str) -> None:
+    actual = model_hash(manifest(path)) if path.is_dir() else "(missing)"
+    if actual != pinned:
+        raise JobError(Cause.WEIGHTS_MISMATCH,
+                       f"{model_id}: checkpoint hash {actual[:16]}… does not match the pinned {pinned[:16]}…; "
+                       "the files changed since they were pinned — re-download, or update the pin after "
+                       "checking them with `provider models verify`")

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import gc
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from .. import logs
 from ..jobs import JobError
 from ..types import Cause, Policy, SpecMode, SpecReason
-from ..memory.admission import ADMIT, JobAdmission, Resident, idle_to_unload, plan_job, plan_load
+from ..memory.admission import (ADMIT, JobAdmission, idle_to_unload, plan_job,
+                                plan_load)
 from ..memory.batch_kv import plain_batch_bytes
 from ..memory.estimate import KVQuant, KVShape
 from ..memory.budget import Budget
@@ -30,41 +29,13 @@ from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
 from .checkpoint import HeaderError, read_config
-from .footprint import Footprint, drafter_footprint, estimate_footprint, kv_shape_of
+from .footprint import drafter_footprint, estimate_footprint, kv_shape_of
 from .loader import LoadedModel
+from .resident_model import ResidentModel, free_mlx_cache, mlx_active
 from .spec_profiles import SpecProfiles
 from .store import StoredModel
 
 log = logs.get("models")
-
-
-@dataclass
-class _Entry:
-    stored: StoredModel
-    future: concurrent.futures.Future
-    footprint: Footprint | None = None
-    lm: LoadedModel | None = None
-    measured_weights: int | None = None
-    drafter_bytes: int = 0
-    active_delta: int | None = None  # raw mx.get_active_memory() growth across the load
-    in_use: int = 0
-    last_used: float = 0.0
-
-    @property
-    def ready(self) -> bool:
-        return self.lm is not None
-
-    @property
-    def bytes(self) -> int:
-        """What the model holds: weights, activations, drafter. Its batches' KV is booked apart (admit_batch);
-        a load is gated on one sequence of kv_reserve_tokens fitting beside it."""
-        if self.footprint is None:
-            return 0
-        weights = max(self.measured_weights or 0, self.footprint.weights)
-        return weights + self.footprint.activations + self.drafter_bytes
-
-    def resident(self) -> Resident:
-        return Resident(self.stored.id, self.bytes, busy=not self.ready or self.in_use > 0, last_used=self.last_used)
 
 
 class Residency:
@@ -83,13 +54,13 @@ class Residency:
         self._prefill_step = prefill_step
         self._kv_bits, self._kv_group_size = kv_bits, kv_group_size  # the node's; a model's own config wins
         self.speculation = speculation  # the node's one owner of policy and k; the engine reads it here
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, ResidentModel] = {}
         # What each model's batches will hold in KV, worst case (memory.batch_kv): booked by the engine when a
         # job is admitted and whenever rows join or leave; nothing once they are gone.
         self._batch_kv: dict[str, int] = {}
         # What MLX held before this residency existed is not its to account for (in a daemon, nothing; beside
         # other users of MLX in one process, theirs).
-        self._mlx_baseline = _mlx_active()
+        self._mlx_baseline = mlx_active()
         self._next_ledger_warning = 0.0
         self.prefix_bytes = 0  # what the engine's prefix caches hold; set by the engine thread
         self._lock = threading.Lock()
@@ -114,7 +85,7 @@ class Residency:
             jobs = sum(self._batch_kv.values())
         prefix = self.prefix_bytes
         used = models + jobs + prefix
-        active = _mlx_active()
+        active = mlx_active()
         unaccounted = max(0, active - self._mlx_baseline - used)
         b = self.budget
         return MemoryStatus(system_bytes=system_bytes, budget_bytes=b.total, reserve_bytes=b.reserve,
@@ -138,10 +109,10 @@ class Residency:
         if unaccounted > 0.10 * ledger and now >= self._next_ledger_warning:
             self._next_ledger_warning = now + 60.0
             log.warning("memory_ledger_behind", unaccounted_bytes=unaccounted, ledger_bytes=ledger,
-                        mlx_active_bytes=_mlx_active())
+                        mlx_active_bytes=mlx_active())
 
     def _unaccounted_locked(self) -> int:
-        return max(0, _mlx_active() - self._mlx_baseline - self._ledger_locked())
+        return max(0, mlx_active() - self._mlx_baseline - self._ledger_locked())
 
     def _ledger_locked(self) -> int:
         return sum(e.bytes for e in self._entries.values()) + sum(self._batch_kv.values()) + self.prefix_bytes
@@ -164,9 +135,16 @@ class Residency:
                     active_jobs=e.in_use, idle_s=round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0,
                     load_seconds=round(e.lm.load_seconds, 3) if e.lm is not None else None,
                     speculation=e.lm.spec_profile.as_dict() if e.lm is not None and e.lm.spec_profile else None,
-                    speculation_profile=self._profiles.origin(mid, e.lm))
-            out.append(status)
+                    speculation_profile=self._profiles.origin(mid, e.lm), **self._keeping(e, now))
+            out.append(dataclasses.replace(status, pinned=stored.pin))
         return out
+
+    def _keeping(self, e: ResidentModel, now: float) -> dict:
+        """How long the model stays: its idle allowance, and when (unix time) it unloads if nothing uses it."""
+        keep = e.keep_s(self._idle_timeout)
+        idle = e.ready and not e.in_use
+        at = time.time() + max(0.0, e.last_used + keep - now) if keep is not None and idle else None
+        return {"keep_alive_s": keep, "unload_at": None if at is None else round(at, 3)}
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
@@ -182,7 +160,7 @@ class Residency:
             if e is not None:
                 return e.lm if e.ready else e.future
             future: concurrent.futures.Future = concurrent.futures.Future()
-            self._entries[model_id] = _Entry(self.catalog.stored(model_id), future, last_used=time.monotonic())
+            self._entries[model_id] = ResidentModel(self.catalog.stored(model_id), future, last_used=time.monotonic())
             self.loads_started += 1
         self._loader.submit(self._load, model_id, future)
         return future
@@ -220,7 +198,7 @@ class Residency:
         prefix caches to `prefix_keep`, and books again (`book`) whenever rows leave."""
         with self._lock:
             needed = max(0, booked - self._batch_kv.get(model_id, 0))
-            residents = [e.resident() for e in self._entries.values()]
+            residents = [e.resident(self._idle_timeout) for e in self._entries.values()]
             plan = plan_job(needed, self.budget.usable, residents, model_id, sum(self._batch_kv.values()),
                             self.prefix_bytes, unaccounted=self._unaccounted_locked())
             if plan.decision == ADMIT:
@@ -228,7 +206,7 @@ class Residency:
                     self._unload_locked(victim, "make_room_for_job")
                 self._batch_kv[model_id] = max(booked, self._batch_kv.get(model_id, 0))
         if plan.evict:
-            _free_mlx_cache()
+            free_mlx_cache()
         return plan
 
     def book(self, model_id: str, booked: int) -> None:
@@ -241,13 +219,40 @@ class Residency:
 
     def unload_idle(self) -> list[str]:
         with self._lock:
-            gone = idle_to_unload([e.resident() for e in self._entries.values()], time.monotonic(),
-                                  self._idle_timeout)
+            gone = idle_to_unload([e.resident(self._idle_timeout) for e in self._entries.values()], time.monotonic())
             for mid in gone:
                 self._unload_locked(mid, "idle_timeout")
         if gone:
-            _free_mlx_cache()
+            free_mlx_cache()
         return gone
+
+    def keep(self, model_id: str, seconds: float | None, *, reset: bool = False) -> None:
+        """What a request or a load asked of how long the model stays idle (Ollama's keep_alive; FOREVER to keep
+        it): it holds until another asks otherwise. None leaves it as it is, or with `reset` goes back to the
+        settings' (a load that asks nothing)."""
+        if seconds is None and not reset:
+            return
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is not None:
+                e.asked_keep_s = seconds
+
+    def unload(self, model_id: str) -> str:
+        """Unload a model now (`unloaded`), or once its jobs and its load end (`unloading`); a pinned one is
+        refused. A job that asks for it afterwards loads it again."""
+        with self._lock:
+            e = self._entries.get(model_id)
+            if e is None:
+                return "not_loaded"
+            if e.stored.pin:
+                raise JobError(Cause.INVALID_REQUEST, f"{model_id} is pinned (pin = true in its [models.{model_id}] "
+                               "table): it stays loaded; unpin it in the config to let it go", param="model")
+            if not e.ready or e.in_use:
+                e.asked_keep_s = 0.0
+                return "unloading"
+            self._unload_locked(model_id, "asked")
+        free_mlx_cache()
+        return "unloaded"
 
     # --- loader thread ------------------------------------------------------------
 
@@ -268,9 +273,9 @@ class Residency:
         stored = self.catalog.stored(model_id)
         path, config = self.catalog.checkpoint(model_id)
         if stored.sha256:
-            verify_pin(model_id, path, stored.sha256)
+            manifest.verify_pin(model_id, path, stored.sha256)
         if stored.drafter_sha256 and stored.drafter:
-            verify_pin(f"{model_id}'s drafter", Path(stored.drafter).expanduser(), stored.drafter_sha256)
+            manifest.verify_pin(f"{model_id}'s drafter", Path(stored.drafter).expanduser(), stored.drafter_sha256)
         try:
             kv_quant = self.kv_quant(stored)
             fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step,
@@ -280,7 +285,7 @@ class Residency:
         caps, drafter_path, drafter_need = self._drafter_need(stored, path, config)
         with self._lock:
             entry = self._entries[model_id]
-            others = [e.resident() for mid, e in self._entries.items() if mid != model_id]
+            others = [e.resident(self._idle_timeout) for mid, e in self._entries.items() if mid != model_id]
             in_flight = sum(self._batch_kv.values()) + self.prefix_bytes + self._unaccounted_locked()
             plan = plan_load(fp.total, max(0, self.budget.usable - in_flight), others, self._max_resident)
             if not plan.admit:
@@ -297,7 +302,7 @@ class Residency:
             if drafting.mode is not None:
                 entry.drafter_bytes = drafter_need  # reserved before any drafter weights are read
         if plan.evict:
-            _free_mlx_cache()
+            free_mlx_cache()
         if drafting.reason == SpecReason.INSUFFICIENT_HEADROOM:
             log.info("drafter_skipped", model=model_id, needed=drafter_need, free=headroom, reason=drafting.reason)
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting,
@@ -346,25 +351,3 @@ class Residency:
         if e is not None:
             self.evictions += 1
             log.info("model_unloaded", model=model_id, reason=why, bytes=e.bytes)
-
-
-def verify_pin(model_id: str, path: Path, pinned: str) -> None:
-    actual = manifest.model_hash(manifest.manifest(path)) if path.is_dir() else "(missing)"
-    if actual != pinned:
-        raise JobError(Cause.WEIGHTS_MISMATCH,
-                       f"{model_id}: checkpoint hash {actual[:16]}… does not match the pinned {pinned[:16]}…; "
-                       "the files changed since they were pinned — re-download, or update the pin after "
-                       "checking them with `provider models verify`")
-
-
-def _mlx_active() -> int:
-    import mlx.core as mx
-
-    return mx.get_active_memory()
-
-
-def _free_mlx_cache() -> None:
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()

@@ -26,10 +26,10 @@ from provider.speculation import SpeculationConfig
 
 
 def make_manager(models: dict[str, Path], budget_bytes: int = 4 << 30, drafters: dict[str, Path] | None = None,
-                 **kw) -> Residency:
+                 pins: tuple[str, ...] = (), **kw) -> Residency:
     drafters = drafters or {}
     stored = [StoredModel(k, str(v), v if v.is_dir() else None, "configured",
-                          drafter=str(drafters[k]) if k in drafters else None) for k, v in models.items()]
+                          drafter=str(drafters[k]) if k in drafters else None, pin=k in pins) for k, v in models.items()]
     return Residency(Catalog(stored, allow_download=False), Budget(budget_bytes, 0, "test"), **kw)
 
 
