@@ -9,6 +9,7 @@ from provider.status import NodeStatus
 
 from .convert import decision_to_pb
 from .identity import Identity
+from .residency import residency_of
 from .pb import provider_pb2 as pb
 
 BACKENDS = {"metal": pb.BACKEND_METAL, "cpu": pb.BACKEND_CPU, "cuda": pb.BACKEND_CUDA}
@@ -68,7 +69,8 @@ def heartbeat(st: NodeStatus, *, draining: bool) -> pb.Heartbeat:
                              spec_drafted_tokens=c.spec_drafted, spec_accepted_tokens=c.spec_accepted,
                              spec_target_forwards=c.spec_target_forwards),
         timestamp_ms=int(time.time() * 1000),
-        speculation=[_profile(m.id, m.speculation) for m in st.models if m.speculation], group=node_group(st))
+        speculation=[_profile(m.id, m.speculation) for m in st.models if m.speculation], group=node_group(st),
+        residency=residency_of(st.models))
 
 
 def _profile(model: str, p: dict) -> pb.SpeculationProfile:

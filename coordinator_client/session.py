@@ -27,6 +27,7 @@ from .identity import Identity, next_session_epoch
 from .outbox import CoordinatorNotReading, Outbox
 from .pb import provider_pb2 as pb
 from .registration import heartbeat, registration
+from .residency import ResidencyFrames
 from .sealing import SealingKey
 from .serving import CoordinatorJobs
 
@@ -100,6 +101,7 @@ class CoordinatorSession:
         # The one pending drain report: a Drain while it waits joins it, so a flood of Drain frames holds one
         # task, not one each (60,000 of them held 124 MiB outside the outbox's bound).
         self._drain_report: asyncio.Task | None = None
+        self.residency = ResidencyFrames(node)
 
     # --- the reconnect loop ---------------------------------------------------------
 
@@ -171,6 +173,7 @@ class CoordinatorSession:
                 if t is not None:
                     t.cancel()
             self._drain_report = None
+            self.residency.cancel()  # a load under way goes on; only its answer, to a closed stream, is dropped
             await self.jobs.abandon()
             await channel.close(grace=None)
             self.throttle.flush(log)
@@ -268,6 +271,10 @@ class CoordinatorSession:
                     self._drain_report = asyncio.create_task(self._report_drained(outbox), name="drain-report")
             elif kind == "ping":
                 outbox.put_nowait(pb.ProviderFrame(pong=pb.Pong(id=frame.ping.id)))
+            elif kind == "warm_model":
+                self.residency.on_warm(frame.warm_model, outbox)
+            elif kind == "release_model":
+                self.residency.on_release(frame.release_model, outbox)
             elif kind in HANDSHAKE_FRAMES:
                 self._protocol_error(outbox, f"{kind} is a handshake frame; the session is already up",
                                      frame.ByteSize(), kind, why=kind)

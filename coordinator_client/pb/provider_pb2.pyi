@@ -87,7 +87,7 @@ ERROR_CAUSE_SEALING_FAILED: ErrorCause
 ERROR_CAUSE_GROUP_LOST: ErrorCause
 
 class ProviderFrame(_message.Message):
-    __slots__ = ("hello", "heartbeat", "job_accepted", "token_chunk", "job_done", "job_error", "pong", "drained", "protocol_error")
+    __slots__ = ("hello", "heartbeat", "job_accepted", "token_chunk", "job_done", "job_error", "pong", "drained", "protocol_error", "model_residency")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     JOB_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class ProviderFrame(_message.Message):
     PONG_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     job_accepted: JobAccepted
@@ -106,10 +107,11 @@ class ProviderFrame(_message.Message):
     pong: Pong
     drained: Drained
     protocol_error: ProtocolError
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., job_error: _Optional[_Union[JobError, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., drained: _Optional[_Union[Drained, _Mapping]] = ..., protocol_error: _Optional[_Union[ProtocolError, _Mapping]] = ...) -> None: ...
+    model_residency: ModelResidency
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., job_error: _Optional[_Union[JobError, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., drained: _Optional[_Union[Drained, _Mapping]] = ..., protocol_error: _Optional[_Union[ProtocolError, _Mapping]] = ..., model_residency: _Optional[_Union[ModelResidency, _Mapping]] = ...) -> None: ...
 
 class CoordinatorFrame(_message.Message):
-    __slots__ = ("challenge", "welcome", "reject", "job_request", "cancel", "drain", "ping", "job_ack")
+    __slots__ = ("challenge", "welcome", "reject", "job_request", "cancel", "drain", "ping", "job_ack", "warm_model", "release_model")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,8 @@ class CoordinatorFrame(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     JOB_ACK_FIELD_NUMBER: _ClassVar[int]
+    WARM_MODEL_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     challenge: Challenge
     welcome: Welcome
     reject: Reject
@@ -126,7 +130,9 @@ class CoordinatorFrame(_message.Message):
     drain: Drain
     ping: Ping
     job_ack: JobAck
-    def __init__(self, challenge: _Optional[_Union[Challenge, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., job_request: _Optional[_Union[JobRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., job_ack: _Optional[_Union[JobAck, _Mapping]] = ...) -> None: ...
+    warm_model: WarmModel
+    release_model: ReleaseModel
+    def __init__(self, challenge: _Optional[_Union[Challenge, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., job_request: _Optional[_Union[JobRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., job_ack: _Optional[_Union[JobAck, _Mapping]] = ..., warm_model: _Optional[_Union[WarmModel, _Mapping]] = ..., release_model: _Optional[_Union[ReleaseModel, _Mapping]] = ...) -> None: ...
 
 class Challenge(_message.Message):
     __slots__ = ("nonce", "server_time_ms")
@@ -273,7 +279,7 @@ class Reject(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., retry_after_s: _Optional[int] = ..., permanent: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms", "speculation", "group")
+    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms", "speculation", "group", "residency")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MODELS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +289,7 @@ class Heartbeat(_message.Message):
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     status: NodeStatus
     resident_models: _containers.RepeatedScalarFieldContainer[str]
     active_jobs: int
@@ -292,7 +299,48 @@ class Heartbeat(_message.Message):
     timestamp_ms: int
     speculation: _containers.RepeatedCompositeFieldContainer[SpeculationProfile]
     group: NodeGroup
-    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., speculation: _Optional[_Iterable[_Union[SpeculationProfile, _Mapping]]] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ...) -> None: ...
+    residency: _containers.RepeatedCompositeFieldContainer[ModelResidency]
+    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., speculation: _Optional[_Iterable[_Union[SpeculationProfile, _Mapping]]] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ..., residency: _Optional[_Iterable[_Union[ModelResidency, _Mapping]]] = ...) -> None: ...
+
+class WarmModel(_message.Message):
+    __slots__ = ("model", "keep_alive", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    keep_alive: str
+    request_id: int
+    def __init__(self, model: _Optional[str] = ..., keep_alive: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseModel(_message.Message):
+    __slots__ = ("model", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    request_id: int
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class ModelResidency(_message.Message):
+    __slots__ = ("request_id", "model", "state", "unload_at_ms", "pinned", "keep_alive_s", "active_jobs", "error_cause", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_JOBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    model: str
+    state: str
+    unload_at_ms: int
+    pinned: bool
+    keep_alive_s: float
+    active_jobs: int
+    error_cause: ErrorCause
+    error_message: str
+    def __init__(self, request_id: _Optional[int] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., unload_at_ms: _Optional[int] = ..., pinned: _Optional[bool] = ..., keep_alive_s: _Optional[float] = ..., active_jobs: _Optional[int] = ..., error_cause: _Optional[_Union[ErrorCause, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("jobs_completed", "jobs_failed", "jobs_cancelled", "tokens_generated", "spec_drafted_tokens", "spec_accepted_tokens", "spec_target_forwards")
