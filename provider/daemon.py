@@ -24,7 +24,7 @@ EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; the service manager res
 async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None) -> int:
     """Run the node with its front ends until SIGINT/SIGTERM, then drain: engine first, listeners last. As rank 0
     of a node group (`group`), first join the other ranks; the model then loads split across them."""
-    from .local.server import load_or_mint_token, start_local_api
+    from .local.server import load_or_mint_token, start_control_socket, start_local_api
     from .models.default import primary_models
     from .machine import decide_node_budget, node_step_tokens
     from .node import Node, build_models
@@ -60,14 +60,16 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
         node.loading = True
         runner, url = await start_local_api(node, settings.bind, settings.port, token)
         print(f"provider {__version__}: loading {model_id}; health at {url}/health", flush=True)
+    # The command line's way in (`provider generate`), with or without the TCP API, and after it: on its runner.
+    runner, control = await start_control_socket(node, token, runner)
     loading = asyncio.create_task(service.while_loading(model_id))
     try:
         await node.preload(model_id)  # load and warm up before saying we are ready
     except JobError as e:
         if settings.model:  # the model asked for by name must load; any other may fail alone
             await node.stop(grace_s=0)
-            if runner is not None:
-                await runner.cleanup()
+            await runner.cleanup()
+            _remove(control)
             raise
         logs.get("daemon").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
         print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
@@ -85,8 +87,8 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
         loop.add_signal_handler(sig, stop.set)
     print(f"provider {__version__}: serving {model_id}", flush=True)
     if local:
-        if runner is None:
-            runner, url = await start_local_api(node, settings.bind, settings.port, token)
+        if url is None:
+            runner, url = await start_local_api(node, settings.bind, settings.port, token, runner)
         print(f"  local OpenAI-compatible API at {url}/v1", flush=True)
         print(f"  token file: {token_path}  (send: Authorization: Bearer <its contents>)" if token_path
               else "  auth: off (--no-auth)", flush=True)
@@ -128,8 +130,8 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     await node.stop(grace_s=settings.shutdown_grace_s)
     if session_task is not None:
         await session_task
-    if runner is not None:
-        await runner.cleanup()
+    await runner.cleanup()
+    _remove(control)
     watchdog.cancel()
     await publisher
     status_file.remove(paths.state_dir())
@@ -143,3 +145,8 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
         return EXIT_ENGINE_FAILED
     return 0
 
+
+def _remove(control) -> None:
+    """The control socket's file, once its listener closed (the instance lock is still held)."""
+    if control is not None:
+        control.unlink(missing_ok=True)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import secrets
+import socket
+import stat
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,7 +21,9 @@ from . import openai_api as api
 from . import openai_responses as out
 from . import anthropic_messages
 from .anthropic_routes import AnthropicMessages
+from ..daemon_client import socket_path
 from .bodies import parse_json, read_body
+from .cli_jobs import CliJobs
 from .completions import JOB_ID, USAGE, Completions
 from .responses_routes import Responses
 
@@ -56,6 +61,7 @@ class LocalAPI:
         self.serving = Completions(node, self.limits)
         self.anthropic = AnthropicMessages(node, self.limits)
         self.responses = Responses(node, self.limits)
+        self.cli_jobs = CliJobs(node)
         self.app = web.Application(client_max_size=s.max_body_bytes,
                                    middlewares=[self._access, self._errors, self._preflight, self._auth])
         self.app.on_response_prepare.append(self._cors_headers)
@@ -73,6 +79,8 @@ class LocalAPI:
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
+            web.post("/provider/v1/generate", self.cli_jobs.generate),  # `provider generate` beside the daemon
+            web.post("/provider/v1/generate/{job_id}/cancel", self.cli_jobs.cancel),
         ])
 
     # --- middlewares ----------------------------------------------------------------
@@ -141,7 +149,7 @@ class LocalAPI:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         open_paths = ("/health", "/metrics") if self.node.settings.metrics_public else ("/health",)
-        if self.token is not None and request.path not in open_paths:
+        if self.token is not None and request.path not in open_paths and not over_control_socket(request):
             header = request.headers.get("Authorization", "")
             # Anthropic's clients send the key as x-api-key (anthropic-version beside it is accepted, unread).
             given = header[7:] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
@@ -187,11 +195,52 @@ class LocalAPI:
         return web.json_response({"prompt": await self.node.detokenize(model, ids)})
 
 
-async def start_local_api(node: Node, bind: str, port: int, token: str | None) -> tuple[web.AppRunner, str]:
-    """Start listening; return the runner (call `cleanup()` after the node stopped) and the base URL."""
+def over_control_socket(request: web.Request) -> bool:
+    """Whether the request came over the control socket (the connection's own address family, which no header
+    can fake): only the socket's owner can connect to it (0600), so it needs no token."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock is not None and sock.family == getattr(socket, "AF_UNIX", None)
+
+
+async def _runner(node: Node, token: str | None) -> web.AppRunner:
     runner = web.AppRunner(LocalAPI(node, token).app, handler_cancellation=True, shutdown_timeout=5.0,
                            access_log=None, auto_decompress=False)  # see bodies.read_body
     await runner.setup()
+    return runner
+
+
+async def start_control_socket(node: Node, token: str | None,
+                               runner: web.AppRunner | None = None) -> tuple[web.AppRunner, Path | None]:
+    """Serve the API on STATE/control.sock too (the TCP API's runner, or one of its own for a node without it),
+    for the same user's command line (`provider generate`). Only while holding the state directory's instance
+    lock: a socket file found there is a dead daemon's and is replaced. The socket is made 0600 before it
+    listens. Returns the runner and the socket's path, or None (and a warning) if it could not be made."""
+    runner = runner or await _runner(node, token)
+    path = socket_path()
+    sock, bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), False
+    try:
+        if path.is_socket():
+            path.unlink()
+        sock.bind(str(path))
+        bound = True
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)  # before listen(): nobody can connect until it is private
+        await web.SockSite(runner, sock).start()
+    except OSError as e:
+        sock.close()
+        if bound:
+            path.unlink(missing_ok=True)
+        log.warning("control_socket_unavailable", path=str(path), error=str(e))
+        return runner, None
+    log.info("control_socket_listening", path=str(path))
+    return runner, path
+
+
+async def start_local_api(node: Node, bind: str, port: int, token: str | None,
+                          runner: web.AppRunner | None = None) -> tuple[web.AppRunner, str]:
+    """Start listening (on `runner`, the control socket's, if it is already set up); return the runner (call
+    `cleanup()` after the node stopped) and the base URL."""
+    runner = runner or await _runner(node, token)
     site = web.TCPSite(runner, bind, port)
     await site.start()
     sock = site._server.sockets[0].getsockname()  # the real port when port=0
