@@ -5,6 +5,10 @@ The text streams to stdout as it is generated; the job's telemetry goes to stder
 `--json`, one JSON object on stdout holds the text, the finish reason, usage and telemetry). Errors are one
 line on stderr and a sysexits code. Ctrl-C cancels the job within one engine step; what was generated stays
 printed.
+
+One node per machine: when a daemon holds the state directory, the job goes to it over its control socket
+(`_forward`, provider/daemon_client.py) and runs there; otherwise the engine runs in this process. Either way
+the job is built and checked by `generate_job.job_of`, from the JSON shape the daemon's route reads too.
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ import json
 import re
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from .jobs import Done, Error, Job, SamplingParams, Tokens
-from .types import Cause, JobError, SpecMode
+from .generate_job import job_of, summary_of
+from .jobs import Done, Error, Job, Tokens
+from .types import Cause, JobError
 
 EX_USAGE_FLAG = 2  # a bad flag value: as argparse exits
 EX_DATAERR = 65  # the prompt or the schema is refused
 EX_NOINPUT = 66  # no prompt, or a file that cannot be read
 EX_UNAVAILABLE = 69  # the model cannot be loaded, or a feature this node does not have
 EX_SOFTWARE = 70
-EX_TEMPFAIL = 75  # not enough memory now, or the daemon holds the same model
+EX_TEMPFAIL = 75  # not enough memory now, or a daemon runs that cannot take the job
+START_WAIT_S = 10.0  # how long a daemon just started may take to open its control socket
 EXIT_INTERRUPTED = 130  # Ctrl-C: the job was cancelled; what it generated was printed
 CAUSE_EXIT = {Cause.INVALID_REQUEST: EX_DATAERR, Cause.CONTEXT_LENGTH_EXCEEDED: EX_DATAERR,
               Cause.SPECULATION_UNAVAILABLE: EX_UNAVAILABLE, Cause.UNKNOWN_MODEL: EX_NOINPUT,
@@ -34,8 +42,12 @@ CAUSE_EXIT = {Cause.INVALID_REQUEST: EX_DATAERR, Cause.CONTEXT_LENGTH_EXCEEDED: 
 
 HELP = """Generate one answer for PROMPT (or standard input) and print it as it comes.
 
-Runs beside a daemon on the same state directory unless that daemon already holds the model asked for: loading
-it twice in one memory budget is refused (exit 75); send the request to the daemon instead."""
+When a provider daemon runs on this state directory (`provider start`, with or without --local), the job is
+sent to it over its control socket and runs there, as `ollama run` does: one node, one memory budget. The
+daemon resolves --model among the models it serves (an unknown one exits 66) and loads it if it is not
+resident; Ctrl-C cancels the job in the daemon. --drafter and --config set the node itself, which a running
+daemon has already read: they are refused then (exit 2). A daemon too old to have a control socket is
+refused with exit 75. Without a daemon, the engine runs in this process."""
 
 
 def add_parser(sub) -> None:
@@ -65,15 +77,20 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        job = _job(args)
+        body, job = _job(args)
+        daemon = _find_daemon(args)
+        if daemon is not None:
+            return asyncio.run(_forward(args, body, *daemon))
         return asyncio.run(_generate(args, job))
-    except _Refused as e:
+    except Refused as e:
         return _fail(e.message, e.code)
     except JobError as e:
         return _fail(e.message, CAUSE_EXIT.get(e.cause, EX_SOFTWARE))
+    except KeyboardInterrupt:  # before a job ran (loading here, or waiting for a daemon's socket)
+        return _fail("interrupted", EXIT_INTERRUPTED)
 
 
-class _Refused(Exception):
+class Refused(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.message, self.code = message, code
@@ -84,41 +101,46 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _job(args: argparse.Namespace) -> Job:
-    """The job, with every flag checked before anything is loaded."""
-    from .constraints import OutputRules, ResponseFormat
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "seed", "speculation")
 
+
+def _job(args: argparse.Namespace) -> tuple[dict[str, Any], Job]:
+    """The job's JSON shape (what a daemon is sent) and the job, with every flag checked before anything loads."""
+    body = _body(args)
+    try:
+        return body, job_of(body, "generate")
+    except JobError as e:
+        if e.param in SAMPLING_FLAGS:
+            raise Refused(f"--{e.param.replace('_', '-')}: {e.message}", EX_USAGE_FLAG) from None
+        raise
+
+
+def _body(args: argparse.Namespace) -> dict[str, Any]:
     if args.image:
-        raise _Refused("--image needs image input (the vision issue), which this node does not have yet",
+        raise Refused("--image needs image input (the vision issue), which this node does not have yet",
                        EX_UNAVAILABLE)
     prompt = args.prompt
     if prompt is None:
         if sys.stdin.isatty():
-            raise _Refused("no prompt: pass PROMPT or pipe it on standard input", EX_NOINPUT)
+            raise Refused("no prompt: pass PROMPT or pipe it on standard input", EX_NOINPUT)
         prompt = sys.stdin.read()
     if not prompt.strip():
-        raise _Refused("the prompt is empty", EX_NOINPUT)
-    try:
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  seed=args.seed)
-    except JobError as e:
-        raise _Refused(f"--{e.param.replace('_', '-')}: {e.message}", EX_USAGE_FLAG) from None
-    rules = OutputRules()
+        raise Refused("the prompt is empty", EX_NOINPUT)
+    body: dict[str, Any] = {"model": args.model or "", "max_tokens": args.max_tokens,
+                            "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+                            "speculation": args.speculation}
     if args.json_schema is not None:
         try:
-            schema = json.loads(args.json_schema.read_text())
+            body["json_schema"] = json.loads(args.json_schema.read_text())
         except (OSError, ValueError, RecursionError) as e:
-            raise _Refused(f"--json-schema {args.json_schema}: {e}", EX_NOINPUT) from None
-        name = re.sub(r"[^A-Za-z0-9_-]", "_", args.json_schema.stem)[:64] or "schema"
-        rules = OutputRules(ResponseFormat("json_schema", schema, name))
+            raise Refused(f"--json-schema {args.json_schema}: {e}", EX_NOINPUT) from None
+        body["schema_name"] = re.sub(r"[^A-Za-z0-9_-]", "_", args.json_schema.stem)[:64] or "schema"
     if args.raw:
         if args.system:
-            raise _Refused("--system needs the chat template; drop --raw", EX_USAGE_FLAG)
-        return Job("generate", args.model or "", sampling, prompt=prompt, speculation=args.speculation, rules=rules)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": prompt}]
-    return Job("generate", args.model or "", sampling, messages=tuple(messages), speculation=args.speculation,
-               rules=rules)
+            raise Refused("--system needs the chat template; drop --raw", EX_USAGE_FLAG)
+        return body | {"prompt": prompt}
+    return body | {"messages": ([{"role": "system", "content": args.system}] if args.system else []) +
+                   [{"role": "user", "content": prompt}]}
 
 
 def _settings(args: argparse.Namespace):
@@ -128,21 +150,7 @@ def _settings(args: argparse.Namespace):
         return Settings.load(cli={"model": args.model, "drafter": args.drafter, "speculation": args.speculation,
                                   "log_level": "warning", "log_format": "console"}, config_file=args.config)
     except SettingsError as e:
-        raise _Refused(f"configuration error: {e}", EX_USAGE_FLAG) from None
-
-
-def _check_daemon(model_id: str) -> None:
-    """Refuse only when a daemon on this state directory already holds the same model."""
-    from . import paths, status_file
-    from .startup import holder_pid
-
-    state = paths.state_dir()
-    pid = holder_pid(state)
-    body = status_file.read(state) if pid else None
-    held = {m["id"] for m in (body or {}).get("models", []) if m.get("state") != "available"}
-    if model_id in held:
-        raise _Refused(f"the daemon (pid {pid}) already holds {model_id}; loading it again in the same memory "
-                       "budget is refused: send the request to the daemon, or stop it", EX_TEMPFAIL)
+        raise Refused(f"configuration error: {e}", EX_USAGE_FLAG) from None
 
 
 async def _generate(args: argparse.Namespace, job: Job) -> int:
@@ -156,52 +164,143 @@ async def _generate(args: argparse.Namespace, job: Job) -> int:
     logs.configure(settings.log_level, settings.log_format, file=settings.log_file)
     node = Node(settings, build_models(settings, primary_models(settings)))
     model_id = node.resolve_model(args.model)
-    _check_daemon(model_id)
     job = replace(job, model=model_id)
     node.start()
     loop = asyncio.get_running_loop()
     interrupted = []
     loop.add_signal_handler(signal.SIGINT, lambda: (interrupted.append(True), node.cancel(job.id)))
-    text, end = [], None
+    out, end = Printer(args.json), None
     try:
         async with node.run(job) as stream:
             async for ev in stream:
                 if isinstance(ev, Tokens):
-                    text.append(ev.text)
-                    if not args.json:
-                        sys.stdout.write(ev.text)
-                        sys.stdout.flush()
+                    out.tokens(ev.text)
                 elif isinstance(ev, (Done, Error)):
                     end = ev
     finally:
         await node.stop(grace_s=0)
     if isinstance(end, Error):
-        if not args.json and text:
-            print()
-        return _fail(f"{end.cause.value}: {end.message}", CAUSE_EXIT.get(end.cause, EX_SOFTWARE))
-    if args.json:
-        print(json.dumps({"model": model_id, "text": "".join(text), "finish_reason": end.finish_reason.value,
-                          "usage": end.usage.as_dict(), "telemetry": end.telemetry.as_dict()}))
-    else:
-        print()
-        print(summary(end), file=sys.stderr)
+        return out.error(end.cause.value, end.message)
+    out.done(model_id, end.finish_reason.value, end.usage.as_dict(), end.telemetry.as_dict())
     return EXIT_INTERRUPTED if interrupted else 0
 
 
+def _find_daemon(args: argparse.Namespace) -> tuple[int, Path] | None:
+    """The daemon running on this state directory, its pid and control socket; None when none runs (a daemon
+    just starting is given START_WAIT_S to open its socket)."""
+    from . import paths, status_file
+    from .daemon_client import socket_path
+    from .startup import holder_pid
+
+    state = paths.state_dir()
+    pid = holder_pid(state)
+    if pid is None:
+        return None
+    own = [flag for flag, given in (("--drafter", args.drafter), ("--config", args.config)) if given]
+    if own:
+        raise Refused(f"{' and '.join(own)} set{'s' if len(own) == 1 else ''} the node itself, and the daemon (pid "
+                      f"{pid}) on {state} runs with its own settings; drop {' and '.join(own)} to send the job to "
+                      "the daemon, or stop the daemon to run it here", EX_USAGE_FLAG)
+    path = socket_path(state)
+    deadline = time.monotonic() + START_WAIT_S
+    while not path.exists():
+        if holder_pid(state) is None:
+            return None  # it stopped meanwhile
+        if (status_file.read(state) or {}).get("pid") == pid:  # serving, and no socket: it has none
+            raise Refused(f"the daemon (pid {pid}) on {state} has no control socket to take this job (a daemon from "
+                          "before `provider generate` could send it jobs, or its log says why it could not open "
+                          f"{path}); restart it, or stop it to run the job here", EX_TEMPFAIL)
+        if time.monotonic() > deadline:
+            raise Refused(f"the provider (pid {pid}) on {state} has not opened its control socket yet (it is starting, "
+                          "or it is a node group's follower rank, which takes no jobs); try again in a moment",
+                          EX_TEMPFAIL)
+        time.sleep(0.05)
+    return pid, path
+
+
+async def _forward(args: argparse.Namespace, body: dict[str, Any], pid: int, path: Path) -> int:
+    """The job run by the daemon, printed as if it ran here. Ctrl-C asks the daemon to cancel it (the job then
+    ends as here, with its telemetry); a second Ctrl-C, or one before the daemon took the job, hangs up, which
+    cancels it too."""
+    from . import daemon_client
+
+    loop = asyncio.get_running_loop()
+    out, accepted, end, interrupted = Printer(args.json), {}, None, []
+
+    async def read() -> None:
+        nonlocal end
+        async for ev in daemon_client.stream_generate(body, socket=path):
+            if "accepted" in ev:
+                accepted.update(ev["accepted"])
+            elif "tokens" in ev:
+                out.tokens(ev["tokens"])
+            else:
+                end = ev
+
+    reader = asyncio.ensure_future(read())
+
+    async def cancel(job_id: str) -> None:
+        try:
+            status, _ = await daemon_client.call("POST", f"/provider/v1/generate/{job_id}/cancel", socket=path,
+                                                 timeout=10)
+        except (daemon_client.Unreachable, OSError, asyncio.TimeoutError):
+            status = 0
+        if status != 202:
+            reader.cancel()
+
+    def interrupt() -> None:
+        if interrupted or "job_id" not in accepted:
+            reader.cancel()
+        else:
+            interrupted.append(loop.create_task(cancel(accepted["job_id"])))  # held here until it is done
+        interrupted.append(True)
+
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        await reader
+    except asyncio.CancelledError:
+        if out.text and not args.json:
+            print()
+        return _fail("interrupted: hung up, which cancels the job in the daemon", EXIT_INTERRUPTED)
+    except daemon_client.Unreachable as e:
+        raise Refused(f"the daemon (pid {pid}) does not answer on {path} ({e}); restart it, or stop it to run "
+                      "the job here", EX_TEMPFAIL) from None
+    if "error" in end:
+        err = end["error"]
+        hint = f" (asked of the daemon, pid {pid})" if err["cause"] == Cause.UNKNOWN_MODEL else ""
+        return out.error(err["cause"], f"{err['message']}{hint}")
+    done = end["done"]
+    out.done(accepted.get("model", ""), done["finish_reason"], done["usage"], done["telemetry"])
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+class Printer:
+    """What the command prints of a job, run here or by the daemon: the text as it comes (or, with --json, one
+    object at the end), then the telemetry line on stderr, or the error line and its exit code."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.text: list[str] = []
+
+    def tokens(self, text: str) -> None:
+        self.text.append(text)
+        if not self.as_json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def error(self, cause: str, message: str) -> int:
+        if not self.as_json and self.text:
+            print()
+        return _fail(f"{cause}: {message}", CAUSE_EXIT.get(cause, EX_SOFTWARE))
+
+    def done(self, model: str, finish_reason: str, usage: dict[str, Any], telemetry: dict[str, Any]) -> None:
+        if self.as_json:
+            print(json.dumps({"model": model, "text": "".join(self.text), "finish_reason": finish_reason,
+                              "usage": usage, "telemetry": telemetry}))
+        else:
+            print()
+            print(summary_of(finish_reason, usage, telemetry), file=sys.stderr)
+
+
 def summary(done: Done) -> str:
-    t, s = done.telemetry, done.telemetry.speculation
-    parts = [f"{done.usage.completion_tokens} tokens, finish {done.finish_reason.value}"]
-    if t.ttft_ms is not None:
-        parts.append(f"ttft {t.ttft_ms:.0f} ms")
-    if t.decode_tokens_per_s is not None:
-        parts.append(f"{t.decode_tokens_per_s:.1f} tok/s")
-    if s.mode != "off":
-        parts.append(f"speculation {SpecMode(s.mode).value} k={s.k}: acceptance {s.acceptance_rate:.2f}, "
-                     f"{s.tokens_per_target_forward:.2f} tokens per target forward")
-    else:
-        parts.append(f"speculation off ({s.reason})")
-    origin = getattr(s.choice, "origin", None)  # auto decided from costs kept from an earlier run, or measured now
-    if origin is not None:
-        parts.append(f"costs {'from the kept profile' if origin.source == 'file' else 'measured'} "
-                     f"{origin.as_dict()['measured_at']}")
-    return "; ".join(parts)
+    return summary_of(done.finish_reason.value, done.usage.as_dict(), done.telemetry.as_dict())

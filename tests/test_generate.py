@@ -1,6 +1,6 @@
 """`provider generate` through the real CLI in a subprocess: greedy text as mlx-lm's, the bundled pair's
-speculation lossless and reported, stdin, --json, --json-schema, one-line errors with their codes, Ctrl-C, and
-the daemon rule."""
+speculation lossless and reported, stdin, --json, --json-schema, one-line errors with their codes, Ctrl-C.
+Beside a running daemon (the job goes to it): tests/test_generate_daemon.py."""
 
 import json
 import os
@@ -10,9 +10,7 @@ import sys
 
 import pytest
 
-from provider.models.default import DEMO_TARGET
 from tests import reference
-from tests.helpers import LocalServer
 
 PROMPT = "Returns the value of the attribute"
 
@@ -90,15 +88,3 @@ def test_ctrl_c_cancels_and_keeps_what_was_generated(env):
     out, err = proc.communicate(timeout=60)  # the bound only catches a hang: "finish cancelled" says it stopped
     assert proc.returncode == 130, err
     assert len(first + out) > 20 and "finish cancelled" in err
-
-
-def test_it_runs_beside_a_daemon_unless_the_daemon_holds_the_same_model(fixtures_dir, env, tmp_path):
-    srv = LocalServer(None, tmp_path)  # the same state directory (tmp_path/state), holding the bundled model
-    try:
-        same = _generate(env, PROMPT, "--max-tokens", "4")
-        assert same.returncode == 75 and "already holds gemma4-demo" in same.stderr, same.stderr
-        other = _generate(env, PROMPT, "--model", str(fixtures_dir / "llama-tiny"), "--max-tokens", "4")
-        assert other.returncode == 0, other.stderr
-    finally:
-        assert srv.stop() == 0
-    assert DEMO_TARGET.exists()
