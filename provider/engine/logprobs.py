@@ -124,12 +124,13 @@ class PromptScorer:
     row decodes on from there."""
 
     def __init__(self, model, prompt: list[int], top: int, texts: TokenTexts, limit: int | None = None,
-                 n_vocab: int = 0):
+                 n_vocab: int = 0, cache: list | None = None):
         from mlx_lm.models.cache import make_prompt_cache
 
         self.prompt = prompt
         self.n_vocab = n_vocab  # the logits' width: it bounds a chunk (score_chunk)
-        self.reader = PromptReader(prompt, make_prompt_cache(model), self._forward,
+        # `cache`: fresh caches of the model's KV precision (kv_quant.caches_for); mlx-lm's by default
+        self.reader = PromptReader(prompt, cache if cache is not None else make_prompt_cache(model), self._forward,
                                    most=score_chunk(len(prompt), n_vocab))
         self.logprobs = [texts.scored(prompt[0], None)]  # nothing before it scores it
         self._model, self._top, self._texts, self._limit = model, top, texts, limit

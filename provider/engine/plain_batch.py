@@ -32,6 +32,7 @@ from ..types import FinishReason
 from .logprobs import LogprobRequest, PromptScorer, log_softmax, pick, read, texts_for
 from .output import JobOutput
 from .prefill_plan import longest_read, plan_prefill
+from .kv_quant import caches_for
 from .prefix_cache import SYSTEM, PrefixCache
 from ..verification.hidden_tap import HiddenTap
 
@@ -99,7 +100,8 @@ class PlainBatch:
             processors = [_hidden_entries(row, self._hidden), *(processors or ())]
         if output.job.sampling.prompt_logprobs and output.t_first is None:
             row.scorer = PromptScorer(self.lm.model, prompt, output.job.sampling.top_logprobs,
-                                      texts_for(self.lm.tokenizer), self.lm.decodable, self.lm.logits_width)
+                                      texts_for(self.lm.tokenizer), self.lm.decodable, self.lm.logits_width,
+                                      cache=caches_for(self.lm))
             row.joining = dict(prompt=prompt, sampler=sampler, processors=processors, shared_prefix=shared_prefix)
             self._scoring[output.job.id] = row
             return
@@ -113,6 +115,9 @@ class PlainBatch:
         # kept then, before the rest of the prompt is read.
         split = shared_prefix - cached
         segments = [rest[:split], rest[split:]] if 0 < split < len(rest) else [rest]
+        # A row with no cached prefix starts from fresh caches of the model's KV precision (kv_quant.caches_for),
+        # not the ones mlx-lm would make for it.
+        cache = cache if cache is not None else caches_for(self.lm)
         row.uid = self._gen.insert_segments(
             [segments], max_tokens=[output.max_tokens - output.completion_tokens], caches=[cache], all_tokens=[prompt[:cached]],
             samplers=[None if sampler is None else _guarded_sampler(sampler, row)],

@@ -19,7 +19,8 @@ import copy
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (KVCache, LRUPromptCache, QuantizedKVCache, can_trim_prompt_cache,
+                                 trim_prompt_cache)
 
 from .. import logs
 
@@ -129,9 +130,9 @@ def owned(cache: list[Any]) -> None:
     the longest row) while counting only itself; a KVCache also holds capacity past its offset. Copied and
     trimmed, an entry holds what `nbytes` says, and the batch's buffers go when the batch lets them go."""
     for c in cache:
-        if isinstance(c, KVCache) and c.keys is not None:
-            c.keys = mx.contiguous(c.keys[..., : c.offset, :])
-            c.values = mx.contiguous(c.values[..., : c.offset, :])
+        if isinstance(c, (KVCache, QuantizedKVCache)) and c.keys is not None:  # quantized: a triple of arrays each
+            c.keys, c.values = (tuple(mx.contiguous(a[..., : c.offset, :]) for a in x) if isinstance(x, tuple)
+                                else mx.contiguous(x[..., : c.offset, :]) for x in (c.keys, c.values))
         else:
             for name in ("keys", "values"):
                 array = getattr(c, name, None)

@@ -25,13 +25,13 @@ import statistics
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..jobs import SamplingParams
 from ..models.loader import LoadedModel
 from ..speculation import GREEDY, SPECULATIVE_SAMPLING, SpecCosts, SpecProfile
 from .acceptance import SampledChoice, greedy_tokens
 from .drafters import drafter_for
+from .kv_quant import caches_for
 from .spec_rounds import Speculator, merged, prefill, speculative_tokens
 from ..telemetry import SpecTelemetry
 
@@ -56,16 +56,17 @@ def _prompt(lm: LoadedModel) -> list[int]:
     return ids[:CONTEXT_TOKENS]
 
 
-def _read(model, prompt: list[int]) -> list:
-    """Fresh caches holding the prompt's K/V but its last token's."""
-    caches = make_prompt_cache(model)
-    prefill(model, caches, prompt[:-1], len(prompt))
+def _read(lm: LoadedModel, prompt: list[int]) -> list:
+    """Fresh caches (of the model's KV precision) holding the prompt's K/V but its last token's."""
+    caches = caches_for(lm)
+    prefill(lm.model, caches, prompt[:-1], len(prompt))
     return caches
 
 
-def _plain_step(model, prompt: list[int], rows: int):
+def _plain_step(lm: LoadedModel, prompt: list[int], rows: int):
     """A plain kind of step: each call is one greedy step of `rows` rows."""
-    caches, x = merged([_read(model, prompt)] * rows), mx.array([prompt[-1:]] * rows)
+    model = lm.model
+    caches, x = merged([_read(lm, prompt)] * rows), mx.array([prompt[-1:]] * rows)
 
     def step():
         nonlocal x
@@ -77,7 +78,7 @@ def _plain_step(model, prompt: list[int], rows: int):
 def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: SpecTelemetry):
     """A speculating kind of step: each call is one greedy round of `rows` rows with k drafts; the first
     row's counts go to `stats`."""
-    spec, read = Speculator(lm.model, drafter_for(lm)), _read(lm.model, prompt)
+    spec, read = Speculator(lm.model, drafter_for(lm), lambda: caches_for(lm)), _read(lm, prompt)
     batch = [spec.new_row(prompt, stats=stats if i == 0 else SpecTelemetry(lm.drafter_mode, k=k), caches=read,
                           cached=len(prompt) - 1) for i in range(rows)]
     spec.begin(batch)
@@ -104,7 +105,8 @@ def _take_turns(kinds: list, reps: int) -> list[float]:
 def _sampled_acceptance(lm: LoadedModel, prompt: list[int]) -> float:
     stats = SpecTelemetry(lm.drafter_mode, k=2)
     choice = SampledChoice(SamplingParams(RUN_TOKENS, temperature=1.0), seed=0)
-    tokens = speculative_tokens(lm.model, prompt, drafter_for(lm), k=2, stats=stats, choice=choice)
+    tokens = speculative_tokens(lm.model, prompt, drafter_for(lm), k=2, stats=stats, choice=choice,
+                                new_caches=lambda: caches_for(lm))
     for _ in itertools.islice(tokens, RUN_TOKENS):
         pass
     tokens.close()
@@ -116,11 +118,11 @@ def measure(lm: LoadedModel, k_max: int = K_MAX) -> SpecProfile:
     prompt = _prompt(lm)
     ks = range(1, k_max + 1)
     one_row = [SpecTelemetry(lm.drafter_mode, k=k) for k in ks]
-    plain_step = _plain_step(lm.model, prompt, 1)
+    plain_step = _plain_step(lm, prompt, 1)
     plain, *rounds = _take_turns([plain_step, *(_round_step(lm, prompt, 1, k, s) for k, s in zip(ks, one_row))], REPS)
     # The batch's kinds against the same one-row step, in fewer rotations: auto's batch decisions are far
     # from break-even on either kind of hardware.
-    many = [plain_step, _plain_step(lm.model, prompt, ROWS),
+    many = [plain_step, _plain_step(lm, prompt, ROWS),
             *(_round_step(lm, prompt, ROWS, k, SpecTelemetry(lm.drafter_mode, k=k)) for k in (1, k_max))]
     plain_again, plain_rows, *ends = _take_turns(many, ROWS_REPS)
     plain_rows, *ends = (t * plain / plain_again for t in (plain_rows, *ends))  # on the first measurement's scale

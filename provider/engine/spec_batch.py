@@ -23,6 +23,7 @@ from .output import JobOutput
 from .prefill_plan import read_chunk
 from .prefix_cache import COMPLETION, PrefixCache
 from .drafters import drafter_for
+from .kv_quant import caches_for
 from .logprobs import LogprobRequest
 from .spec_rounds import SpecRow, Speculator
 from ..telemetry import SpecTelemetry
@@ -43,7 +44,7 @@ class SpecBatch:
         self.lm = lm
         self._profile = lm.spec_profile
         self._decodable = lm.decodable
-        self._speculator = Speculator(lm.model, drafter_for(lm))
+        self._speculator = Speculator(lm.model, drafter_for(lm), lambda: caches_for(lm))
         self.prefix = prefix
         self._budget = step_tokens  # a prompt is read beside decoding rows by the one chunk rule (prefill_plan)
         self._rows: dict[str, Row] = {}  # by job id, in arrival order

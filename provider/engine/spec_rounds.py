@@ -7,8 +7,9 @@ the target's argmax is computed exactly as mlx-lm's plain path computes it (log-
 on this CPU backend a row of a width-(k+1) forward equals the width-1 row bit for bit. The host reads
 values back once per round.
 
-Each row owns plain per-sequence caches (KVCache, RotatingKVCache), whose rollback is exact. A round over
-several rows merges them into mlx-lm's batch caches (left-padded to the longest row), runs the drafter and
+Each row owns plain per-sequence caches (KVCache, RotatingKVCache, or kv_quant.QuantizedKVRow for a model
+served with quantized KV), whose rollback is exact. A round over
+several rows merges them into batch caches (left-padded to the longest row), runs the drafter and
 the verify forward on those, and extracts each row's caches back, so rows join and leave between rounds
 freely and each keeps its own acceptance length. The merge copies the rows' K/V once per round; a lone row
 uses its caches directly.
@@ -25,8 +26,7 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, RotatingKVCache,
-                                 make_prompt_cache)
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..models.gemma4_target import Target
 from ..telemetry import SpecTelemetry
@@ -138,14 +138,12 @@ def rollback(caches: list, n: int) -> None:
 
 
 def merged(rows_caches: list[list]) -> list:
-    """Per-layer batch caches of several rows (left-padded to the longest); one row's own caches as they are."""
+    """Per-layer batch caches of several rows (left-padded to the longest); one row's own caches as they are. Each
+    kind merges into its batch kind (KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache,
+    QuantizedKVRow: BatchQuantizedKVCache), as mlx-lm's generator merges them."""
     if len(rows_caches) == 1:
         return rows_caches[0]
-    out = []
-    for layer in zip(*rows_caches):
-        kind = BatchRotatingKVCache if isinstance(layer[0], RotatingKVCache) else BatchKVCache
-        out.append(kind.merge(list(layer)))
-    return out
+    return [layer[0].merge(list(layer)) for layer in zip(*rows_caches)]
 
 
 def split(caches: list, rows: int) -> list[list]:
@@ -164,17 +162,19 @@ def prefill(model, cache: list, tokens: list[int], step: int) -> None:
 class Speculator:
     """One loaded pair's round loop over any set of rows."""
 
-    def __init__(self, model, drafter):
+    def __init__(self, model, drafter, new_caches=None):
         self.target = Target(model)
         self.model = model
         self.drafter = drafter
+        # A new row's fresh caches: the model's KV precision (kv_quant.caches_for); mlx-lm's by default
+        self._new_caches = new_caches or (lambda: make_prompt_cache(model))
 
     def new_row(self, prompt: list[int], *, stats: SpecTelemetry, choice=None, caches: list | None = None,
                 cached: int = 0, grammar=None, logprobs=None, commit: bool = False) -> SpecRow:
         """A row for `prompt`; `caches` may already hold the K/V of its first `cached` tokens."""
         choice = choice or GreedyChoice()
         stats.sampling_scheme = choice.scheme
-        row = SpecRow(list(prompt), choice, stats, caches if caches is not None else make_prompt_cache(self.model),
+        row = SpecRow(list(prompt), choice, stats, caches if caches is not None else self._new_caches(),
                       grammar=grammar, logprobs=logprobs, commit=commit)
         row.read = cached
         row.tokens = list(prompt[:cached])
@@ -294,10 +294,10 @@ class Speculator:
 
 
 def speculative_tokens(model, prompt: list[int], drafter, *, k: int, stats: SpecTelemetry,
-                       prefill_step: int = 2048, choice=None) -> Iterator[int]:
+                       prefill_step: int = 2048, choice=None, new_caches=None) -> Iterator[int]:
     """Tokens for `prompt` alone, k drafts verified per target forward: identical to plain greedy decoding,
     or distributed exactly as plain sampling, as `choice` says (greedy when None)."""
-    spec = Speculator(model, drafter)
+    spec = Speculator(model, drafter, new_caches)
     row = spec.new_row(prompt, stats=stats, choice=choice)
     while not spec.read(row, prefill_step):
         pass

@@ -21,12 +21,12 @@ import concurrent.futures
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..media_plan import MediaPlan
 from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..models.loader import LoadedModel
 from ..types import Cause, JobError
+from .kv_quant import caches_for
 from .prompt_reader import PromptReader
 
 PIXELS_WAIT_S = 0.05  # with nothing else to run, the engine waits this long at most for an item's pixels
@@ -50,7 +50,7 @@ class MediaRead:
             raise JobError(Cause.INTERNAL, "a cached prefix reaches into an image")
         self.lm, self.output, self.sink, self.prompt, self.joining = lm, output, sink, prompt, joining
         keep_at = keep_at if keep is not None and cached < keep_at <= first else 0
-        self._reader = PromptReader(prompt, cache if cache is not None else make_prompt_cache(lm.model),
+        self._reader = PromptReader(prompt, cache if cache is not None else caches_for(lm),
                                     self._forward, read=cached, pause_at=keep_at, on_pause=keep)
         self._text = lm.model.language_model.model  # mlx-lm's Gemma4TextModel: hidden states, no logits
         self._ids = mx.array(prompt[:-1])[None]

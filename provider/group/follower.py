@@ -59,6 +59,7 @@ def run_follower(settings: Settings, spec: GroupSpec) -> int:
         watchdog.expect(f"loading {model_id} with rank 0", settings.group_load_timeout_s)
         lm, _ = load_pair(model_id, joined.path, None, DrafterPlan(None, SpecReason.GROUP_MODE), member.link.group,
                           settings.group_split)
+        lm.kv_quant = member.engine.kv_quant()  # rank 0's KV precision: the same caches on every rank
         prompts = PromptPreparer(joined.tokenizer_files, workers=1).tokenizer(model_id)
     except (GroupLost, JobError) as e:
         print(f"provider: rank {spec.rank} cannot serve: {getattr(e, 'message', e)}", file=sys.stderr, flush=True)

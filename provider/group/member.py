@@ -13,6 +13,8 @@ from typing import Callable
 
 from .. import logs
 from ..memory.budget import Budget
+from ..memory.estimate import KVQuant
+from ..settings import KV_BITS, KV_GROUP_SIZES
 from .doorbell import open_doorbell
 from ..engine.collective import GroupLost
 from .link import Link, join
@@ -28,12 +30,22 @@ class EngineShape:
 
     step_tokens: int
     max_rows: int
+    kv_bits: int = 0  # the model's KV precision (0: full), so every rank makes the same caches (engine.kv_quant)
+    kv_group_size: int = 64
+
+    def kv_quant(self) -> KVQuant | None:
+        return KVQuant(self.kv_bits, self.kv_group_size) if self.kv_bits else None
 
 
 def _engine_shape(raw: dict) -> EngineShape:
-    """Rank 0's engine shape as it came: two counts in range, or the group cannot agree on its steps."""
-    if set(raw) != {"step_tokens", "max_rows"} or not all(type(v) is int and 0 < v <= 1 << 20 for v in raw.values()):
-        raise GroupLost("rank 0's engine shape is not two counts in range: the group stops")
+    """Rank 0's engine shape as it came: two counts in range and a KV precision, or the group cannot agree on its
+    steps."""
+    counts = (raw.get("step_tokens"), raw.get("max_rows"))
+    if set(raw) != {"step_tokens", "max_rows", "kv_bits", "kv_group_size"} \
+            or not all(type(v) is int and 0 < v <= 1 << 20 for v in counts) \
+            or raw["kv_bits"] not in KV_BITS or raw["kv_group_size"] not in KV_GROUP_SIZES \
+            or not all(type(raw[k]) is int for k in ("kv_bits", "kv_group_size")):
+        raise GroupLost("rank 0's engine shape is not two counts in range and a KV precision: the group stops")
     return EngineShape(**raw)
 
 
@@ -89,8 +101,11 @@ def join_with_settings(settings, spec: GroupSpec, budget: Budget, step_tokens: i
     catalog = Catalog(store.discover(settings, primary_models(settings))[:1])
     model_id = catalog.default_id
     path, _ = catalog.checkpoint(model_id)
+    stored = catalog.stored(model_id)  # its KV precision: its own [models.<id>] keys, else the node's (as the residency)
+    bits = settings.kv_bits if stored.kv_bits is None else stored.kv_bits
+    group = settings.kv_group_size if stored.kv_group_size is None else stored.kv_group_size
     membership = join_group(spec, settings.group_timeout_s, settings.group_step_timeout_s, model_id, path,
-                            EngineShape(step_tokens, settings.max_concurrent_jobs), budget,
+                            EngineShape(step_tokens, settings.max_concurrent_jobs, bits, group), budget,
                             system_facts().total_memory)
     return Joined(membership, model_id, path, catalog.tokenizer_files)
 

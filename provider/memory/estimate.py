@@ -77,9 +77,38 @@ class KVQuant:
         return elements * self.bits // 8 + 2 * dtype_bytes * -(-elements // self.group_size)
 
 
+QUANT_GROUPS = (128, 64, 32)  # the group sizes mx.quantize supports
+
+
+def quant_group(head_dim: int, group_size: int) -> int | None:
+    """The group a quantized KV cache uses for heads of `head_dim`: `group_size` when it divides the head dimension,
+    else the largest smaller supported size that does; None when none does (that KV stays in full precision)."""
+    for g in (group_size,) + tuple(g for g in QUANT_GROUPS if g < group_size):
+        if head_dim % g == 0:
+            return g
+    return None
+
+
+def full_head_dim(config: dict) -> int:
+    """The head dimension of the full-attention layers' K and V (Gemma 4's own `global_head_dim`)."""
+    tc = text_config(config)
+    heads = tc.get("num_attention_heads", 1)
+    return tc.get("global_head_dim") or tc.get("head_dim") or tc.get("hidden_size", 0) // max(heads, 1)
+
+
+def full_layer_quant(config: dict, quant: KVQuant | None) -> KVQuant | None:
+    """How a full-attention layer's KV is stored under `quant` (provider.engine.kv_quant makes the caches by this):
+    in `quant`'s bits, in the group quant_group gives, or in full precision (None)."""
+    if quant is None:
+        return None
+    group = quant_group(full_head_dim(config), quant.group_size)
+    return None if group is None else KVQuant(quant.bits, group)
+
+
 def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -> KVShape:
     """K and V bytes per token, per non-shared layer; sliding layers separately (they stop at the window). With
-    `quant`, every layer's KV as the quantized cache stores it."""
+    `quant`, the full-attention layers' KV as the quantized cache stores it (full_layer_quant); sliding-window
+    layers keep theirs in full precision (bounded by the window; mlx-lm quantizes no rotating cache either)."""
     tc = text_config(config)
     layers = tc.get("num_hidden_layers", 0)
     heads = tc.get("num_attention_heads", 1)
@@ -88,14 +117,15 @@ def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -
     types = tc.get("layer_types") or ["full_attention"] * layers
     shared = tc.get("num_kv_shared_layers") or 0
     window = tc.get("sliding_window")
+    full_quant = full_layer_quant(config, quant)
     full = sliding = 0
     for kind in types[: layers - shared]:
         if kind == "sliding_attention" and window:
-            sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, quant)
+            sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, None)
         else:  # Gemma 4's full layers have their own head size and KV head count
-            d = tc.get("global_head_dim") or head_dim
             h = tc.get("num_global_key_value_heads") or kv_heads
-            full += (1 if tc.get("attention_k_eq_v") else 2) * _kv_bytes(h * d, dtype_bytes, quant)
+            full += (1 if tc.get("attention_k_eq_v") else 2) * _kv_bytes(h * full_head_dim(config), dtype_bytes,
+                                                                         full_quant)
     return KVShape(full, sliding, window if sliding else None)
 
 

@@ -1,7 +1,9 @@
 """The target model as the speculative round loop sees it: logits for any mlx-lm model and its final-norm
 hidden state (for Gemma 4 computed here, for others read from its verification tap, when it has one), and for
 Gemma 4 also what its MTP assistant (provider.models.gemma4_assistant) reads: the committed K/V of the last
-non-shared sliding and full layers."""
+non-shared sliding and full layers. A layer served with quantized KV (provider.engine.kv_quant) gives its K and V
+as mlx-lm's quantized triples (packed, scales, biases), cut along the sequence axis alike; the assistant's
+attention reads them as Gemma 4's KV-shared layers do."""
 
 from __future__ import annotations
 
@@ -57,12 +59,19 @@ class Target:
             if isinstance(c, (BatchKVCache, BatchRotatingKVCache)):  # fresh from `merged`: in temporal order
                 n = min(c._idx, self.window) if isinstance(c, BatchRotatingKVCache) else c._idx
                 start = c._idx - n
-                out[kind] = (c.keys[..., start:c._idx, :], c.values[..., start:c._idx, :])
+                out[kind] = (_positions(c.keys, start, c._idx), _positions(c.values, start, c._idx))
                 masks[kind] = (mx.arange(start, c._idx)[None] >= c.left_padding[:, None])[:, None, None, :]
             elif isinstance(c, RotatingKVCache):
                 k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
                 n = min(c.offset, k.shape[2], self.window)
                 out[kind] = (k[..., k.shape[2] - n:, :], v[..., v.shape[2] - n:, :])
             else:
-                out[kind] = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+                out[kind] = (_positions(c.keys, 0, c.offset), _positions(c.values, 0, c.offset))
         return out, masks or None
+
+
+def _positions(x, start: int, end: int):
+    """Positions [start, end) of a K or V: an array, or each array of a quantized triple."""
+    if isinstance(x, tuple):
+        return tuple(a[..., start:end, :] for a in x)
+    return x[..., start:end, :]

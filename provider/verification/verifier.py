@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ..engine.kv_quant import caches_for
 from ..engine.logprobs import SCORE_BYTES_PER_LOGIT
 from ..engine.prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
 from ..jobs import SPECULATIVE_SAMPLER, Proof, SamplingParams
@@ -73,14 +74,12 @@ class ClaimReader:
     """Reads a claim's prompt + output (all but the last output token) through `lm`'s model, a chunk a step."""
 
     def __init__(self, lm, claim: Claim):
-        from mlx_lm.models.cache import make_prompt_cache
-
         self.lm, self.claim = lm, claim
         self._tap = install(lm.model)
         self._sequence = list(claim.prompt) + list(claim.output)
         self._first = len(claim.prompt) - 1  # the position whose forward gives output token 0
         most = max(1, SCORE_SCRATCH_BYTES // max(1, lm.logits_width * SCORE_BYTES_PER_LOGIT))
-        self.reader = PromptReader(self._sequence, make_prompt_cache(lm.model), self._forward, most=most)
+        self.reader = PromptReader(self._sequence, caches_for(lm), self._forward, most=most)
         self._indices: list[np.ndarray] = []
         self._bits: list[np.ndarray] = []
         self._gaps: list[np.ndarray] = []
