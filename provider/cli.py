@@ -64,15 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     fx = sub.add_parser("fixtures", help="write small deterministic test checkpoints into DIR")
     fx.add_argument("dir", type=Path)
     config = [_config_option()]
-    models = sub.add_parser("models", help="list, download, delete and verify models", parents=config)
-    msub = models.add_subparsers(dest="models_command", required=True)
-    msub.add_parser("list", help="models found (the bundled pair included), their capabilities and footprint",
-                    parents=config)
-    msub.add_parser("pull", help="download a Hugging Face repo into the HF cache", parents=config).add_argument("repo")
-    rm = msub.add_parser("rm", help="delete a downloaded model", parents=config)
-    rm.add_argument("model")
-    rm.add_argument("--yes", action="store_true")
-    msub.add_parser("verify", help="recompute and print the SHA-256 manifest", parents=config).add_argument("model")
+    from .model_commands import add_parser as add_models_parser
+
+    add_models_parser(sub, config)
     bench = sub.add_parser("bench", help="speculation off vs on, k in a range, same model and prompts; JSON out")
     bench.add_argument("--model", type=Path, help="target model directory (default: the bundled model)")
     bench.add_argument("--drafter", type=Path, help="assistant or draft model (default: the bundled pair's)")
@@ -245,20 +239,13 @@ def _status(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from . import model_commands as commands
-    from .machine import decide_node_budget
 
     try:
         settings = Settings.load(config_file=args.config)
     except SettingsError as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
         return 2
-    if args.models_command == "list":
-        return commands.cmd_list(settings, decide_node_budget(settings).usable)
-    if args.models_command == "pull":
-        return commands.cmd_pull(args.repo)
-    if args.models_command == "rm":
-        return commands.cmd_rm(settings, args.model, args.yes)
-    return commands.cmd_verify(settings, args.model)
+    return commands.run(args, settings)
 
 
 def _start(args: argparse.Namespace) -> int:

@@ -76,6 +76,14 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     finally:
         loading.cancel()
         node.loading = False
+    try:
+        for pinned in node.pinned_ids():  # loaded now and never unloaded: one that cannot load stops the start
+            await node.load_model(pinned)
+    except JobError:
+        await node.stop(grace_s=0)
+        await runner.cleanup()
+        _remove(control)
+        raise
     if membership is not None:
         node.group_ready()
     # What is loaded now lives as long as the process (modules, the model's tokenizer and its vocabulary):

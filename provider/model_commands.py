@@ -1,7 +1,11 @@
-"""`provider models list | pull | rm | verify`: the command line's model verbs, over provider.models."""
+"""`provider models list | pull | rm | verify | load | unload`: the command line's model verbs, over
+provider.models, and over the live daemon's control socket for what it holds (load, unload)."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +18,62 @@ from .machine import longest_prefill_read
 from .settings import Settings
 
 MiB = 1 << 20
+EXIT_NOT_RUNNING = 3  # as `provider status`: no daemon runs on this state directory
+EXIT_REFUSED = 1
+
+
+def add_parser(sub, config: list) -> None:
+    models = sub.add_parser("models", help="list, download, delete, verify, load and unload models", parents=config)
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="models found (the bundled pair included), their capabilities and footprint",
+                    parents=config)
+    msub.add_parser("pull", help="download a Hugging Face repo into the HF cache", parents=config).add_argument("repo")
+    rm = msub.add_parser("rm", help="delete a downloaded model", parents=config)
+    rm.add_argument("model")
+    rm.add_argument("--yes", action="store_true")
+    msub.add_parser("verify", help="recompute and print the SHA-256 manifest", parents=config).add_argument("model")
+    load = msub.add_parser("load", help="load a model in the running daemon ahead of work", parents=config)
+    load.add_argument("model")
+    load.add_argument("--keep-alive", help='how long it stays once idle: "10m", seconds, -1 for ever (default: '
+                      "its idle_timeout_s)")
+    unload = msub.add_parser("unload", help="unload a model from the running daemon and give its memory back",
+                             parents=config)
+    unload.add_argument("model")
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    from .machine import decide_node_budget
+
+    command = args.models_command
+    if command == "list":
+        return cmd_list(settings, decide_node_budget(settings).usable)
+    if command == "pull":
+        return cmd_pull(args.repo)
+    if command == "rm":
+        return cmd_rm(settings, args.model, args.yes)
+    if command in ("load", "unload"):
+        body = {"model": args.model} | ({"keep_alive": args.keep_alive} if command == "load" and args.keep_alive
+                                        is not None else {})
+        return asyncio.run(_ask_daemon(command, body))
+    return cmd_verify(settings, args.model)
+
+
+async def _ask_daemon(command: str, body: dict) -> int:
+    """load / unload in the live daemon; its answer (JSON) on stdout, or why not on stderr."""
+    from . import daemon_client
+
+    try:
+        status, answer = await daemon_client.call("POST", f"/provider/v1/models/{command}", body)
+    except daemon_client.Unreachable as e:
+        print(f"provider: no daemon answers on this state directory ({e}); start one with `provider start`",
+              file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    if status != 200:
+        error = answer.get("error", {}) if isinstance(answer, dict) else {}
+        print(f"provider models {command}: {error.get('message') or answer}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(json.dumps(answer, indent=2))
+    return 0
 
 
 def _served(settings: Settings) -> list[store.StoredModel]:

@@ -166,8 +166,10 @@ class Engine:
                 break
             self._admit()
             if time.monotonic() >= self._next_idle_check:
-                self.models.unload_idle()
+                unloaded = self.models.unload_idle()
                 self._running.keep_prefix_caches_of(set(self.models.resident()))
+                if unloaded:
+                    self.models.give_back()
                 self.models.check_ledger()
                 self._next_idle_check = time.monotonic() + 1.0
             deliveries = self._running.step()
@@ -221,6 +223,7 @@ class Engine:
         except Exception as e:
             msg.result.set_exception(e)
         self._running.keep_prefix_caches_of(set(self.models.resident()))  # an unloaded model's prefixes go too
+        self.models.give_back()
 
     def _enqueue(self, p: Pending) -> None:
         if p.job.id in self._books:  # one job id, one life: a second submit under it is refused, not merged

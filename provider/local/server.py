@@ -24,6 +24,7 @@ from .anthropic_routes import AnthropicMessages
 from ..daemon_client import socket_path
 from .bodies import parse_json, read_body
 from .cli_jobs import CliJobs
+from .model_controls import ModelControls
 from .completions import JOB_ID, USAGE, Completions
 from .responses_routes import Responses
 
@@ -62,6 +63,7 @@ class LocalAPI:
         self.anthropic = AnthropicMessages(node, self.limits)
         self.responses = Responses(node, self.limits)
         self.cli_jobs = CliJobs(node)
+        self.model_controls = ModelControls(node)
         self.app = web.Application(client_max_size=s.max_body_bytes,
                                    middlewares=[self._access, self._errors, self._preflight, self._auth])
         self.app.on_response_prepare.append(self._cors_headers)
@@ -81,6 +83,8 @@ class LocalAPI:
             web.get("/metrics", self.metrics),
             web.post("/provider/v1/generate", self.cli_jobs.generate),  # `provider generate` beside the daemon
             web.post("/provider/v1/generate/{job_id}/cancel", self.cli_jobs.cancel),
+            web.post("/provider/v1/models/load", self.model_controls.load),  # `provider models load|unload`
+            web.post("/provider/v1/models/unload", self.model_controls.unload),
         ])
 
     # --- middlewares ----------------------------------------------------------------

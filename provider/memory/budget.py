@@ -92,3 +92,18 @@ def return_freed_buffers() -> bool:
         return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+def trim_heaps() -> bool:
+    """Give the free pages inside glibc's heaps back to the system (malloc_trim): a model's many small tensors
+    come from those heaps, and without this an unload left its RSS in them. Linux (glibc) only; True if it
+    released anything."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -222,9 +222,7 @@ class Residency:
             gone = idle_to_unload([e.resident(self._idle_timeout) for e in self._entries.values()], time.monotonic())
             for mid in gone:
                 self._unload_locked(mid, "idle_timeout")
-        if gone:
-            free_mlx_cache()
-        return gone
+        return gone  # the engine drops their prefix caches, then gives the memory back (give_back)
 
     def keep(self, model_id: str, seconds: float | None, *, reset: bool = False) -> None:
         """What a request or a load asked of how long the model stays idle (Ollama's keep_alive; FOREVER to keep
@@ -251,8 +249,12 @@ class Residency:
                 e.asked_keep_s = 0.0
                 return "unloading"
             self._unload_locked(model_id, "asked")
+        return "unloaded"  # as unload_idle's
+
+    @staticmethod
+    def give_back() -> None:
+        """Once unloaded models' prefix caches are dropped too: their memory back to the system."""
         free_mlx_cache()
-        return "unloaded"
 
     # --- loader thread ------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import gc
 from dataclasses import dataclass
 
 from ..memory.admission import Resident, keep_seconds
+from ..memory.budget import trim_heaps
 from .footprint import Footprint
 from .loader import LoadedModel
 from .store import StoredModel
@@ -57,7 +58,9 @@ def mlx_active() -> int:
 
 
 def free_mlx_cache() -> None:
+    """After an unload: what the model held goes back to the system, not only to MLX's and glibc's pools."""
     import mlx.core as mx
 
     gc.collect()
     mx.clear_cache()
+    trim_heaps()
