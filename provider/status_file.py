@@ -61,7 +61,8 @@ def summary(body: dict[str, Any]) -> str:
     mem = body["memory"]
     mib = 1 << 20
     resident = [m for m in body["models"] if m["state"] != "available"]
-    models = ", ".join(f"{m['id']} ({m['state']}, {m['active_jobs']} jobs)" for m in resident) or "none resident"
+    models = ", ".join(f"{m['id']} ({m['state']}, {m['active_jobs']} jobs, {staying(m)})" for m in resident) \
+        or "none resident"
     c = body["counters"]
     lines = [
         f"provider pid {body['pid']}: {body['health']}, up {body['uptime_s']:.0f} s, mode {body['mode'] or 'none'}",
@@ -82,6 +83,17 @@ def summary(body: dict[str, Any]) -> str:
     lines += [f"  {m['id']} speculation profile: {profile_line(m['speculation_profile'])}" for m in resident
               if m.get("speculation_profile")]
     return "\n".join(lines)
+
+
+def staying(m: dict) -> str:
+    """How long a loaded model stays, in a few words."""
+    if m.get("pinned"):
+        return "pinned"
+    if m.get("keep_alive_s") is None:
+        return "kept"
+    if m.get("unload_at") is None:
+        return f"unloads {m['keep_alive_s']:g} s after its jobs"
+    return f"unloads in {max(0.0, m['unload_at'] - time.time()):.0f} s if idle"
 
 
 def profile_line(origin: dict) -> str:

@@ -25,6 +25,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.models import fixtures  # noqa: E402
+from provider.models.default import ensure_default_model  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 
 MiB = 1 << 20
@@ -75,7 +76,7 @@ def main() -> int:
             fixtures.make_llama_100m(model)
         config = home / "config.toml"
         config.write_text(f'[models.big]\nsource = "{model}"\nidle_timeout_s = 2\n')
-        server = LocalServer(None, home, "--config", str(config))
+        server = LocalServer(ensure_default_model(), home, "--config", str(config))
         try:
             serve_default = {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
             httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, json=serve_default,

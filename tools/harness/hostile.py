@@ -26,13 +26,17 @@ MODEL_FIELDS = ["logit_bias", "stop_token_ids", "top_k", "prompt", "messages", "
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "stop_token_ids", "logit_bias", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "tools",
-          "response_format", "tool_choice", "parallel_tool_calls", "speculation", "user"]
+          "response_format", "tool_choice", "parallel_tool_calls", "speculation", "user", "keep_alive"]
 
 numbers = st.one_of(st.integers(-3, 3), st.integers(-(2**70), 2**70), st.sampled_from(HUGE),
                     st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(ODD_FLOATS),
                     st.floats(0, 2))
 texts = st.one_of(st.text(max_size=40), st.sampled_from(TEXT_EDGES))
 leaves = st.one_of(st.none(), st.booleans(), numbers, texts)
+# A request's keep_alive (Ollama's reading): durations, seconds, 0, negatives, and what is none of them.
+KEEP_ALIVE_EDGES = ["5m", "0", "-1", "1h30m", "250ms", "0s", "-5m", "soon", "", "-", "1e400", "nan", "inf", "5",
+                    "9999999999", "1.5h", "5 m", "1d"]
+keep_alives = st.one_of(st.sampled_from(KEEP_ALIVE_EDGES), numbers)
 json_values = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                            st.dictionaries(texts, inner, max_size=4)),
                            max_leaves=12)
@@ -117,6 +121,7 @@ def _field(name: str) -> st.SearchStrategy:
             st.dictionaries(st.one_of(token_ids.map(str), texts), numbers, min_size=1, max_size=5)),
         "stream": st.booleans(),
         "speculation": st.sampled_from(["auto", "on", "off", "maybe"]),
+        "keep_alive": keep_alives,
         "response_format": response_formats,
         "tools": tool_lists,
         "tool_choice": tool_choices,
@@ -252,6 +257,18 @@ def job_requests(draw, model: str) -> pb.JobRequest:
                                            max_size=4)):
             req.chat.messages.add(role=role, content=content)
     return req
+
+
+@st.composite
+def residency_frames(draw, model: str) -> pb.CoordinatorFrame:
+    """A WarmModel or ReleaseModel (request id left to the caller) naming the served model or not, with any
+    keep_alive: what a coordinator may send to load or let go of a model."""
+    name = draw(st.one_of(st.just(model), st.sampled_from(["", "nope", "../" + model, model + "\x00", "x" * 70_000]),
+                          proto_texts))
+    if draw(st.booleans()):
+        keep = draw(st.one_of(st.sampled_from(KEEP_ALIVE_EDGES), proto_texts))
+        return pb.CoordinatorFrame(warm_model=pb.WarmModel(model=name, keep_alive=keep))
+    return pb.CoordinatorFrame(release_model=pb.ReleaseModel(model=name))
 
 
 def garbage_frames() -> st.SearchStrategy[bytes]:

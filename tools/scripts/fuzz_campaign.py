@@ -51,6 +51,7 @@ from tools.harness.daemon import LocalServer  # noqa: E402
 from tools.harness.hostile_agents import agent_failures  # noqa: E402
 from tools.harness.hostile_group import group_campaign  # noqa: E402
 from tools.harness.hostile import (garbage_frames, http_cases, job_requests, malformed_results,  # noqa: E402
+                                   residency_frames,
                                    media_bombs, media_cases, oversized_requests)
 
 HANG_S = 30.0
@@ -156,9 +157,46 @@ def grpc_phase(coord: ReferenceCoordinator, loop, session, n: int, seed: int, t:
         if i % 100 == 0:
             good(f"good-{i}")
 
+    @_campaign_settings(max(1, n // 10), seed)
+    @given(frame=residency_frames("llama-tiny"))
+    def one_residency(frame):
+        """Warm and release frames between the jobs: each answered once, typed, and the node still serving (a
+        job whose model was just released loads it again)."""
+        i = next(frames)
+        getattr(frame, frame.WhichOneof("frame")).request_id = i
+        send(frame)
+        t.counts["frames"] += 1
+        t.counts["residency_frames"] += 1
+        try:
+            call(_until(lambda: _residency_answer(coord, i) is not None))
+        except Exception:
+            t.bad("crashes" if srv.proc.poll() is not None else "hangs", f"residency {frame}")
+            return
+        answer = _residency_answer(coord, i)
+        if answer.error_cause in (pb.ERROR_CAUSE_INTERNAL,) or (answer.state == "refused" and not answer.error_cause):
+            t.bad("grpc_internal", f"{answer} <- {frame}")
+        if i % 10 == 0:
+            good(f"good-{i}")
+
     one_request()
     one_garbage()
+    one_residency()
     good("good-last")
+
+
+def _residency_answer(coord: ReferenceCoordinator, request_id: int):
+    for _, kind, frame in reversed(coord.frames):
+        if kind == "model_residency" and frame.model_residency.request_id == request_id:
+            return frame.model_residency
+    return None
+
+
+async def _until(predicate, timeout: float = HANG_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        await asyncio.sleep(0.02)
 
 
 def coordinator_attack_phase(coord: ReferenceCoordinator, loop, session, n_results: int, n_drains: int, seed: int,
@@ -562,7 +600,8 @@ def main() -> int:
     print(f"    5xx               {c['http_5xx']:6d}  (must be 0)")
     print(f"  agent API cases     {c['agent_cases']:6d}  in {agents_s:.0f} s (/v1/messages, count_tokens, /v1/responses)")
     print(f"    5xx, hangs or errors not in the API's own shape {c['agent_bad']:6d}  (must be 0)")
-    print(f"  coordinator frames  {c['frames']:6d}  in {grpc_s:.0f} s ({c['garbage_frames']} garbage/truncated)")
+    print(f"  coordinator frames  {c['frames']:6d}  in {grpc_s:.0f} s ({c['garbage_frames']} garbage/truncated, "
+          f"{c['residency_frames']} warm/release)")
     print(f"    JobDone           {c['grpc_done']:6d}")
     print(f"    typed JobErrors   {c['grpc_typed_errors']:6d}")
     print(f"    INTERNAL          {c['grpc_internal']:6d}  (must be 0)")
