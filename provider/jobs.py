@@ -150,6 +150,15 @@ def resolve_max_tokens(value: Any, default: int, limit: int, least: int = 1) -> 
 
 
 @dataclass(frozen=True)
+class PrefixScope:
+    """Who may reuse a job's prompt prefix (engine.prefix_cache): the tenant ("" the node's own: the local API's
+    token holder), and whether it may be written to disk (never for a sealed job)."""
+
+    tenant: str = ""
+    to_disk: bool = True
+
+
+@dataclass(frozen=True)
 class Job:
     """One generation request. Exactly one of `prompt` (raw text), `prompt_ids` (token ids) or `messages`
     (chat) is set."""
@@ -168,6 +177,7 @@ class Job:
     verify: Claim | None = None  # a verify job: check this claim against the prompt instead of generating
     # How long its model stays loaded once idle after it (keep_alive.py: seconds, FOREVER); None: the settings'.
     keep_alive: float | str | None = None
+    prefix_scope: PrefixScope = PrefixScope()
 
     def __post_init__(self) -> None:
         if sum(p is not None for p in (self.prompt, self.messages, self.prompt_ids)) != 1:

@@ -16,6 +16,7 @@ import platform
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from . import logs
@@ -127,6 +128,21 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
     )
 
 
+def prefix_disk_of(settings: Settings):
+    """The prefix caches' disk tier, within its budget and never past a tenth of the disk's free space now."""
+    import shutil
+
+    from . import paths
+    from .engine.prefix_disk import DiskTier
+
+    if settings.prefix_disk_gb <= 0:
+        return None
+    root = Path(settings.prefix_disk_dir).expanduser() if settings.prefix_disk_dir else paths.cache_dir() / "prefix-cache"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    budget = min(int(settings.prefix_disk_gb * (1 << 30)), shutil.disk_usage(root).free // 10)
+    return DiskTier(root, budget, int(settings.prefix_disk_write_gb_per_hour * (1 << 30)))
+
+
 class Node:
     """The one facade front ends use: `run`, `cancel`, `resolve_model`, `preload`, `drain`, `status`."""
 
@@ -140,6 +156,7 @@ class Node:
             self._group_ready = threading.Event()
             running = functools.partial(LeaderRunning, group.link, self._watchdog.beat, self._group_ready,
                                         commit=settings.committing)
+        self.prefix_disk = prefix_disk_of(settings) if group is None else None
         self.engine = Engine(
             models,
             max_concurrent=settings.max_concurrent_jobs,
@@ -148,6 +165,7 @@ class Node:
             # Each rank would trim its own prefix cache by its own bytes: off in a group, the steps must match.
             prefix_cache_bytes=int(settings.prefix_cache_gb * (1 << 30)) if group is None else 0,
             running=running,
+            prefix_disk=self.prefix_disk,
         )
         self.catalog = models.catalog
         self.loading = False  # the daemon listens while its default model loads: health says `loading`
@@ -328,6 +346,8 @@ class Node:
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await asyncio.to_thread(self.engine.stop, grace_s)
+        if self.prefix_disk is not None:
+            await asyncio.to_thread(self.prefix_disk.close)  # the entries queued for writing are written
         self.prompts.close()
         self.models.close()
         log.info("node_stopped")

@@ -139,6 +139,13 @@ class Settings:
     prefill_step_size: int = field(default=0, metadata=_range(0, 1 << 16))
     # KV of recent prompts kept per model for prefix reuse (dropped first when the budget needs room); 0: off.
     prefix_cache_gb: float = field(default=1.0, metadata=_range(0, 4096))
+    # Its disk tier (docs/memory.md): long prompts' KV kept in files that outlive the process, read back before a
+    # prefill that needs them. At most this much disk (and never past a tenth of the free space at start; 0: off),
+    # written at most this fast (docs/memory.md says why these defaults), in prefix_disk_dir (default:
+    # $XDG_CACHE_HOME/provider/prefix-cache).
+    prefix_disk_gb: float = field(default=8.0, metadata=_range(0, 1 << 20))
+    prefix_disk_write_gb_per_hour: float = field(default=4.0, metadata=_range(0.01, 1024))
+    prefix_disk_dir: str = ""
     # A proof in every outcome (docs/verification.md): per token, a commitment to the model's hidden state, and
     # the seed of sampled tokens. auto: on when a coordinator is set (what the network checks), else off. Off by
     # default until committing costs decode less than 3% (it costs 8-11% on the bundled model now).

@@ -87,6 +87,7 @@ class QueueStatus:
     batch_rows: int = 0  # rows decoded over those steps (batch_rows / batch_steps: the mean batch size)
     prefix_hits: int = 0  # jobs that reused a cached prompt prefix
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_disk_tokens: int = 0  # of them, those read back from its disk tier
 
 
 @dataclass

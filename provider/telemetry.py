@@ -92,11 +92,13 @@ class Telemetry:
     decode_tokens_per_s: float | None = None  # after the first token
     peak_memory_bytes: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_tier: str = ""  # which of its tiers: memory | disk ("" when none)
     constraint: str | None = None  # a constrained job's kind (json_object, json_schema, tool_call, tools_auto...)
     mask_ms_per_token: float | None = None  # the grammar's mask time, per mask computed
 
     def as_dict(self) -> dict[str, Any]:
-        out = {"ttft_ms": self.ttft_ms, "cached_prompt_tokens": self.cached_prompt_tokens, "queue_ms": self.queue_ms,
+        out = {"ttft_ms": self.ttft_ms, "cached_prompt_tokens": self.cached_prompt_tokens,
+               "prefix_tier": self.prefix_tier or None, "queue_ms": self.queue_ms,
                "total_ms": self.total_ms, "prefill_tokens_per_s": self.prefill_tokens_per_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes,
                "finish_reason": self.finish_reason.value, "speculation": self.speculation.as_dict()}

@@ -89,7 +89,7 @@ def test_trimming_and_prefix_replacement_keep_the_count_true():
     assert len(cache) == 1 and cache.index_bytes == 300 * INDEX_BYTES_PER_TOKEN
     cache.store(p, _tiny_kv(300))  # the same key again: replaced, not counted twice
     assert cache.index_bytes == 300 * INDEX_BYTES_PER_TOKEN
-    hit, covered = cache.lookup(p[:200] + [1, 2, 3])
+    hit, covered, _ = cache.lookup(p[:200] + [1, 2, 3])
     assert hit is not None and covered == 200
     assert cache.trim_to(0) > 0 and len(cache) == 0 and cache.nbytes == 0
 
@@ -102,7 +102,7 @@ def test_keys_never_hold_image_tokens_but_the_text_before_an_image_is_kept():
     text = [1, 4, 99, 97, 274]
     with_image = text + [9] + [image] * 64 + [10, 50, 5]
     cache.store(with_image, _tiny_kv(len(with_image)))
-    assert len(cache) == 0 and cache.lookup(with_image) == (None, 0)
+    assert len(cache) == 0 and cache.lookup(with_image) == (None, 0, "")
     cache.store(text, _tiny_kv(len(text)))
-    kv, cached = cache.lookup(with_image)
+    kv, cached, _ = cache.lookup(with_image)
     assert len(cache) == 1 and cached == len(text) and kv is not None

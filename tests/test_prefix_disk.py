@@ -104,8 +104,11 @@ def test_the_tier_survives_a_restart_and_refuses_broken_files(llama, tmp_path):
     disk.close()
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # corrupted while the node was down
     (tmp_path / "stray.tmp").write_bytes(b"half a write")
+    (tmp_path / ("0" * 64 + ".pxkv")).write_bytes(b"PXKV1\n\xff\xff\xff\xff")  # a header past any bound
     disk = DiskTier(tmp_path, max_bytes=1 << 30, write_bytes_per_hour=1 << 30)
-    assert disk.best(SCOPE, longer, trimmable=True) is None and not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the stray and the broken header: gone at start
+    key, _ = disk.best(SCOPE, longer, trimmable=True)  # its header reads; its payload is checked when read
+    assert disk.read(key, SCOPE) is None and not path.exists() and disk.best(SCOPE, longer, trimmable=True) is None
     disk.close()
 
 

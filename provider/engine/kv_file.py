@@ -68,6 +68,26 @@ def encode(scope: bytes, tokens: list[int], cache: list[Any]) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
+def peek_header(path) -> dict:
+    """The header of a file on disk, reading only it (the digest is checked when the entry is read)."""
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC) + 4)
+        if len(head) < len(MAGIC) + 4 or not head.startswith(MAGIC):
+            raise FileError("not a prefix-cache file")
+        (length,) = struct.unpack_from("<I", head, len(MAGIC))
+        if length > MAX_HEADER:
+            raise FileError("header length out of range")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise FileError("header is not JSON") from None
+    if not isinstance(header, dict) or not isinstance(header.get("tokens"), list) \
+            or not all(isinstance(t, int) for t in header["tokens"]) or not isinstance(header.get("scope"), str):
+        raise FileError("header fields missing")
+    return header
+
+
 def read_header(data: bytes) -> dict:
     """The checked header of a whole file (digest first)."""
     if len(data) < len(MAGIC) + 4 + DIGEST or not data.startswith(MAGIC):

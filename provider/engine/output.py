@@ -24,7 +24,7 @@ from .tool_calls import ToolCallSplitter
 
 class JobOutput:
     def __init__(self, job: Job, tokenizer, *, prompt_tokens: int, max_tokens: int, arrived: float,
-                 cached_prompt_tokens: int = 0, spec_off_reason: str = "", spec_choice=None,
+                 cached_prompt_tokens: int = 0, cached_tier: str = "", spec_off_reason: str = "", spec_choice=None,
                  tool_format: ToolFormat | None = None):
         self.job = job
         # The seed its sampled tokens are drawn with: the job's, or one drawn now (reported, so they replay).
@@ -37,6 +37,7 @@ class JobOutput:
                        if job.rules.calls_tools and tool_format is not None else None)
         self.prompt_tokens = prompt_tokens
         self.cached_prompt_tokens = cached_prompt_tokens
+        self.cached_tier = cached_tier  # the prefix cache's tier they came from: memory | disk
         self.max_tokens = max_tokens
         self.completion_tokens = 0
         self.emitted_ids: list[int] = []
@@ -139,7 +140,7 @@ class JobOutput:
             # Tokens after the first, over the time since the first: the steady decode rate.
             decode_tokens_per_s=round((self.completion_tokens - 1) / decode_s, 3) if decode_s > 0 else None,
             peak_memory_bytes=mx.get_peak_memory(),
-            cached_prompt_tokens=self.cached_prompt_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens, prefix_tier=self.cached_tier,
             constraint=self.job.rules.kind if self.job.rules.constrained else None,
             mask_ms_per_token=(round(self.grammar.mask_s * 1000 / self.grammar.masks, 4)
                                if self.grammar is not None and self.grammar.masks else None),

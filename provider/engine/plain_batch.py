@@ -159,14 +159,14 @@ class PlainBatch:
         # The step committed: only now do ended rows leave, so a failure above loses none of them.
         for row, r in dropped:
             self._forget(row)
-            self.prefix.store(r.all_tokens, r.prompt_cache)
+            self.prefix.store(r.all_tokens, r.prompt_cache, scope=row.output.job.prefix_scope)
         if ended:
             caches = self._gen.remove([r.uid for _, r in ended], return_prompt_caches=True)
             for row, r in ended:
                 self._forget(row)
                 cache, tokens = caches.get(r.uid, (None, None))
                 if cache:
-                    self.prefix.store(tokens, cache)
+                    self.prefix.store(tokens, cache, scope=row.output.job.prefix_scope)
         after = self._decoding()
         self._copy_pending(bool(decoding) and bool(after) and after != decoding)
         return out
@@ -249,7 +249,7 @@ class PlainBatch:
                 return [(row, row.output.finish(FinishReason.LENGTH))]
             prompt = joining["prompt"]
             if joining["shared_prefix"] >= len(prompt) - 1:  # its choices to come reuse the prompt's KV
-                self.prefix.share(prompt[:-1], scorer.cache)
+                self.prefix.share(prompt[:-1], scorer.cache, row.output.job.prefix_scope)
             self._insert(row, prompt, scorer.cache, len(prompt) - 1, joining["sampler"], joining["processors"], 0)
         except Exception as e:  # this prompt's scoring fails its own job
             self._scoring.pop(row.output.job.id, None)
@@ -290,7 +290,7 @@ class PlainBatch:
             return
         for uid, (cache, tokens) in self._gen.extract_cache(done).items():
             if len(tokens) == self._rows[uid].shared_prefix:
-                self.prefix.store(tokens, cache, SYSTEM)
+                self.prefix.store(tokens, cache, SYSTEM, self._rows[uid].output.job.prefix_scope)
             self._rows[uid].shared_prefix = 0
 
 

@@ -11,6 +11,11 @@ tokens: about 260 bytes of Python heap a token (measured with tracemalloc in the
 that is as much as the KV itself, and prompts of distinct tokens are the cheapest thing a client can send,
 so `nbytes` is the KV plus `INDEX_BYTES_PER_TOKEN` for every token the entries' keys hold (prefixes they
 share counted again: a bound, not an estimate).
+
+Entries are kept per scope (jobs.PrefixScope: the tenant that may reuse them): a prefix stored for one is
+never found for another. Under the memory tier, the disk tier (prefix_disk.py): a long entry is also written
+there (off this thread, within its budget and write rate; never a job that asked not to be, such as a sealed
+one), and a prompt the memory tier covers less of than the disk does is read back from it.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import copy
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (KVCache, LRUPromptCache, QuantizedKVCache, can_trim_prompt_cache,
-                                 trim_prompt_cache)
+from mlx_lm.models.cache import (KVCache, LRUPromptCache, QuantizedKVCache, RotatingKVCache,
+                                 can_trim_prompt_cache, trim_prompt_cache)
 
 from .. import logs
+from ..jobs import PrefixScope
+from .prefix_blocks import BLOCK, scope_of
+from .prefix_disk import DiskTier
 
 log = logs.get("engine")
 
@@ -31,6 +39,8 @@ log = logs.get("engine")
 COMPLETION, USER, SYSTEM = "assistant", "user", "system"
 
 INDEX_BYTES_PER_TOKEN = 320
+DISK_MIN_TOKENS = 2 * BLOCK  # a prefill this long is worth a file; shorter ones are cheap to compute again
+MEMORY, DISK = "memory", "disk"
 
 
 class _CountedOrder(LRUPromptCache.CacheOrder):
@@ -57,7 +67,8 @@ class _CountedOrder(LRUPromptCache.CacheOrder):
 
 
 class PrefixCache:
-    def __init__(self, model_id: str, max_bytes: int, unkeyable: frozenset[int] = frozenset()):
+    def __init__(self, model_id: str, max_bytes: int, unkeyable: frozenset[int] = frozenset(), *,
+                 disk: DiskTier | None = None, identity: str = "", trimmable: bool = True):
         self.model_id = model_id
         self.max_bytes = max_bytes
         # Token ids that never enter a key: every image token has one id, so a key holding them would match
@@ -65,6 +76,18 @@ class PrefixCache:
         self.unkeyable = unkeyable
         self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max(0, max_bytes))
         self._order = self._lru._lru = _CountedOrder()
+        self.disk = disk
+        self.identity = identity  # the model's files (manifest.quick_identity): a disk entry outlives a process
+        self.trimmable = trimmable  # caches a shorter prefix can be cut from (no sliding-window layers)
+
+    @classmethod
+    def of(cls, lm, max_bytes: int, disk: DiskTier | None) -> "PrefixCache":
+        """A loaded model's (models.loader.LoadedModel)."""
+        from ..models.capability import media_token_ids
+        from .kv_quant import caches_for
+
+        return cls(lm.id, max_bytes, media_token_ids(lm.config), disk=disk, identity=lm.identity,
+                   trimmable=cuttable(caches_for(lm)))
 
     @property
     def nbytes(self) -> int:
@@ -81,12 +104,20 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def lookup(self, prompt: list[int]) -> tuple[list[Any] | None, int]:
-        """A copy of the caches of the longest stored prefix of `prompt`, and how many tokens it covers
-        (fewer than len(prompt))."""
-        if self.max_bytes <= 0 or not prompt:
-            return None, 0
-        cache, rest = self._lru.fetch_nearest_cache(self.model_id, list(prompt))
+    def lookup(self, prompt: list[int], scope: PrefixScope = PrefixScope()) -> tuple[list[Any] | None, int, str]:
+        """A copy of the caches of the longest stored prefix of `prompt` in `scope`, how many tokens it covers
+        (fewer than len(prompt)), and the tier it came from."""
+        if not prompt:
+            return None, 0, ""
+        cache, cached = self._from_memory(prompt, scope) if self.max_bytes > 0 else (None, 0)
+        if self.disk is not None and scope.to_disk and len(prompt) > max(cached, BLOCK):
+            found = self._from_disk(prompt, scope, cached)
+            if found is not None:
+                return (*found, DISK)
+        return cache, cached, MEMORY if cached else ""
+
+    def _from_memory(self, prompt: list[int], scope: PrefixScope) -> tuple[list[Any] | None, int]:
+        cache, rest = self._lru.fetch_nearest_cache(self._key(scope), list(prompt))
         if cache is None:
             return None, 0
         if not rest:  # the whole prompt is stored: give back one token to compute, or none at all
@@ -97,21 +128,52 @@ class PrefixCache:
         cached = len(prompt) - len(rest)
         return (cache, cached) if cached > 0 else (None, 0)
 
-    def store(self, tokens: list[int], cache: list[Any], kind: str = COMPLETION) -> None:
-        """Keep `cache` (the KV of `tokens`) for reuse. Never raises: keeping a prefix is an optimisation, and
-        its failure costs no job."""
-        if self.max_bytes <= 0 or not tokens or not cache or not self.unkeyable.isdisjoint(tokens):
+    def _from_disk(self, prompt: list[int], scope: PrefixScope, better_than: int) -> tuple[list[Any], int] | None:
+        key = self._scope(scope)
+        best = self.disk.best(key, prompt, self.trimmable)
+        if best is None or best[1] <= better_than:
+            return None
+        read = self.disk.read(best[0], key)
+        if read is None:
+            return None
+        tokens, cache = read
+        usable = min(best[1], len(prompt) - 1)
+        if list(tokens[:usable]) != list(prompt[:usable]):
+            return None  # the blocks matched, the tokens do not: a hash collision would be needed, never trust it
+        if usable < len(tokens) and not can_trim_prompt_cache(cache):
+            return None
+        if usable < len(tokens):
+            trim_prompt_cache(cache, len(tokens) - usable)
+        self.disk.stats.tokens_reused += usable
+        self.store(list(tokens[:usable]), copy.deepcopy(cache), SYSTEM, scope, to_disk=False)  # hot again
+        return cache, usable
+
+    def store(self, tokens: list[int], cache: list[Any], kind: str = COMPLETION, scope: PrefixScope = PrefixScope(),
+              *, to_disk: bool = True) -> None:
+        """Keep `cache` (the KV of `tokens`) for reuse in `scope`. Never raises: keeping a prefix is an
+        optimisation, and its failure costs no job."""
+        if not tokens or not cache or not self.unkeyable.isdisjoint(tokens):
             return
         try:
-            owned(cache)
-            self._lru.insert_cache(self.model_id, list(tokens), cache, cache_type=kind)
-            self.trim_to(self.max_bytes)  # mlx-lm bounded the KV alone
+            if self.max_bytes > 0 or self.disk is not None:
+                owned(cache)
+            if self.disk is not None and to_disk and scope.to_disk and len(tokens) >= DISK_MIN_TOKENS:
+                self.disk.put(self._scope(scope), list(tokens), cache)
+            if self.max_bytes > 0:
+                self._lru.insert_cache(self._key(scope), list(tokens), cache, cache_type=kind)
+                self.trim_to(self.max_bytes)  # mlx-lm bounded the KV alone
         except Exception:
             log.exception("prefix_store_failed", model=self.model_id)
 
-    def share(self, tokens: list[int], cache: list[Any]) -> None:
+    def wants_whole_prompt(self, length: int, scope: PrefixScope) -> bool:
+        """Whether a prompt is worth keeping whole once read: long, for the disk tier, of a model whose caches
+        cannot be cut to a shorter prefix (so its finished row, prompt + completion, serves no later request of
+        the same prompt)."""
+        return self.disk is not None and scope.to_disk and not self.trimmable and length >= DISK_MIN_TOKENS
+
+    def share(self, tokens: list[int], cache: list[Any], scope: PrefixScope = PrefixScope()) -> None:
         """Keep a copy of the caches of a row still using them (a prompt just read, for the choices to come)."""
-        self.store(tokens, copy.deepcopy(cache), SYSTEM)
+        self.store(tokens, copy.deepcopy(cache), SYSTEM, scope)
 
     def trim_to(self, max_bytes: int) -> int:
         """Drop least recently used entries until at most `max_bytes` remain; return the bytes freed."""
@@ -122,6 +184,18 @@ class PrefixCache:
 
     def clear(self) -> int:
         return self.trim_to(0)
+
+    def _key(self, scope: PrefixScope) -> tuple[str, str]:
+        return self.model_id, scope.tenant
+
+    def _scope(self, scope: PrefixScope) -> bytes:
+        return scope_of(self.identity or self.model_id, scope.tenant)
+
+
+def cuttable(cache: list[Any]) -> bool:
+    """Whether a model's caches can always be cut to a shorter prefix: not with sliding-window layers (a
+    rotating cache past its window has lost what a shorter prefix needs), whatever a fresh one says."""
+    return not any(isinstance(c, RotatingKVCache) for c in cache)
 
 
 def owned(cache: list[Any]) -> None:

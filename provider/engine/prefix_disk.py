@@ -187,8 +187,7 @@ class DiskTier:
         """The index from the files already there (a restart): headers checked, broken files deleted."""
         for path in self.root.glob(f"*{SUFFIX}"):
             try:
-                data = path.read_bytes()
-                header = kv_file.read_header(data)
+                header = kv_file.peek_header(path)
                 scope, tokens = bytes.fromhex(header["scope"]), header["tokens"]
                 blocks = chain(scope, tokens)
                 if entry_key(scope, tokens, blocks) != path.stem:
@@ -198,8 +197,9 @@ class DiskTier:
                 log.warning("prefix_disk_file_refused", file=path.name, why=str(e))
                 path.unlink(missing_ok=True)
                 continue
+            stat = path.stat()
             self._index[path.stem] = DiskEntry(scope, blocks, len(tokens), tuple(tokens[len(blocks) * BLOCK:]),
-                                               len(data), path.stat().st_mtime)
+                                               stat.st_size, stat.st_mtime)
         for tmp in self.root.glob("*.tmp"):  # a write cut short by a crash
             tmp.unlink(missing_ok=True)
         self._evict()

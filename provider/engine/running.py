@@ -21,7 +21,6 @@ from ..status import QueueStatus
 from ..models.tool_format import ToolFormat
 from ..media_plan import MediaPlan
 from ..memory.estimate import media_read_bytes, vision_scratch_bytes
-from ..models.capability import media_token_ids
 from ..prompts import CompiledGrammar
 from ..verification.commitment import CommitmentBuilder
 from .grammar import GrammarProcessor, RowGrammar
@@ -29,7 +28,8 @@ from .plain_batch import PlainBatch
 from .prompt_reader import PREFILL_ROWS, reading_bytes
 from .output import JobOutput
 from . import sampling
-from .prefix_cache import PrefixCache
+from .prefix_cache import DISK, PrefixCache
+from .prefix_disk import DiskTier
 from .spec_batch import SpecBatch
 from .verify_reads import VerifyReads
 from .vision_prefill import MediaRead, MediaReads
@@ -55,11 +55,12 @@ log = logs.get("engine")
 
 class Running:
     def __init__(self, stats: QueueStatus, *, step_tokens: int, max_rows: int, prefix_cache_bytes: int,
-                 commit: bool = False):
+                 commit: bool = False, prefix_disk: DiskTier | None = None):
         self._step_tokens = step_tokens
         self._commit = commit  # every job's outcome carries a proof (provider.verification)
         self._max_rows = max_rows
         self._prefix_cache_bytes = prefix_cache_bytes
+        self._prefix_disk = prefix_disk  # the prefix caches' disk tier, shared by every model (or none)
         self._batches: dict[str, PlainBatch] = {}  # by model id: the jobs that decode together
         self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
         self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
@@ -146,15 +147,21 @@ class Running:
               tool_format: ToolFormat | None = None, vision: MediaPlan | None = None) -> None:
         prefix = self._prefix.get(lm.id)
         if prefix is None:
-            prefix = self._prefix[lm.id] = PrefixCache(lm.id, self._prefix_cache_bytes, media_token_ids(lm.config))
+            prefix = self._prefix[lm.id] = PrefixCache.of(lm, self._prefix_cache_bytes, self._prefix_disk)
+        # A long prompt of a model whose caches cannot be cut shorter is kept whole once read, for the disk tier.
+        if prefix.wants_whole_prompt(len(prompt), job.prefix_scope):
+            shared_prefix = len(prompt) - 1
         # A scored prompt is read whole (every position's logits are wanted), so it takes nothing from the cache;
         # nor does a claim, read whole by its verifier.
-        cache, cached = (None, 0) if job.sampling.prompt_logprobs or job.verify else prefix.lookup(prompt)
+        cache, cached, tier = (None, 0, "") if job.sampling.prompt_logprobs or job.verify else \
+            prefix.lookup(prompt, job.prefix_scope)
         if cached:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += cached
+            self.stats.prefix_disk_tokens += cached if tier == DISK else 0
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
-                           cached_prompt_tokens=cached, spec_off_reason=plan.reason, spec_choice=plan.choice,
+                           cached_prompt_tokens=cached, cached_tier=tier, spec_off_reason=plan.reason,
+                           spec_choice=plan.choice,
                            tool_format=tool_format)
         if job.verify is not None:
             self._verifying.add(lm, output, sink, prompt)
@@ -171,7 +178,7 @@ class Running:
             raise JobError(Cause.INVALID_REQUEST, "prompt logprobs are not given for prompts with images", "echo")
         # Read a piece per pass beside the batches (the media reads), then it joins as after a prefix hit.
         self._media.add(MediaRead(lm, output, sink, prompt, vision, cache, cached, keep_at=shared_prefix,
-                                  keep=lambda c: prefix.share(prompt[:shared_prefix], c),
+                                  keep=lambda c: prefix.share(prompt[:shared_prefix], c, job.prefix_scope),
                                   joining=dict(plan=plan, shared_prefix=shared_prefix)))
 
     def _join(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, cache,

@@ -48,7 +48,7 @@ FAILED_MESSAGE = "the node's engine stopped after an internal failure ({}); the 
 
 class Engine:
     def __init__(self, models: Residency, *, max_concurrent: int, max_queued: int, step_tokens: int,
-                 prefix_cache_bytes: int = 0, running: Callable[..., Running] = Running):
+                 prefix_cache_bytes: int = 0, running: Callable[..., Running] = Running, prefix_disk=None):
         self.models = models
         self._max_concurrent = max_concurrent
         self._max_queued = max_queued
@@ -61,7 +61,7 @@ class Engine:
         self._last_step: dict[str, int] = {}
         self._floor: dict[str, int] = {}
         self._running = running(stats=self.stats, step_tokens=step_tokens, max_rows=max_concurrent,
-                                prefix_cache_bytes=prefix_cache_bytes)
+                                prefix_cache_bytes=prefix_cache_bytes, prefix_disk=prefix_disk)
         self._next_idle_check = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._draining = threading.Event()

@@ -79,8 +79,9 @@ class SpecBatch:
             self._speculator.read(reading.spec, read_chunk(reading.spec.left, self._budget, len(decoding)))
         starting = [row for row in self._rows.values() if row.spec.reading and row.spec.read_all_but_last]
         for row in starting:
-            if row.output.job.share_prompt:  # the first of n choices: the others take its prompt's KV, which
-                self.prefix.share(row.spec.prompt[:-1], row.spec.caches)  # is all of it but the last token now
+            job = row.output.job  # the first of n choices (the others take its prompt's KV, all of it but the last
+            if job.share_prompt or self.prefix.wants_whole_prompt(len(row.spec.prompt), job.prefix_scope):  # token
+                self.prefix.share(row.spec.prompt[:-1], row.spec.caches, job.prefix_scope)  # now), or one for disk
         if starting:  # their last prompt tokens in one forward, which gives each its first token
             for row, first in zip(starting, self._speculator.begin([row.spec for row in starting])):
                 out.append((row, self._emit(row, [first], ended)))
@@ -153,7 +154,7 @@ class SpecBatch:
         del self._rows[row.output.job.id]
         spec = row.spec
         if not spec.reading:
-            self.prefix.store(spec.tokens, spec.caches, COMPLETION)
+            self.prefix.store(spec.tokens, spec.caches, COMPLETION, row.output.job.prefix_scope)
         self._observe(row)
 
     def _observe(self, row: Row) -> None:

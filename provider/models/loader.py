@@ -29,6 +29,7 @@ class LoadedModel:
     decodable: int | None = None
     kv_shape: Any = None  # memory.estimate.KVShape of the target, from its files (set by the residency)
     kv_quant: Any = None  # memory.estimate.KVQuant of its KV caches (set by the residency); None: full precision
+    identity: str = ""  # its files as they are (manifest.quick_identity): what a prefix kept on disk belongs to
     draft_kv_shape: Any = None  # the same of a draft model (an MTP assistant keeps no KV of its own)
     act_shape: Any = None  # memory.estimate.ActivationShape: a forward's scratch (set by the residency)
     act_reserve: int = 0  # the scratch its footprint already reserves (one chunk of one row)

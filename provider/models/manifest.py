@@ -68,3 +68,14 @@ def verify_pin(model_id: str, path: Path, pinned: str) -> None:
                        f"{model_id}: checkpoint hash {actual[:16]}… does not match the pinned {pinned[:16]}…; "
                        "the files changed since they were pinned — re-download, or update the pin after "
                        "checking them with `provider models verify`")
+
+
+def quick_identity(path: Path) -> str:
+    """The checkpoint's files as they are now (names, sizes, modification times), hashed without reading them:
+    what a prefix kept on disk belongs to. A file rewritten since gives another identity, so its KV is never
+    read back against other weights."""
+    h = hashlib.sha256(b"provider.files\0")
+    for f in sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []:
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()

@@ -310,7 +310,7 @@ class Residency:
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting,
                                             self.group, self.group_split)
         lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
-        lm.kv_quant = kv_quant
+        lm.kv_quant, lm.identity = kv_quant, manifest.quick_identity(path)
         if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
             lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:

@@ -1,0 +1,55 @@
+"""The disk tier through the node: a long prompt's KV outlives the process and is read back (telemetry says
+which tier), the output the same as computed; never across tenant scopes; never for a job that may not be
+written (a sealed one)."""
+
+import pytest
+
+from provider.jobs import Done, Job, PrefixScope
+from tests.helpers import collect, greedy, run
+from tools.harness.nodes import make_node
+
+PROMPT = [(i * 13) % 400 + 20 for i in range(700)]
+
+
+def node_on(fixtures_dir, name, disk):
+    return make_node({name: fixtures_dir / name}, max_concurrent_jobs=2, prefix_disk_dir=str(disk),
+                     prefix_disk_gb=1.0)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma4-tiny"])  # cut to any prefix; sliding-window layers
+def test_a_long_prompt_outlives_the_process_and_reads_back_the_same(fixtures_dir, tmp_path, name):
+    async def once(job_id, scope=PrefixScope()):
+        node = node_on(fixtures_dir, name, tmp_path)
+        try:
+            ids, _, end, _ = await collect(node, Job(job_id, name, greedy(8), prompt_ids=tuple(PROMPT),
+                                                     prefix_scope=scope))
+        finally:
+            await node.stop()
+        assert isinstance(end, Done)
+        return ids, end.telemetry
+
+    async def main():
+        cold_ids, cold = await once("cold")
+        assert cold.prefix_tier == "" and cold.cached_prompt_tokens == 0
+        assert list(tmp_path.glob("*.pxkv"))  # written before the node stopped
+        warm_ids, warm = await once("warm")  # another process, as after a restart
+        assert warm.prefix_tier == "disk" and warm.cached_prompt_tokens >= 512
+        assert warm_ids == cold_ids
+        other_ids, other = await once("other", PrefixScope("tenant-b"))  # the same prompt, another tenant
+        assert other.prefix_tier == "" and other.cached_prompt_tokens == 0 and other_ids == cold_ids
+
+    run(main())
+
+
+def test_a_job_that_may_not_be_written_leaves_no_file(fixtures_dir, tmp_path):
+    async def main():
+        node = node_on(fixtures_dir, "llama-tiny", tmp_path)
+        sealed = PrefixScope("tenant-a", to_disk=False)
+        await collect(node, Job("s", "llama-tiny", greedy(8), prompt_ids=tuple(PROMPT), prefix_scope=sealed))
+        second = (await collect(node, Job("s2", "llama-tiny", greedy(8), prompt_ids=tuple(PROMPT),
+                                          prefix_scope=sealed)))[2]
+        await node.stop()
+        assert second.telemetry.prefix_tier == "memory"  # reused in memory, within its own scope
+        assert not list(tmp_path.glob("*.pxkv"))
+
+    run(main())
