@@ -8,8 +8,8 @@ from provider.constraints import (MAX_SCHEMA_BYTES, MAX_TOOLS, TOOL_CHOICE_MODES
                                   ResponseFormat, Tool, ToolChoice)
 from provider.content import IMAGE_MEDIA, IMAGE_PART, MAX_IMAGES, ImageInput
 from provider.jobs import (GREEDY_SAMPLER, MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, REPLAYABLE_SAMPLER,
-                           MAX_COMMITMENT_BYTES, SPECULATIVE_SAMPLER, Claim, Done, Error, Job, JobError, Proof,
-                           SamplingParams, ToolCall, Tokens, Usage, VerdictSummary, resolve_max_tokens)
+                           MAX_COMMITMENT_BYTES, SPECULATIVE_SAMPLER, Claim, Done, Error, Job, JobError, PrefixScope,
+                           Proof, SamplingParams, ToolCall, Tokens, Usage, VerdictSummary, resolve_max_tokens)
 from provider.types import Cause, Policy
 
 from provider.telemetry import Telemetry
@@ -22,6 +22,7 @@ MAX_JOB_ID = 128
 # Messages, their content parts and their tool calls together, in one chat. The local API's body bound holds
 # this count; a 64 MiB frame would hold eight million empty messages, each a dict once converted.
 MAX_CHAT_ITEMS = 1 << 16
+MAX_CACHE_SCOPE = 128
 
 POLICY = {pb.SPECULATION_POLICY_AUTO: Policy.AUTO, pb.SPECULATION_POLICY_ON: Policy.ON,
           pb.SPECULATION_POLICY_OFF: Policy.OFF}
@@ -77,7 +78,8 @@ def check_counts(req: pb.JobRequest, max_tokens_limit: int = 1 << 20) -> None:
                        f"tool calls together, got {items}", "chat.messages")
 
 
-def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_tokens: int) -> Job:
+def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_tokens: int,
+                     sealed: bool = False) -> Job:
     """Validate a JobRequest and build the Job; a bad field raises JobError(INVALID_REQUEST) naming it.
     The value bounds are SamplingParams' and Job's, the same as the local API's; counts come first."""
     check_job_id(req.job_id)
@@ -117,9 +119,14 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
         if len(req.verify.proof.commitment) > MAX_COMMITMENT_BYTES:  # when prepared
             raise _invalid("verify.proof.commitment is longer than any commitment")
         verify = Claim(tuple(req.verify.output_ids), proof_from_pb(req.verify.proof))
+    if len(req.cache_scope.encode()) > MAX_CACHE_SCOPE:
+        raise _invalid(f"cache_scope has at most {MAX_CACHE_SCOPE} bytes")
+    # The coordinator's tenants apart from the local API's, and from each other; only a named tenant's unsealed
+    # prompts go to disk.
+    scope = PrefixScope("coordinator:" + req.cache_scope, to_disk=bool(req.cache_scope) and not sealed)
     return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
                prompt_ids=prompt_ids, speculation=POLICY[req.speculation], rules=output_rules(req),
-               images=tuple(images), verify=verify)
+               images=tuple(images), verify=verify, prefix_scope=scope)
 
 
 def _message(m: pb.ChatMessage, i: int, images: list[ImageInput]) -> dict:
@@ -211,7 +218,8 @@ def tool_calls_to_pb(calls: list[ToolCall]) -> list[pb.ToolCall]:
 
 def telemetry_to_pb(t: Telemetry) -> pb.Telemetry:
     out = pb.Telemetry(queue_ms=t.queue_ms, total_ms=t.total_ms, peak_memory_bytes=t.peak_memory_bytes,
-                       finish_reason=t.finish_reason.value, constraint=t.constraint or "")
+                       finish_reason=t.finish_reason.value, constraint=t.constraint or "",
+                       prefix_tier=t.prefix_tier)
     for name in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "mask_ms_per_token"):
         if getattr(t, name) is not None:  # optional on the wire: absent, not zero, when unknown
             setattr(out, name, getattr(t, name))

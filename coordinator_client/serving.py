@@ -121,7 +121,7 @@ class CoordinatorJobs:
             convert.check_job_id(req.job_id)  # before opening: the id is hashed into the keys and associated data
             req, keys = open_request(req, self.sealing, required=s.require_sealed_jobs)
             job = convert.job_from_request(req, max_tokens_limit=s.max_tokens_limit,
-                                           default_max_tokens=s.default_max_tokens)
+                                           default_max_tokens=s.default_max_tokens, sealed=sealed)
             if self.draining or self.node.draining:
                 raise JobError(Cause.DRAINING, "the node is draining and accepts no new jobs")
             if req.deadline_ms and req.deadline_ms <= time.time() * 1000:

@@ -53,3 +53,37 @@ def test_a_job_that_may_not_be_written_leaves_no_file(fixtures_dir, tmp_path):
         assert not list(tmp_path.glob("*.pxkv"))
 
     run(main())
+
+
+def test_over_the_wire_scopes_and_sealed_jobs(fixtures_dir, tmp_path):
+    from coordinator_client.pb import provider_pb2 as pb
+    from tools.harness.nodes import harness
+
+    def request(job_id, scope):
+        return pb.JobRequest(job_id=job_id, model="l", prompt_ids=pb.PromptTokens(ids=PROMPT), max_tokens=4,
+                             sampling=pb.SamplingParams(temperature=0), cache_scope=scope)
+
+    async def main():
+        disk = dict(prefix_disk_dir=str(tmp_path / "disk"), prefix_disk_gb=1.0, prefix_cache_gb=0.0)
+        async with harness({"l": fixtures_dir / "llama-tiny"}, tmp_path, **disk) as (coord, node, _):
+            s = await coord.wait_for_node()
+            coord.dispatch_sealed(s, request("sealed", "t1"))
+            coord.dispatch(s, request("unscoped", ""))
+            for job_id in ("sealed", "unscoped"):
+                assert (await coord.outcome(job_id)).WhichOneof("frame") == "job_done"
+            assert not list((tmp_path / "disk").glob("*.pxkv"))  # neither may be written
+            coord.dispatch(s, request("t1-first", "t1"))
+            await coord.outcome("t1-first")
+        # The node again, as after a restart (its memory tier off: whatever is reused comes from disk).
+        async with harness({"l": fixtures_dir / "llama-tiny"}, tmp_path, **disk) as (coord, node, _):
+            s = await coord.wait_for_node()
+            coord.dispatch(s, request("t1-again", "t1"))
+            coord.dispatch(s, request("t2", "t2"))
+            again, other = [(await coord.outcome(j)).job_done for j in ("t1-again", "t2")]
+            assert again.telemetry.prefix_tier == "disk" and again.usage.cached_prompt_tokens >= 512
+            assert other.telemetry.prefix_tier == "" and other.usage.cached_prompt_tokens == 0
+            assert coord.token_ids("t1-again") == coord.token_ids("t2")  # the same tokens either way
+            coord.dispatch(s, request("long-scope", "x" * 129))
+            assert (await coord.outcome("long-scope")).job_error.cause == pb.ERROR_CAUSE_INVALID_REQUEST
+
+    run(main())

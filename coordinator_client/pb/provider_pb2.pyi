@@ -455,7 +455,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class JobRequest(_message.Message):
-    __slots__ = ("job_id", "model", "chat", "prompt", "prompt_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256", "sealed", "response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "prompt_logprobs", "verify")
+    __slots__ = ("job_id", "model", "chat", "prompt", "prompt_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "speculation", "deadline_ms", "model_sha256", "sealed", "response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "prompt_logprobs", "verify", "cache_scope")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +476,7 @@ class JobRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     chat: ChatMessages
@@ -496,7 +497,8 @@ class JobRequest(_message.Message):
     logprobs: int
     prompt_logprobs: bool
     verify: VerifyInput
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., verify: _Optional[_Union[VerifyInput, _Mapping]] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., verify: _Optional[_Union[VerifyInput, _Mapping]] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class VerifyInput(_message.Message):
     __slots__ = ("output_ids", "proof")
@@ -677,7 +679,7 @@ class SpeculationProfile(_message.Message):
     def __init__(self, model: _Optional[str] = ..., plain_token_ms: _Optional[float] = ..., round_ms: _Optional[_Iterable[float]] = ..., greedy: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., sampled: _Optional[_Union[SpeculationDecision, _Mapping]] = ..., rows: _Optional[int] = ..., plain_rows_ms: _Optional[float] = ..., round_rows_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("ttft_ms", "queue_ms", "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes", "finish_reason", "speculation", "constraint", "mask_ms_per_token")
+    __slots__ = ("ttft_ms", "queue_ms", "total_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes", "finish_reason", "speculation", "constraint", "mask_ms_per_token", "prefix_tier")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -688,6 +690,7 @@ class Telemetry(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     MASK_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TIER_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     queue_ms: float
     total_ms: float
@@ -698,7 +701,8 @@ class Telemetry(_message.Message):
     speculation: SpeculationTelemetry
     constraint: str
     mask_ms_per_token: float
-    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ..., constraint: _Optional[str] = ..., mask_ms_per_token: _Optional[float] = ...) -> None: ...
+    prefix_tier: str
+    def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ..., constraint: _Optional[str] = ..., mask_ms_per_token: _Optional[float] = ..., prefix_tier: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls", "seal_salt", "logprobs", "prompt_logprobs", "proof", "sealed_proof", "proof_sha256")
