@@ -22,7 +22,13 @@ then, on a third node serving the same KV-heavy Llama with a 32k context:
   user message, so the prefix cache holds and reuses long prefixes. Per turn it prints the prompt's tokens
   and how many came from the prefix cache (usage's cache_read_input_tokens / input_tokens_details.cached_tokens).
   ~10k, not the 20k agents send: MLX's CPU attention reads a 20.6k-token prompt of this model in 284 s (its
-  next turn, from the cache, in 1 s), quadratic in the length; 10k keeps the phase to a few minutes.
+  next turn, from the cache, in 1 s), quadratic in the length; 10k keeps the phase to a few minutes;
+
+then, on a fourth node serving the KV-heavy Llama (4k context) with its KV quantized (kv_bits 4, groups of 32:
+its heads are 32 wide), the ledger booking each row at the quantized size:
+
+- q: quantized KV: phase a's 8 ~800-token prompts at once, and phase b's 15 short decoding with a ~1,500-token
+  prompt joining them (rows joining and leaving a quantized batch, its prefix cache keeping quantized rows).
 
 For each phase it prints the sample with the most MLX memory active (`memory.mlx_active_bytes`) beside the ledger
 at that sample (`memory.reserved_bytes` = models + jobs' KV + prefix caches, with its parts), the same at idle,
@@ -33,7 +39,7 @@ after a warm-up image) stays within ledger x 1.10 + 64 MiB at every sample. End-
 biased away (logit_bias -100) so every job runs to its max_tokens (not in phase e: neither agent API takes a
 logit_bias). Phase e is judged as a-c. The exit code is 0 whatever the verdict.
 
-    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcde]
+    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcdeq]
 """
 
 from __future__ import annotations
@@ -304,6 +310,11 @@ def phase_e(load: Load, rng: random.Random) -> None:
         load.agent(api, system, tools, [load.prompt(AGENT_ASK, rng) for _ in range(AGENT_TURNS)])
 
 
+def phase_q(load: Load, rng: random.Random) -> None:
+    phase_a(load, rng)
+    phase_b(load, rng)
+
+
 def print_turns(turns: list[dict]) -> None:
     print("  agent      turn   prompt   cached  from cache  seconds")
     for t in sorted(turns, key=lambda t: (t["agent"], t["turn"])):
@@ -317,6 +328,8 @@ TEXT_PHASES = [("a", "8 x ~800-token prompts at once", phase_a),
 IMAGE_PHASES = [("d", "images: 2 x 1 high-detail, 2 x 4 default, 1 x 16 tiny at low, 2 text jobs", phase_d)]
 AGENT_PHASES = [("e", f"2 agents at once (messages, responses), {AGENT_TURNS} turns each of a ~10k-token prompt",
                  phase_e)]
+QUANT_PHASES = [("q", "kv_bits 4: 8 x ~800-token prompts, 15 short decoding and a ~1,500-token prompt joining",
+                 phase_q)]
 
 
 def bound(m: dict) -> float:
@@ -347,13 +360,13 @@ def rss_bound(s: dict, outside: float) -> float:
 
 
 def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.Random, warm: list[dict] | None,
-          results: list[dict], samples: list[dict]) -> None:
+          results: list[dict], samples: list[dict], kv_bits: int = 0) -> None:
     """One node on `model`, warmed up, then each phase and its idle period, with their verdicts printed."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     env = {"PROVIDER_MEMORY_BUDGET_GB": "12", "PROVIDER_PREFIX_CACHE_GB": "1", "PROVIDER_SPECULATION": "off",
-           "PROVIDER_MAX_CONCURRENT_JOBS": "32"}
+           "PROVIDER_MAX_CONCURRENT_JOBS": "32", "PROVIDER_KV_BITS": str(kv_bits)}
     home.mkdir()
     srv = LocalServer(model, home, env=env)
     threading.Thread(target=lambda: [None for _ in srv.proc.stdout], daemon=True).start()  # keep stdout drained
@@ -432,7 +445,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write every /health sample and the verdicts as JSON")
-    ap.add_argument("--phases", default="abcde", help="the phases to run (default: all)")
+    ap.add_argument("--phases", default="abcdeq", help="the phases to run (default: all)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     results: list[dict] = []
@@ -455,6 +468,11 @@ def main() -> int:
             model, no_eos = build_model(Path(tmp) / "llama-kv-heavy-32k", AGENT_CONTEXT)
             print(f"model {model.name}: the same Llama, context {AGENT_CONTEXT}; /health every 50 ms")
             serve(model, no_eos, Path(tmp) / "home-agents", agents, rng, None, results, samples)
+        quantized = [p for p in QUANT_PHASES if p[0] in args.phases]
+        if quantized:
+            model, no_eos = build_model(Path(tmp) / "llama-kv-heavy-q")
+            print(f"model {model.name}: the same Llama, KV quantized to 4 bits (1.5 KiB KV/token); /health every 50 ms")
+            serve(model, no_eos, Path(tmp) / "home-q", quantized, rng, None, results, samples, kv_bits=4)
     if args.out:
         args.out.write_text(json.dumps({"seed": args.seed, "phases": results, "samples": samples}, indent=1))
     verdicts = ", ".join(f"{r['phase']} {r['verdict']}" for r in results)
