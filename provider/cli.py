@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 from pathlib import Path
@@ -292,6 +293,19 @@ def _start(args: argparse.Namespace) -> int:
               "in the config",
               file=sys.stderr)
         return EXIT_CONFIG
+    # The collector stays off through the imports (MLX, mlx-lm, transformers, aiohttp: ~0.45 s of collections
+    # over objects that all live as long as the process) and the default model's load; daemon.run freezes what
+    # is loaded and turns it on once the model serves, or after GC_OFF_AT_MOST_S whatever happens (issue 43).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run_daemon(settings, group)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run_daemon(settings: Settings, group: GroupSpec | None) -> int:
     from . import daemon, startup
 
     failures: tuple = (JobError, PermissionError)

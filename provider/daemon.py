@@ -13,12 +13,12 @@ import time
 
 from . import __version__, logs, paths
 from .jobs import JobError
-from .group.member import join_with_settings
 from .group.spec import GroupSpec
 from .settings import Settings
 from .startup import EXIT_CONFIG
 
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; the service manager restarts the node
+GC_OFF_AT_MOST_S = 30.0  # `provider start` turns the collector off until its model serves: never longer than this
 
 
 async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None) -> int:
@@ -42,6 +42,8 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
 
     membership = None
     if group is not None:  # rank 0 of a node group: join the other ranks before anything loads (docs/group.md)
+        from .group.member import join_with_settings
+
         membership = (await asyncio.to_thread(join_with_settings, settings, group, decide_node_budget(settings),
                                               node_step_tokens(settings))).membership
     node = Node(settings, build_models(settings, primary_models(settings), group=membership), group=membership)
@@ -49,6 +51,7 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
         session = CoordinatorSession(node, settings, identity)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    collector_on = loop.call_later(GC_OFF_AT_MOST_S, gc.enable)  # a download or a slow load: on again meanwhile
     engine_failed = []
     node.on_engine_failure(lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set())))
     node.start()
@@ -89,7 +92,11 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     # What is loaded now lives as long as the process (modules, the model's tokenizer and its vocabulary):
     # out of the collector's sight, a full collection scans only what requests allocate. Without this, traffic
     # that allocates (large request bodies, schemas) paused every stream for 100 ms and more per collection.
+    # `provider start` runs its imports and this first load with the collector off (cli._start): it is turned on
+    # here, after the freeze, as CPython's docs advise for gc.freeze.
     gc.freeze()
+    gc.enable()
+    collector_on.cancel()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

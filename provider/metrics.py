@@ -4,14 +4,15 @@ Latency histograms are observed when each job ends (on the engine thread: promet
 everything else — running and waiting requests, token and speculation totals, model load times, the memory
 budget — is read from one `NodeStatus` at scrape time, so /metrics, /health, heartbeats and
 `provider status` can never disagree.
+
+prometheus_client is imported when the first job ends or /metrics is first asked for, whichever comes first: never
+in front of a node's first token (issue 43).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
-
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .jobs import Done
 from .status import NodeStatus
@@ -24,17 +25,30 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 class Metrics:
     def __init__(self, status: Callable[[], NodeStatus]):
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
-        self.ttft = Histogram(NS + "time_to_first_token_seconds", "Arrival to first token.", labels,
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram(NS + "inter_token_latency_seconds", "Time between tokens (a job's mean, per gap).",
-                             labels, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(NS + "e2e_request_latency_seconds", "Arrival to the end of the job.", labels,
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_StatusCollector(status))
+        self._status = status
+        self._made = threading.Lock()  # the engine thread (a job's end) and a scrape's worker thread may race
+        self.registry = None  # made with the histograms by _histograms()
+
+    def _histograms(self) -> None:
+        with self._made:
+            if self.registry is not None:
+                return
+            from prometheus_client import CollectorRegistry, Histogram
+
+            registry = CollectorRegistry(auto_describe=True)
+            labels = ["model_name"]
+            self.ttft = Histogram(NS + "time_to_first_token_seconds", "Arrival to first token.", labels,
+                                  buckets=LATENCY_BUCKETS, registry=registry)
+            self.itl = Histogram(NS + "inter_token_latency_seconds", "Time between tokens (a job's mean, per gap).",
+                                 labels, buckets=LATENCY_BUCKETS, registry=registry)
+            self.e2e = Histogram(NS + "e2e_request_latency_seconds", "Arrival to the end of the job.", labels,
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+            registry.register(_StatusCollector(self._status))
+            self.registry = registry
 
     def job_ended(self, done: Done, model_id: str) -> None:
+        if self.registry is None:
+            self._histograms()
         t = done.telemetry
         if t.ttft_ms is not None:
             self.ttft.labels(model_id).observe(t.ttft_ms / 1000)
@@ -46,6 +60,10 @@ class Metrics:
         self.e2e.labels(model_id).observe(t.total_ms / 1000)
 
     def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        if self.registry is None:
+            self._histograms()
         return generate_latest(self.registry)
 
 
@@ -57,6 +75,8 @@ class _StatusCollector:
         return []  # dynamic: families come from the status at scrape time
 
     def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         st = self._status()
         c, m = st.counters, st.memory
 
