@@ -94,6 +94,16 @@ class _StatusCollector:
         yield counter("generation_tokens", "Generated tokens of finished jobs.", c.tokens_generated)
         yield counter("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
                       st.queue.prefix_hit_tokens)
+        yield counter("prefix_cache_disk_hit_tokens", "Of them, tokens read back from the prefix cache's disk tier.",
+                      st.queue.prefix_disk_tokens)
+        if st.prefix_disk is not None:
+            d = st.prefix_disk
+            yield gauge("prefix_cache_disk_bytes", "Bytes the prefix cache's disk tier holds.", d.bytes)
+            yield counter("prefix_cache_disk_written_bytes", "Bytes written to the disk tier.", d.bytes_written)
+            yield gauge("prefix_cache_disk_write_bytes_per_hour", "Disk tier writes per hour since start.",
+                        d.write_bytes_per_hour)
+            yield counter("prefix_cache_disk_refused_files", "Disk tier files refused (corrupt): deleted.",
+                          d.refused_files)
         yield counter("request_success", "Jobs that ended with a finish reason other than cancelled.",
                       c.jobs_completed)
         yield counter("request_failure", "Jobs that ended with an error.", c.jobs_failed)

@@ -129,6 +129,23 @@ class GroupStatus:
 
 
 @dataclass(frozen=True)
+class PrefixDiskStatus:
+    """The prefix cache's disk tier (engine.prefix_disk)."""
+
+    bytes: int  # on disk now
+    budget_bytes: int
+    entries: int
+    hits: int  # entries read back
+    tokens_reused: int  # prompt tokens whose KV came from disk
+    writes: int
+    bytes_written: int
+    write_bytes_per_hour: float  # since the node started (its bound: write_bytes_per_hour_limit)
+    write_bytes_per_hour_limit: int
+    skipped_writes: int  # over the write rate, or the writer's queue full
+    refused_files: int  # truncated, corrupted or foreign: deleted, never loaded
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     health: str  # ok | draining | unhealthy
     failure: str | None  # why the engine died, when unhealthy
@@ -143,6 +160,7 @@ class NodeStatus:
     last_tick: float  # monotonic time of the engine loop's last pass (the service watchdog reads it)
     queue: QueueStatus = dataclasses.field(default_factory=QueueStatus)  # the queue and batching, from the engine
     group: GroupStatus | None = None  # rank 0 of a node group: the group it leads
+    prefix_disk: PrefixDiskStatus | None = None  # the prefix cache's disk tier, when on
 
     @property
     def draining(self) -> bool:

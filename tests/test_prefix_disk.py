@@ -64,6 +64,17 @@ def test_an_entry_read_back_continues_as_the_original(which, request):
     assert mx.array_equal(next_logits(model, cache, 5), next_logits(model, restored, 5))
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_every_float_width_reads_back_bit_for_bit(llama, dtype):
+    tokens = prompt(40)
+    cache = prefill(llama, tokens)
+    for c in cache:
+        c.keys, c.values = c.keys.astype(dtype), c.values.astype(dtype)
+    _, restored = kv_file.decode(kv_file.encode(SCOPE, tokens, cache), SCOPE)
+    for a, b in zip(cache, restored):
+        assert b.keys.dtype == dtype and mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :])
+
+
 def test_anything_but_a_whole_file_of_its_scope_is_refused(llama):
     tokens = prompt(BLOCK + 10)
     data = kv_file.encode(SCOPE, tokens, prefill(llama, tokens))

@@ -57,7 +57,7 @@ def encode(scope: bytes, tokens: list[int], cache: list[Any]) -> bytes:
             name = str(a.dtype).split(".")[-1]
             if name not in DTYPES:
                 raise FileError(f"a {name} cache array is not stored")
-            raw = np.asarray(a.view(mx.uint16) if name == "bfloat16" else a).tobytes()
+            raw = np.asarray(a.view(mx.uint16) if name in ("bfloat16", "float16") else a).tobytes()
             specs.append({"dtype": name, "shape": list(a.shape), "offset": offset, "nbytes": len(raw)})
             chunks.append(raw)
             offset += len(raw)
@@ -146,7 +146,7 @@ def _array(spec: Any, data: bytes, begin: int, end: int) -> mx.array:
         raise FileError("an array's bytes do not match its shape")
     flat = np.frombuffer(data, dtype=_NP[name], count=count, offset=begin + start).reshape(shape)
     a = mx.array(flat)
-    return a.view(mx.bfloat16) if name == "bfloat16" else a
+    return a.view(DTYPES[name]) if a.dtype != DTYPES[name] else a  # 16-bit floats travel as their bits
 
 
 def _flat(kv) -> list[mx.array]:

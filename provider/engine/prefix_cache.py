@@ -86,7 +86,8 @@ class PrefixCache:
         from ..models.capability import media_token_ids
         from .kv_quant import caches_for
 
-        return cls(lm.id, max_bytes, media_token_ids(lm.config), disk=disk, identity=lm.identity,
+        # The KV's precision is part of what an entry is: one kept at 8 bits is no row of a full-precision batch.
+        return cls(lm.id, max_bytes, media_token_ids(lm.config), disk=disk, identity=f"{lm.identity}/{lm.kv_quant}",
                    trimmable=cuttable(caches_for(lm)))
 
     @property

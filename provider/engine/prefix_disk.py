@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import logs
+from ..status import PrefixDiskStatus
 from . import kv_file
 from .prefix_blocks import BLOCK, chain, entry_key
 
@@ -55,6 +56,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.rate = write_bytes_per_hour
         self.stats = DiskStats()
+        self._started = time.monotonic()
         self._index: dict[str, DiskEntry] = {}
         self._lock = threading.Lock()
         self._allowance, self._refilled = float(write_bytes_per_hour) / 4, time.monotonic()  # a quarter hour's burst
@@ -63,6 +65,13 @@ class DiskTier:
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="prefix-disk", daemon=True)
         self._writer.start()
+
+    def status(self) -> PrefixDiskStatus:
+        s, hours = self.stats, max(time.monotonic() - self._started, 60.0) / 3600
+        with self._lock:
+            on_disk, entries = sum(e.size for e in self._index.values()), len(self._index)
+        return PrefixDiskStatus(on_disk, self.max_bytes, entries, s.hits, s.tokens_reused, s.writes, s.bytes_written,
+                                round(s.bytes_written / hours), self.rate, s.skipped_rate + s.skipped_queue, s.corrupt)
 
     @property
     def bytes_on_disk(self) -> int:

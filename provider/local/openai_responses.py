@@ -180,6 +180,7 @@ def health_body(st: NodeStatus) -> dict[str, Any]:
         "queue": dataclasses.asdict(st.queue),
         "counters": dataclasses.asdict(st.counters),
         "group": dataclasses.asdict(st.group) if st.group is not None else None,
+        "prefix_disk": dataclasses.asdict(st.prefix_disk) if st.prefix_disk is not None else None,
     }
 
 
