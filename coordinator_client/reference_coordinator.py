@@ -27,7 +27,8 @@ from .identity import InvalidSignature, verify_hello
 from .outcomes import InvalidResult, proof_digest, token_digest, verify_result
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys, SealingError, SenderKeys, seal_job
-from .spot_checks import SpotChecks
+from .routing import Router
+from .spot_checks import SpotChecks, proof_of
 
 MAX_SKEW_MS = 60_000
 VERSION = "reference-coordinator/1"
@@ -62,6 +63,7 @@ class ReferenceCoordinator:
                  verify_seed: int | None = None):
         self.port = port
         self.spot_checks = SpotChecks(verify_fraction, verify_seed)  # jobs verified again on another node
+        self.router = Router(secrets.token_bytes(32))  # cache-aware routing (routing.dispatch_routed)
         self.read_frames = read_frames  # False: after the handshake it sends but never reads (flow-control tests)
         self.nonce_bytes = nonce_bytes  # tests set it below 16 to check that the node refuses to sign
         self.hellos = 0  # Hello frames received
@@ -177,15 +179,6 @@ class ReferenceCoordinator:
             raise ValueError(f"{job_id}: {len(ids)} tokens do not match the outcome's digest (a truncated result)")
         return text, ids
 
-    def proof_of(self, done: pb.JobDone) -> pb.Proof | None:
-        """The outcome's proof (empty if none), opened for a sealed job this coordinator sent (SealingError if it
-        does not open); None for one sealed to another sender."""
-        c = done.completion
-        if not c.sealed_proof:
-            return c.proof
-        keys = self._keys(done.job_id, c.seal_salt)
-        return keys.open_proof(done.job_id, c.sealed_proof) if keys is not None else None
-
     def check_result(self, session: NodeSession, done: pb.JobDone) -> str | None:
         """Why a JobDone cannot be accepted (bad signature, or a digest that does not match what arrived),
         or None. Chunks may be missing only if the outcome carries the whole completion."""
@@ -200,7 +193,7 @@ class ReferenceCoordinator:
             sent = self.requests.get(done.job_id)
             return "a sealed completion for a job sent in the clear" if sent and not sent.HasField("sealed") else None
         try:
-            proof = self.proof_of(done)
+            proof = proof_of(self, done)
         except SealingError:
             return "the sealed proof does not open with the job's keys"
         if proof is not None and proof_digest(proof, keys) != done.completion.proof_sha256:
@@ -255,7 +248,8 @@ class ReferenceCoordinator:
             self._session_changed.notify_all()
         await context.write(pb.CoordinatorFrame(welcome=pb.Welcome(
             session_id=session.session_id, session_epoch=reg.session_epoch,
-            heartbeat_interval_ms=self.heartbeat_interval_ms, coordinator_version=VERSION, protocol_version=1)))
+            heartbeat_interval_ms=self.heartbeat_interval_ms, coordinator_version=VERSION, protocol_version=1,
+            routing_key=self.router.key)))
         reader = asyncio.create_task(self._read(context, session) if self.read_frames else asyncio.Event().wait())
         ended = asyncio.create_task(session.ended.wait())
         get = None
@@ -302,6 +296,7 @@ class ReferenceCoordinator:
             self.frames.append((session.session_id, kind, frame))
             if kind == "heartbeat":
                 session.heartbeats.append(frame.heartbeat)
+                self.router.heard(session.node_id, frame.heartbeat.prefix_hashes)
             elif kind == "job_accepted":
                 self.accepted[frame.job_accepted.job_id] = frame.job_accepted
                 sender = self._job_keys.get(frame.job_accepted.job_id)
@@ -318,6 +313,7 @@ class ReferenceCoordinator:
                 self.outcomes[job_id].append(frame)
                 self._outcome_waiters[job_id].set()
                 self.spot_checks.after(self, session, job_id, frame)
+                self.router.finished(session.node_id, job_id, frame.job_done.usage.cached_prompt_tokens)
                 if self.ack_outcomes:
                     session.outgoing.put_nowait(pb.CoordinatorFrame(job_ack=pb.JobAck(job_ids=[job_id])))
             elif kind == "drained":

@@ -57,7 +57,7 @@ def registration(st: NodeStatus, identity: Identity, *, nonce: bytes, epoch: int
 HEALTH = {"unhealthy": pb.NODE_STATUS_UNHEALTHY, "draining": pb.NODE_STATUS_DRAINING}
 
 
-def heartbeat(st: NodeStatus, *, draining: bool) -> pb.Heartbeat:
+def heartbeat(st: NodeStatus, *, draining: bool, prefix_hashes: list[int] = ()) -> pb.Heartbeat:
     status = HEALTH.get(st.health) or (pb.NODE_STATUS_DRAINING if draining
                                        else pb.NODE_STATUS_BUSY if st.active_jobs else pb.NODE_STATUS_IDLE)
     c = st.counters
@@ -70,7 +70,7 @@ def heartbeat(st: NodeStatus, *, draining: bool) -> pb.Heartbeat:
                              spec_target_forwards=c.spec_target_forwards),
         timestamp_ms=int(time.time() * 1000),
         speculation=[_profile(m.id, m.speculation) for m in st.models if m.speculation], group=node_group(st),
-        residency=residency_of(st.models))
+        residency=residency_of(st.models), prefix_hashes=prefix_hashes)
 
 
 def _profile(model: str, p: dict) -> pb.SpeculationProfile:

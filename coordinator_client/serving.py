@@ -23,6 +23,7 @@ from . import convert
 from .identity import Identity
 from .outcomes import SIGNATURE_LAYOUT, Outcomes, Transcript, is_sha256_hex, request_digest, result_bytes
 from .pb import provider_pb2 as pb
+from .routing import HeldPrefixes
 from .sealing import JobKeys, SealingError, SealingKey
 
 log = logs.get("coordinator")
@@ -94,6 +95,7 @@ class CoordinatorJobs:
         self._running: dict[str, asyncio.Task] = {}
         self._started: dict[str, float] = {}  # job id -> when it was accepted, for the access log
         self._cancelled: set[str] = set()  # cancels that came before the job reached the engine
+        self.held = HeldPrefixes()  # conversation prefixes its finished jobs left cached (routing.py)
 
     def __len__(self) -> int:
         return len(self._running)
@@ -146,6 +148,7 @@ class CoordinatorJobs:
         job_id, sealed = job.id, keys is not None
         transcript, model, stream, timer = Transcript(), "", None, None
         expired = []  # set when the deadline cancelled the job: its end is then DEADLINE_EXCEEDED, not "cancelled"
+        answer: list[str] = []
         ended = []
 
         def end(frame: pb.ProviderFrame, to: asyncio.Queue | None = outbox) -> None:
@@ -174,6 +177,7 @@ class CoordinatorJobs:
                                                       window_s=self.coalesce_s)
                                 if isinstance(ev, Tokens) else ([], ev))
                 if tokens:
+                    answer.extend(t.text for t in tokens)
                     body = convert.chunk_body(tokens)
                     outbox.put_nowait(convert.chunk_frame(job_id, transcript.chunks, body, keys))
                     transcript.add(body)
@@ -182,6 +186,8 @@ class CoordinatorJobs:
                         if isinstance(last, Done) else ""
                     end(self._ending(last, transcript, weights, keys, deadline_passed=bool(expired),
                                      request_sha256=request_sha256))
+                    if isinstance(last, Done) and not sealed:  # what its prefix cache now holds, for routing
+                        self.held.record(req.model, req.cache_scope, job, "".join(answer))
         except asyncio.CancelledError:
             # The session was abandoned under this job (during its pin check, before its first step, or while
             # it ran): stop generating, report it on the next session.

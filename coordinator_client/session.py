@@ -209,6 +209,8 @@ class CoordinatorSession:
         self.session_id, self.coordinator_version = logs.clip(w.session_id), logs.clip(w.coordinator_version)
         self.stats.sessions += 1
         self.jobs.draining = False  # a Drain holds for the session it came on
+        # Keys what heartbeats say of the prefixes held; one of a size that is no key: nothing is told.
+        self.jobs.held.key = bytes(w.routing_key) if 16 <= len(w.routing_key) <= 64 else b""
         self.welcomed.set()
         asked = w.heartbeat_interval_ms / 1000 or self.settings.heartbeat_interval_s
         interval = min(max(asked, HEARTBEAT_RANGE_S[0]), HEARTBEAT_RANGE_S[1])
@@ -294,8 +296,8 @@ class CoordinatorSession:
     async def _heartbeats(self, outbox: Outbox, interval: float) -> None:
         while True:
             if not outbox.over:  # an unread heartbeat says nothing; the next one will
-                outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(self.node.status(),
-                                                                       draining=self.jobs.draining)))
+                outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(
+                    self.node.status(), draining=self.jobs.draining, prefix_hashes=self.jobs.held.newest())))
             await asyncio.sleep(interval)
 
     # --- draining ---------------------------------------------------------------------

@@ -57,7 +57,7 @@ class SpotChecks:
             return
         if len(coord.outcomes[job_id]) > 1 or frame.WhichOneof("frame") != "job_done" or not self.pick(job_id):
             return
-        proof = coord.proof_of(frame.job_done)
+        proof = proof_of(coord, frame.job_done)
         original = coord.plain_requests.get(job_id) or coord.requests.get(job_id)
         checker = self.checker(session.node_id, coord.sessions)
         if not proof or not proof.commitment or original is None or checker is None:
@@ -110,3 +110,13 @@ class SpotChecks:
             t.failed += 1
             t.failures.append({"job_id": pending.job_id, "reason": v.reason,
                                "first_failure": v.first_failure if v.HasField("first_failure") else None})
+
+
+def proof_of(coord, done: pb.JobDone) -> pb.Proof | None:
+    """The outcome's proof (empty if none), opened for a sealed job this coordinator sent (SealingError if it
+    does not open); None for one sealed to another sender."""
+    c = done.completion
+    if not c.sealed_proof:
+        return c.proof
+    keys = coord._keys(done.job_id, c.seal_salt)
+    return keys.open_proof(done.job_id, c.sealed_proof) if keys is not None else None

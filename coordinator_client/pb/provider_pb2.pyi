@@ -255,18 +255,20 @@ class Capabilities(_message.Message):
     def __init__(self, family: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_capable: _Optional[bool] = ..., draft_compatible: _Optional[bool] = ..., native_mtp_heads: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("session_id", "session_epoch", "heartbeat_interval_ms", "coordinator_version", "protocol_version")
+    __slots__ = ("session_id", "session_epoch", "heartbeat_interval_ms", "coordinator_version", "protocol_version", "routing_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_epoch: int
     heartbeat_interval_ms: int
     coordinator_version: str
     protocol_version: int
-    def __init__(self, session_id: _Optional[str] = ..., session_epoch: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., coordinator_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    routing_key: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_epoch: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., coordinator_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., routing_key: _Optional[bytes] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("reason", "retry_after_s", "permanent")
@@ -279,7 +281,7 @@ class Reject(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., retry_after_s: _Optional[int] = ..., permanent: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms", "speculation", "group", "residency")
+    __slots__ = ("status", "resident_models", "active_jobs", "queued_jobs", "memory", "counters", "timestamp_ms", "speculation", "group", "residency", "prefix_hashes")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_MODELS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +292,7 @@ class Heartbeat(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     status: NodeStatus
     resident_models: _containers.RepeatedScalarFieldContainer[str]
     active_jobs: int
@@ -300,7 +303,8 @@ class Heartbeat(_message.Message):
     speculation: _containers.RepeatedCompositeFieldContainer[SpeculationProfile]
     group: NodeGroup
     residency: _containers.RepeatedCompositeFieldContainer[ModelResidency]
-    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., speculation: _Optional[_Iterable[_Union[SpeculationProfile, _Mapping]]] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ..., residency: _Optional[_Iterable[_Union[ModelResidency, _Mapping]]] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[NodeStatus, str]] = ..., resident_models: _Optional[_Iterable[str]] = ..., active_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., speculation: _Optional[_Iterable[_Union[SpeculationProfile, _Mapping]]] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ..., residency: _Optional[_Iterable[_Union[ModelResidency, _Mapping]]] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WarmModel(_message.Message):
     __slots__ = ("model", "keep_alive", "request_id")
