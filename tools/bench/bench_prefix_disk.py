@@ -62,8 +62,11 @@ def measure(model: Path, tokens: int, rounds: int) -> dict:
                 server = LocalServer(model, home, "--log-level", "warning")
                 try:
                     runs.append(first_token(server, prompt))
+                    disk = httpx.get(f"{server.url}/health", timeout=30).json()["prefix_disk"]
                 finally:
                     server.stop()
+                if _restart == 0 and not disk["writes"] and not list(home.glob("cache/provider/prefix-cache/*")):
+                    print(f"nothing written by the first daemon: {disk}; its log: {server.logs()[-2000:]}")
             (t_cold, text_cold, _), (t_warm, text_warm, usage) = runs
             if text_cold != text_warm:
                 raise SystemExit(f"outputs differ after the restart: {text_cold} vs {text_warm}")
@@ -71,7 +74,7 @@ def measure(model: Path, tokens: int, rounds: int) -> dict:
             cold.append(t_cold)
             warm.append(t_warm)
             print(json.dumps({"model": model.name, "prompt_tokens": n, "cold_ttft_s": round(t_cold, 3),
-                              "restart_ttft_s": round(t_warm, 3), "cached_tokens": cached}), flush=True)
+                              "restart_ttft_s": round(t_warm, 3), "cached_tokens": cached, "disk": disk}), flush=True)
     return {"model": model.name, "prompt_tokens": n, "cold": statistics.median(cold),
             "warm": statistics.median(warm)}
 

@@ -69,7 +69,7 @@ async def campaign(model: Path, cache_aware: bool, args, root: Path) -> dict:
                                 chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]))
             dispatch_routed(coord, req)
             done = (await coord.outcome(job_id)).job_done
-            ttfts.append(done.telemetry.ttft_ms)
+            ttfts.append((turn, done.telemetry.ttft_ms))
             if k in previous:
                 reusable += min(previous[k], done.usage.prompt_tokens - 1)
                 reused += min(done.usage.cached_prompt_tokens, previous[k])
@@ -81,7 +81,8 @@ async def campaign(model: Path, cache_aware: bool, args, root: Path) -> dict:
     for node in nodes:
         await node.stop()
     await coord.kill()
-    return {"reused": reused / max(reusable, 1), "ttft_ms": statistics.mean(ttfts), "reusable": reusable,
+    return {"reused": reused / max(reusable, 1), "ttft_ms": statistics.mean(t for _, t in ttfts),
+            "later_ttft_ms": statistics.mean(t for turn, t in ttfts if turn > 0), "reusable": reusable,
             "quarantines": coord.router.quarantines}
 
 
@@ -101,10 +102,12 @@ def main() -> int:
                 (("cache-aware", True), ("load-only", False))}
     for name, r in rows.items():
         print(f"{name:<12} reusable prompt tokens reused {r['reused']:6.1%} (of {r['reusable']}), mean TTFT "
-              f"{r['ttft_ms']:7.1f} ms, quarantines {r['quarantines']}")
+              f"{r['ttft_ms']:7.1f} ms (turns after the first: {r['later_ttft_ms']:7.1f} ms), quarantines "
+              f"{r['quarantines']}")
     aware, load = rows["cache-aware"], rows["load-only"]
-    print(f"cache-aware / load-only mean TTFT: x{aware['ttft_ms'] / load['ttft_ms']:.2f} (goal <= 0.5); "
-          f"reuse {aware['reused']:.1%} (goal >= 90%)")
+    print(f"cache-aware / load-only mean TTFT: x{aware['ttft_ms'] / load['ttft_ms']:.2f} over every turn (the first "
+          f"turns, cold under either, included), x{aware['later_ttft_ms'] / load['later_ttft_ms']:.2f} over the "
+          f"turns that can reuse (goal <= 0.5); reuse {aware['reused']:.1%} (goal >= 90%)")
     return 0
 
 
