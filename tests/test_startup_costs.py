@@ -1,0 +1,115 @@
+"""Start-up pays only for what it uses (issue 43): what `provider start --local` has imported once it serves and
+after a plain request, the collector kept off through the imports and the first load and on (frozen) once the
+model serves, and structlog without Rich off a terminal."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+
+from tests.helpers import until_blocking
+
+WATCHED_START = """
+import gc, json, sys, threading, time
+from pathlib import Path
+from provider.models import loader
+
+gate, out = Path(sys.argv.pop(1)), Path(sys.argv.pop(1))
+real = loader.load_pair
+
+def load_pair(*args, **kwargs):  # the load waits for the test's word, and says whether the collector runs meanwhile
+    (out / "loading.json").write_text(json.dumps({"collecting": gc.isenabled()}))
+    while not gate.exists():
+        time.sleep(0.01)
+    return real(*args, **kwargs)
+
+def report():  # on the test's word (a file named ask-NAME), what this process holds now, into NAME.json
+    done = set()
+    while True:
+        for ask in out.glob("ask-*"):
+            name = ask.name[4:]
+            if name not in done:
+                done.add(name)
+                (out / f"{name}.json").write_text(json.dumps({
+                    "collecting": gc.isenabled(), "frozen": gc.get_freeze_count(), "modules": sorted(sys.modules)}))
+        time.sleep(0.01)
+
+loader.load_pair = load_pair
+threading.Thread(target=report, daemon=True).start()
+from provider.cli import main
+main(sys.argv[1:])
+"""
+
+# What a local start of a text model without a grammar must not import (issue 43; docs/operations.md#start-up).
+NOT_AT_START = ("grpc", "google.protobuf", "coordinator_client", "llguidance", "mlx_vlm", "rich", "pygments",
+                "prometheus_client")
+
+
+def _held(modules: list[str], roots) -> list[str]:
+    return sorted({m for m in modules for r in roots if m == r or m.startswith(r + ".")})
+
+
+def _ask(out, name: str) -> dict:
+    (out / f"ask-{name}").touch()
+    until_blocking(lambda: (out / f"{name}.json").exists(), f"no {name} report", timeout=60)
+    until_blocking(lambda: (out / f"{name}.json").read_text().endswith("}"), f"{name} report unfinished", timeout=10)
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_a_local_start_imports_what_it_uses_and_collects_once_its_model_serves(fixtures_dir, tmp_path):
+    gate, out = tmp_path / "go", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", WATCHED_START, str(gate), str(out), "start", "--local", "--port",
+                             "0", "--no-auth", "--log-format", "json", "--model", str(fixtures_dir / "llama-tiny")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        health_url = re.search(r"health at (http://\S+)/health", proc.stdout.readline())
+        assert health_url
+        until_blocking(lambda: (out / "loading.json").exists(), "the load never started", timeout=60)
+        assert json.loads((out / "loading.json").read_text()) == {"collecting": False}
+        gate.touch()
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert any("/v1" in line for line in lines), lines
+        serving = _ask(out, "serving")
+        assert serving["collecting"] and serving["frozen"] > 0  # on again, after a freeze of what start-up loaded
+        assert _held(serving["modules"], NOT_AT_START) == []
+        r = httpx.post(f"{health_url[1]}/v1/chat/completions", timeout=120, json={
+            "model": "llama-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        served = _ask(out, "served")
+        # A plain request's end brings the latency histograms (prometheus_client), and nothing else it did not use.
+        assert [r for r in NOT_AT_START if _held(served["modules"], [r]) and r != "prometheus_client"] == []
+        count = re.compile(r'provider:e2e_request_latency_seconds_count\{model_name="llama-tiny"\} 1\.0')
+        until_blocking(lambda: count.search(httpx.get(f"{health_url[1]}/metrics", timeout=30).text),
+                       "/metrics never counted the job", timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_structlog_comes_without_rich_off_a_terminal_and_a_console_renderer_still_gets_its_tracebacks():
+    code = ("import sys, provider.logs as logs; assert 'rich' not in sys.modules, 'rich imported'; "
+            "logs.configure('info', 'console'); "
+            "print(repr(logs._console_renderer().exception_formatter))")
+    ours = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert ours.returncode == 0, ours.stderr
+    plain = subprocess.run([sys.executable, "-c", "import structlog; "
+                            "print(repr(structlog.dev.ConsoleRenderer().exception_formatter))"],
+                           capture_output=True, text=True)
+    assert ours.stdout == plain.stdout and "RichTracebackFormatter" in plain.stdout
+
+
+def test_json_logs_render_as_before_without_rich(tmp_path):
+    code = ("import sys, provider.logs as logs\nlogs.configure('info', 'json')\nlogs.get('t').info('hello', n=1)\n"
+            "try:\n    1 / 0\nexcept ZeroDivisionError:\n    logs.get('t').exception('boom')\n"
+            "assert 'rich' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    first, second = (json.loads(line) for line in r.stderr.splitlines()[:2])
+    assert first["event"] == "hello" and first["n"] == 1 and first["level"] == "info"
+    assert second["event"] == "boom" and "ZeroDivisionError" in second["exception"]
