@@ -16,12 +16,12 @@ import platform
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from . import logs
 from .engine import profile
 from .engine.running import Running
+from .engine.prefix_disk import DiskTier
 from .engine.scheduler import Engine
 from .group.lockstep import LeaderRunning
 from .group.member import EXIT_GROUP_LOST, Membership, Watchdog
@@ -128,21 +128,6 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
     )
 
 
-def prefix_disk_of(settings: Settings):
-    """The prefix caches' disk tier, within its budget and never past a tenth of the disk's free space now."""
-    import shutil
-
-    from . import paths
-    from .engine.prefix_disk import DiskTier
-
-    if settings.prefix_disk_gb <= 0:
-        return None
-    root = Path(settings.prefix_disk_dir).expanduser() if settings.prefix_disk_dir else paths.cache_dir() / "prefix-cache"
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    budget = min(int(settings.prefix_disk_gb * (1 << 30)), shutil.disk_usage(root).free // 10)
-    return DiskTier(root, budget, int(settings.prefix_disk_write_gb_per_hour * (1 << 30)))
-
-
 class Node:
     """The one facade front ends use: `run`, `cancel`, `resolve_model`, `preload`, `drain`, `status`."""
 
@@ -156,7 +141,8 @@ class Node:
             self._group_ready = threading.Event()
             running = functools.partial(LeaderRunning, group.link, self._watchdog.beat, self._group_ready,
                                         commit=settings.committing)
-        self.prefix_disk = prefix_disk_of(settings) if group is None else None
+        self.prefix_disk = None if group is not None or settings.prefix_disk_gb <= 0 else DiskTier.configured(
+            settings.prefix_disk_dir, settings.prefix_disk_gb, settings.prefix_disk_write_gb_per_hour)
         self.engine = Engine(
             models,
             max_concurrent=settings.max_concurrent_jobs,
@@ -335,7 +321,18 @@ class Node:
             job = dataclasses.replace(job, model=self.resolve_model(job.model))
         except JobError as e:
             return JobStream(self.engine, job, lambda _, error=e: _failed_future(error))
-        return JobStream(self.engine, job, self.prompts.prepare)
+        return JobStream(self.engine, job, self._prepare)
+
+    def _prepare(self, job: Job) -> concurrent.futures.Future:
+        """The job's prompt, made off the engine thread; once made, what the disk tier holds of it is read ahead."""
+        future = self.prompts.prepare(job)
+        if self.prefix_disk is not None:
+            def read_ahead(f: concurrent.futures.Future) -> None:
+                prefix = self.engine.prefix_cache(job.model)
+                if prefix is not None and f.exception() is None:
+                    prefix.prefetch(list(f.result().prompt), job.prefix_scope)
+            future.add_done_callback(read_ahead)
+        return future
 
     @property
     def healthy(self) -> bool:

@@ -98,7 +98,7 @@ class Telemetry:
 
     def as_dict(self) -> dict[str, Any]:
         out = {"ttft_ms": self.ttft_ms, "cached_prompt_tokens": self.cached_prompt_tokens,
-               "prefix_tier": self.prefix_tier or None, "queue_ms": self.queue_ms,
+               "prefix_tier": self.prefix_tier, "queue_ms": self.queue_ms,
                "total_ms": self.total_ms, "prefill_tokens_per_s": self.prefill_tokens_per_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes,
                "finish_reason": self.finish_reason.value, "speculation": self.speculation.as_dict()}

@@ -100,6 +100,7 @@ def test_the_tier_survives_a_restart_and_refuses_broken_files(llama, tmp_path):
     until(lambda: disk.has(SCOPE, tokens))
     disk.close()
     disk = DiskTier(tmp_path, max_bytes=1 << 30, write_bytes_per_hour=1 << 30)  # a restart
+    assert disk.scanned.wait(30)
     longer = tokens + [9, 9, 9]
     key, usable = disk.best(SCOPE, longer, trimmable=True)
     assert usable == len(tokens)  # the whole entry: a prefix of the prompt
@@ -117,6 +118,7 @@ def test_the_tier_survives_a_restart_and_refuses_broken_files(llama, tmp_path):
     (tmp_path / "stray.tmp").write_bytes(b"half a write")
     (tmp_path / ("0" * 64 + ".pxkv")).write_bytes(b"PXKV1\n\xff\xff\xff\xff")  # a header past any bound
     disk = DiskTier(tmp_path, max_bytes=1 << 30, write_bytes_per_hour=1 << 30)
+    assert disk.scanned.wait(30)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the stray and the broken header: gone at start
     key, _ = disk.best(SCOPE, longer, trimmable=True)  # its header reads; its payload is checked when read
     assert disk.read(key, SCOPE) is None and not path.exists() and disk.best(SCOPE, longer, trimmable=True) is None
@@ -137,3 +139,18 @@ def test_the_byte_budget_and_the_write_rate_hold(llama, tmp_path):
     written = sum(slow.put(SCOPE, t, prefill(llama, t)) for t, _ in caches.values())
     assert written == 2 and slow.stats.skipped_rate == len(caches) - 2
     slow.close()
+
+
+def test_an_entry_read_ahead_is_made_from_memory(llama, tmp_path):
+    tokens = prompt(2 * BLOCK + 5)
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, write_bytes_per_hour=1 << 30)
+    disk.put(SCOPE, tokens, prefill(llama, tokens))
+    until(lambda: disk.has(SCOPE, tokens))
+    longer = tokens + [7]
+    disk.prefetch(SCOPE, longer, trimmable=True)  # as a prepared prompt asks, off the engine thread
+    until(lambda: disk._prefetched)
+    key, _ = disk.best(SCOPE, longer, trimmable=True)
+    next(tmp_path.glob("*.pxkv")).unlink()  # gone from disk: what was read ahead serves
+    read_tokens, cache = disk.read(key, SCOPE)
+    assert read_tokens == tokens and not disk._prefetched
+    disk.close()

@@ -12,8 +12,10 @@ PROMPT = [(i * 13) % 400 + 20 for i in range(700)]
 
 
 def node_on(fixtures_dir, name, disk):
-    return make_node({name: fixtures_dir / name}, max_concurrent_jobs=2, prefix_disk_dir=str(disk),
+    node = make_node({name: fixtures_dir / name}, max_concurrent_jobs=2, prefix_disk_dir=str(disk),
                      prefix_disk_gb=1.0)
+    assert node.prefix_disk.scanned.wait(30)  # what a restart finds is indexed off the start's path
+    return node
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma4-tiny"])  # cut to any prefix; sliding-window layers

@@ -166,6 +166,11 @@ class PrefixCache:
         except Exception:
             log.exception("prefix_store_failed", model=self.model_id)
 
+    def prefetch(self, prompt: list[int], scope: PrefixScope) -> None:
+        """Any thread (a prompt just prepared): read ahead the disk entry its lookup would use."""
+        if self.disk is not None and scope.to_disk and len(prompt) > BLOCK:
+            self.disk.prefetch(self._scope(scope), prompt, self.trimmable)
+
     def wants_whole_prompt(self, length: int, scope: PrefixScope) -> bool:
         """Whether a prompt is worth keeping whole once read: long, for the disk tier, of a model whose caches
         cannot be cut to a shorter prefix (so its finished row, prompt + completion, serves no later request of

@@ -11,6 +11,8 @@ past it is skipped, not queued). A file that fails its digest is deleted and nev
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 import queue
 import threading
@@ -26,6 +28,7 @@ from .prefix_blocks import BLOCK, chain, entry_key
 log = logs.get("engine")
 SUFFIX = ".pxkv"
 QUEUE = 8  # entries waiting for the writer; past it a write is skipped (the memory tier still holds it)
+PREFETCH_BYTES = 512 << 20  # files read ahead of the prefill that needs them, held at most (host memory)
 
 
 @dataclass
@@ -61,10 +64,27 @@ class DiskTier:
         self._lock = threading.Lock()
         self._allowance, self._refilled = float(write_bytes_per_hour) / 4, time.monotonic()  # a quarter hour's burst
         self._queue: queue.Queue = queue.Queue(QUEUE)
+        # Read ahead, off the engine thread: a prepared prompt's best entry, its digest checked (prefetch).
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-read")
+        self._prefetched: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._scan()
+        # The files already there are indexed by the writer thread before it writes: never on a start's path
+        # (a lookup meanwhile finds less, never anything wrong).
+        self.scanned = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="prefix-disk", daemon=True)
         self._writer.start()
+
+    @classmethod
+    def configured(cls, directory: str, gb: float, write_gb_per_hour: float) -> "DiskTier":
+        """The node's, from its settings: at most `gb`, and never past a tenth of the disk's free space now."""
+        import shutil
+
+        from .. import paths
+
+        root = Path(directory).expanduser() if directory else paths.cache_dir() / "prefix-cache"
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        budget = min(int(gb * (1 << 30)), shutil.disk_usage(root).free // 10)
+        return cls(root, budget, int(write_gb_per_hour * (1 << 30)))
 
     def status(self) -> PrefixDiskStatus:
         s, hours = self.stats, max(time.monotonic() - self._started, 60.0) / 3600
@@ -122,11 +142,35 @@ class DiskTier:
                     found = (key, usable)
             return found
 
+    def prefetch(self, scope: bytes, prompt: list[int], trimmable: bool) -> None:
+        """Read the entry `best` would give `prompt` into host memory now, on the reader thread, so the engine
+        thread's `read` only makes its arrays. Never blocks the caller; a prompt without one reads nothing."""
+        def read_ahead() -> None:
+            found = self.best(scope, prompt, trimmable)
+            if found is None:
+                return
+            try:
+                data = self._path(found[0]).read_bytes()
+                kv_file.read_header(data)  # its digest, before it is held
+            except (OSError, kv_file.FileError):
+                return  # `read` finds it again, and deletes it if it is broken
+            with self._lock:
+                self._prefetched[found[0]] = data
+                while sum(map(len, self._prefetched.values())) > PREFETCH_BYTES and len(self._prefetched) > 1:
+                    self._prefetched.popitem(last=False)
+
+        try:
+            self._reader.submit(read_ahead)
+        except RuntimeError:  # closed
+            pass
+
     def read(self, key: str, scope: bytes) -> tuple[list[int], list] | None:
         """The entry's tokens and caches, or None (gone, or failed its check: then deleted)."""
         path = self._path(key)
+        with self._lock:
+            data = self._prefetched.pop(key, None)
         try:
-            data = path.read_bytes()
+            data = path.read_bytes() if data is None else data
             tokens, cache = kv_file.decode(data, scope)
         except OSError:
             self._forget(key)
@@ -143,12 +187,17 @@ class DiskTier:
         return tokens, cache
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._queue.put(None)
         self._writer.join(timeout=30)
 
     # --- writer thread ----------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        try:
+            self._scan()
+        finally:
+            self.scanned.set()
         while (item := self._queue.get()) is not None:
             key, data, entry = item
             tmp = self._path(key).with_suffix(".tmp")
@@ -201,14 +250,18 @@ class DiskTier:
                 blocks = chain(scope, tokens)
                 if entry_key(scope, tokens, blocks) != path.stem:
                     raise kv_file.FileError("named for another entry")
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
             except (OSError, ValueError) as e:
                 self.stats.corrupt += 1
                 log.warning("prefix_disk_file_refused", file=path.name, why=str(e))
                 path.unlink(missing_ok=True)
                 continue
-            stat = path.stat()
-            self._index[path.stem] = DiskEntry(scope, blocks, len(tokens), tuple(tokens[len(blocks) * BLOCK:]),
-                                               stat.st_size, stat.st_mtime)
+            with self._lock:
+                self._index.setdefault(path.stem, DiskEntry(scope, blocks, len(tokens),
+                                                            tuple(tokens[len(blocks) * BLOCK:]), stat.st_size,
+                                                            stat.st_mtime))
         for tmp in self.root.glob("*.tmp"):  # a write cut short by a crash
             tmp.unlink(missing_ok=True)
         self._evict()

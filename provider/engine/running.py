@@ -63,7 +63,7 @@ class Running:
         self._prefix_disk = prefix_disk  # the prefix caches' disk tier, shared by every model (or none)
         self._batches: dict[str, PlainBatch] = {}  # by model id: the jobs that decode together
         self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
-        self._prefix: dict[str, PrefixCache] = {}  # by model id, while it is resident
+        self.prefixes: dict[str, PrefixCache] = {}  # by model id, while it is resident (written on this thread)
         self._media = MediaReads()  # jobs with images or video, read before they join a batch
         self._verifying = VerifyReads()  # verify jobs: claims read back through the model
         self.stats = stats  # the engine's (EngineStats): batch and prefix-reuse counters are added to it here
@@ -145,9 +145,9 @@ class Running:
     def start(self, job: Job, sink: Sink, lm: LoadedModel, prompt: list[int], *, max_tokens: int, arrived: float,
               plan: SpecPlan, shared_prefix: int, grammar: CompiledGrammar | None = None,
               tool_format: ToolFormat | None = None, vision: MediaPlan | None = None) -> None:
-        prefix = self._prefix.get(lm.id)
+        prefix = self.prefixes.get(lm.id)
         if prefix is None:
-            prefix = self._prefix[lm.id] = PrefixCache.of(lm, self._prefix_cache_bytes, self._prefix_disk)
+            prefix = self.prefixes[lm.id] = PrefixCache.of(lm, self._prefix_cache_bytes, self._prefix_disk)
         # A long prompt of a model whose caches cannot be cut shorter is kept whole once read, for the disk tier.
         if prefix.wants_whole_prompt(len(prompt), job.prefix_scope):
             shared_prefix = len(prompt) - 1
@@ -190,7 +190,7 @@ class Running:
         if plan.on:
             spec = self._speculating.get(lm.id)
             if spec is None:
-                spec = self._speculating[lm.id] = SpecBatch(lm, self._prefix[lm.id], step_tokens=self._step_tokens)
+                spec = self._speculating[lm.id] = SpecBatch(lm, self.prefixes[lm.id], step_tokens=self._step_tokens)
             spec.add(output, sink, prompt, plan, cache=cache, cached=read)
         else:
             self._add_plain(lm, output, sink, prompt, cache, cached=read, shared_prefix=shared_prefix)
@@ -215,7 +215,7 @@ class Running:
     def _plain_batch(self, lm: LoadedModel) -> PlainBatch:
         batch = self._batches.get(lm.id)
         if batch is None:
-            batch = self._batches[lm.id] = PlainBatch(lm, self._prefix[lm.id], step_tokens=self._step_tokens,
+            batch = self._batches[lm.id] = PlainBatch(lm, self.prefixes[lm.id], step_tokens=self._step_tokens,
                                                       max_rows=self._max_rows, prefill_rows=PREFILL_ROWS,
                                                       commit=self._commit)
         return batch
@@ -316,19 +316,19 @@ class Running:
 
     @property
     def prefix_bytes(self) -> int:
-        return sum(c.nbytes for c in self._prefix.values())
+        return sum(c.nbytes for c in self.prefixes.values())
 
     def trim_prefix_caches(self, keep: int) -> None:
         """Drop least recently used prefixes, largest caches first, until at most `keep` bytes remain."""
         excess = self.prefix_bytes - keep
-        for cache in sorted(self._prefix.values(), key=lambda c: -c.nbytes):
+        for cache in sorted(self.prefixes.values(), key=lambda c: -c.nbytes):
             if excess <= 0:
                 break
             excess -= cache.trim_to(cache.nbytes - excess)
 
     def keep_prefix_caches_of(self, resident: set[str]) -> None:
-        for model_id in [m for m in self._prefix if m not in resident]:
-            del self._prefix[model_id]  # its KV is of no use without the model
+        for model_id in [m for m in self.prefixes if m not in resident]:
+            del self.prefixes[model_id]  # its KV is of no use without the model
 
 
 def _layout(rows: list, reading) -> Layout:

@@ -93,6 +93,10 @@ class Engine:
     def cancel(self, job_id: str) -> None:
         self._inbox.put(Cancel(job_id))
 
+    def prefix_cache(self, model_id: str):
+        """A resident model's prefix cache (engine.prefix_cache), for its thread-safe `prefetch`; or None."""
+        return self._running.prefixes.get(model_id)
+
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """`fn()` on the engine thread between steps (loads and unloads the operator asks for); its outcome."""
         result: concurrent.futures.Future = concurrent.futures.Future()

@@ -101,9 +101,7 @@ def join_with_settings(settings, spec: GroupSpec, budget: Budget, step_tokens: i
     catalog = Catalog(store.discover(settings, primary_models(settings))[:1])
     model_id = catalog.default_id
     path, _ = catalog.checkpoint(model_id)
-    stored = catalog.stored(model_id)  # its KV precision: its own [models.<id>] keys, else the node's (as the residency)
-    bits = settings.kv_bits if stored.kv_bits is None else stored.kv_bits
-    group = settings.kv_group_size if stored.kv_group_size is None else stored.kv_group_size
+    bits, group = catalog.stored(model_id).kv_precision(settings.kv_bits, settings.kv_group_size)
     membership = join_group(spec, settings.group_timeout_s, settings.group_step_timeout_s, model_id, path,
                             EngineShape(step_tokens, settings.max_concurrent_jobs, bits, group), budget,
                             system_facts().total_memory)

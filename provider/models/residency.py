@@ -330,8 +330,7 @@ class Residency:
 
     def kv_quant(self, stored: StoredModel) -> KVQuant | None:
         """The KV cache precision a model is served with: its own [models.<id>] keys, else the node's."""
-        bits = self._kv_bits if stored.kv_bits is None else stored.kv_bits
-        group = self._kv_group_size if stored.kv_group_size is None else stored.kv_group_size
+        bits, group = stored.kv_precision(self._kv_bits, self._kv_group_size)
         return KVQuant(bits, group) if bits else None
 
     def _drafter_need(self, stored: StoredModel, path: Path, config: dict):

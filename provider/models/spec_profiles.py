@@ -95,8 +95,10 @@ class SpecProfiles:
         from ..engine.profile import SETTINGS
 
         try:
+            # A step's cost depends on the KV's precision too (quantized attention costs more on a CPU).
+            measure = SETTINGS | ({"kv_quant": [lm.kv_quant.bits, lm.kv_quant.group_size]} if lm.kv_quant else {})
             return profile_store.pair_key(profile_store.weights_hash(path), profile_store.weights_hash(drafter_path),
-                                          lm.drafter_mode, SETTINGS)
+                                          lm.drafter_mode, measure)
         except OSError as e:
             log.warning("speculation_profile_unkeyed", model=model_id, error=str(e))
             return None

@@ -29,6 +29,11 @@ class StoredModel:
     kv_bits: int | None = None  # None: the node's kv_bits
     kv_group_size: int | None = None
 
+    def kv_precision(self, node_bits: int, node_group_size: int) -> tuple[int, int]:
+        """The KV bits and group size it is served with: its own [models.<id>] keys, else the node's."""
+        return (node_bits if self.kv_bits is None else self.kv_bits,
+                node_group_size if self.kv_group_size is None else self.kv_group_size)
+
 
 def _config(path: Path) -> dict | None:
     from .checkpoint import open_checkpoint

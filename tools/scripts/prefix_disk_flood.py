@@ -82,6 +82,7 @@ def main() -> int:
             data = path.read_bytes()
             path.write_bytes(data[: len(data) // 2] if j % 2 else data[:-5] + b"\0\0\0\0\0")
         disk = DiskTier(root, args.budget_mib * MiB, args.rate_mib_per_hour * MiB)
+        disk.scanned.wait()
         loaded = refused = 0
         keys = {entry_key(scope, t): t for t in queued}
         for path in files:
