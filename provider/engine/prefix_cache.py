@@ -112,7 +112,11 @@ class PrefixCache:
             return None, 0, ""
         cache, cached = self._from_memory(prompt, scope) if self.max_bytes > 0 else (None, 0)
         if self.disk is not None and scope.to_disk and len(prompt) > max(cached, BLOCK):
-            found = self._from_disk(prompt, scope, cached)
+            try:
+                found = self._from_disk(prompt, scope, cached)
+            except Exception:  # a cache is an optimisation: its failure costs no job (the prompt is read instead)
+                log.exception("prefix_disk_read_failed", model=self.model_id)
+                found = None
             if found is not None:
                 return (*found, DISK)
         return cache, cached, MEMORY if cached else ""
