@@ -5,8 +5,7 @@ everything else — running and waiting requests, token and speculation totals, 
 budget — is read from one `NodeStatus` at scrape time, so /metrics, /health, heartbeats and
 `provider status` can never disagree.
 
-prometheus_client is imported when the first job ends or /metrics is first asked for, whichever comes first: never
-in front of a node's first token (issue 43).
+prometheus_client is imported when the node is made.
 """
 
 from __future__ import annotations
@@ -25,9 +24,12 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 class Metrics:
     def __init__(self, status: Callable[[], NodeStatus]):
+        # Made here, not at the first job's end: importing prometheus_client on the engine thread, as a job ended,
+        # lost a job's terminal event in tests/test_job_life_property.py (a race not found yet; see its notes).
         self._status = status
-        self._made = threading.Lock()  # the engine thread (a job's end) and a scrape's worker thread may race
-        self.registry = None  # made with the histograms by _histograms()
+        self._made = threading.Lock()
+        self.registry = None
+        self._histograms()
 
     def _histograms(self) -> None:
         with self._made:

@@ -329,7 +329,7 @@ class Node:
         if self.prefix_disk is not None:
             def read_ahead(f: concurrent.futures.Future) -> None:
                 prefix = self.engine.prefix_cache(job.model)
-                if prefix is not None and f.exception() is None:
+                if prefix is not None and not f.cancelled() and f.exception() is None:
                     prefix.prefetch(list(f.result().prompt), job.prefix_scope)
             future.add_done_callback(read_ahead)
         return future
