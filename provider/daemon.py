@@ -70,9 +70,7 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
         await node.preload(model_id)  # load and warm up before saying we are ready
     except JobError as e:
         if settings.model:  # the model asked for by name must load; any other may fail alone
-            await node.stop(grace_s=0)
-            await runner.cleanup()
-            _remove(control)
+            await _abandon_start(node, runner, control)
             raise
         logs.get("daemon").warning("default_model_unavailable", model=model_id, cause=e.cause.value)
         print(f"provider: {model_id} is unavailable: {e.message}", file=sys.stderr, flush=True)
@@ -83,9 +81,7 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
         for pinned in node.pinned_ids():  # loaded now and never unloaded: one that cannot load stops the start
             await node.load_model(pinned)
     except JobError:
-        await node.stop(grace_s=0)
-        await runner.cleanup()
-        _remove(control)
+        await _abandon_start(node, runner, control)
         raise
     if membership is not None:
         node.group_ready()
@@ -159,6 +155,13 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
               "the node", file=sys.stderr, flush=True)
         return EXIT_ENGINE_FAILED
     return 0
+
+
+async def _abandon_start(node, runner, control) -> None:
+    """A model the start must have could not load: the node, its listeners and its socket go before the error."""
+    await node.stop(grace_s=0)
+    await runner.cleanup()
+    _remove(control)
 
 
 def _remove(control) -> None:
