@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 
@@ -102,7 +103,8 @@ def test_a_failed_speculative_round_still_ends_the_rows_it_had_finished(monkeypa
         assert isinstance(rest[-1], Error) and rest[-1].cause == Cause.INTERNAL
         monkeypatch.undo()
         assert isinstance((await collect(node, Job("after", "demo", greedy(3), prompt="The cache")))[2], Done)
-        assert node.engine.idle and node.status().memory.jobs_kv_bytes == 0
+        await until(lambda: node.engine.idle, "the engine never went idle", TIMEOUT_S)  # after its observers
+        assert node.status().memory.jobs_kv_bytes == 0
         assert all(m.active_jobs == 0 for m in node.status().models)
         await node.stop()
 
@@ -148,6 +150,38 @@ def test_a_row_whose_output_fails_mid_step_fails_alone_and_loses_no_other_row(fi
         assert isinstance(bad_end, Error) and bad_end.cause == Cause.INTERNAL
         await other.aclose()  # a client that leaves: the engine ends the job on its own thread
         await until(lambda: node.engine.idle, "the engine never went idle", TIMEOUT_S)
+        await node.stop()
+
+    run(main())
+
+
+def test_an_idle_engine_has_delivered_every_terminal_event_and_a_slow_observer_delays_none(fixtures_dir):
+    """A job's terminal event reaches its consumer before observers (metrics) run, and the job leaves the books
+    only after both: `idle` once read the books empty while a slow observer still held a dropped job's event."""
+    node = make_node({"q": fixtures_dir / "qwen3-tiny"})
+    order: list[tuple[str, bool]] = []
+    real_submit = node.engine.submit
+
+    def submit(job, sink, prepare):  # a spy on the engine's own sink
+        def spy(ev):
+            if isinstance(ev, (Done, Error)):
+                order.append(("event", node.engine.idle))
+            sink(ev)
+        return real_submit(job, spy, prepare)
+
+    def slow_observer(done, model_id):
+        time.sleep(0.3)
+        order.append(("observer", node.engine.idle))
+
+    node.engine.on_job_done.append(slow_observer)
+    node.engine.submit = submit
+
+    async def main():
+        stream = node.run(Job("left", "q", greedy(200), prompt="The cache"))
+        await first_token(stream)
+        await stream.aclose()  # the client leaves: nobody waits for the terminal event but the books
+        await until(lambda: node.engine.idle, "the engine never went idle", TIMEOUT_S)
+        assert order == [("event", False), ("observer", False)]
         await node.stop()
 
     run(main())

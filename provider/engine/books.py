@@ -27,6 +27,7 @@ log = logs.get("engine")
 class Entry:
     pending: Pending
     model_id: str | None = None  # set once the job holds its model (a refcount)
+    ending: bool = False  # inside `finish`: the job stays in the books (the engine is not idle) until it returns
 
     @property
     def started(self) -> bool:
@@ -67,40 +68,51 @@ class Books:
         self._jobs.clear()
 
     def finish(self, ev: Event) -> bool:
-        """End a job with its terminal event (Done or Error): free what it holds, count it, deliver the event.
-        False, and nothing delivered, if the job already ended."""
-        entry = self._jobs.pop(ev.job_id, None)
-        if entry is None:
+        """End a job with its terminal event (Done or Error): free what it holds, count it, deliver the event,
+        then tell the observers. The job leaves the books last, so an engine that reads idle has delivered
+        every terminal event. False, and nothing delivered, if the job already ended."""
+        entry = self._jobs.get(ev.job_id)
+        if entry is None or entry.ending:
             log.error("second_terminal_event_dropped", job_id=ev.job_id, event=type(ev).__name__)
             return False
-        model_id = entry.model_id
-        if model_id is not None:
-            self.models.release(model_id)
-        self._count(ev, model_id)
-        deliver(entry.pending.sink, ev)
+        entry.ending = True
+        try:
+            if entry.model_id is not None:
+                self.models.release(entry.model_id)
+            self._count(ev)
+            deliver(entry.pending.sink, ev)
+            self._observe(ev, entry.model_id)
+        finally:
+            del self._jobs[ev.job_id]
         return True
 
-    def _count(self, ev: Event, model_id: str | None) -> None:
+    def _count(self, ev: Event) -> None:
         if isinstance(ev, Error):
             self.stats.jobs_failed += 1
-            log.info("job_finished", job_id=ev.job_id, model=model_id, cause=ev.cause.value)
             return
         assert isinstance(ev, Done)
         if ev.finish_reason == FinishReason.CANCELLED:
             self.stats.jobs_cancelled += 1
         else:
             self.stats.jobs_completed += 1
-        t, spec = ev.telemetry, ev.telemetry.speculation
+        spec = ev.telemetry.speculation
         self.stats.tokens_generated += ev.usage.completion_tokens
         self.stats.prompt_tokens += ev.usage.prompt_tokens
         self.stats.spec_drafted += spec.drafted
         self.stats.spec_accepted += spec.accepted
         self.stats.spec_target_forwards += spec.target_forwards
+
+    def _observe(self, ev: Event, model_id: str | None) -> None:
+        """Observers (metrics) and the log line, after the job's own consumer has its event."""
+        if isinstance(ev, Error):
+            log.info("job_finished", job_id=ev.job_id, model=model_id, cause=ev.cause.value)
+            return
         for observer in self.on_job_done:
             try:
                 observer(ev, model_id or "")
             except Exception:
                 log.exception("job_observer_failed", job_id=ev.job_id)
+        t, spec = ev.telemetry, ev.telemetry.speculation
         log.info("job_finished", job_id=ev.job_id, model=model_id, finish_reason=ev.finish_reason.value,
                  completion_tokens=ev.usage.completion_tokens, cached_prompt_tokens=t.cached_prompt_tokens,
                  ttft_ms=t.ttft_ms, decode_tokens_per_s=t.decode_tokens_per_s, speculation=spec.as_dict())
