@@ -4,6 +4,7 @@ written (a sealed one)."""
 
 import pytest
 
+from provider.engine.prefix_cache import DISK_MIN_TOKENS
 from provider.jobs import Done, Job, PrefixScope
 from tests.helpers import collect, greedy, run
 from tools.harness.nodes import make_node
@@ -39,6 +40,32 @@ def test_a_long_prompt_outlives_the_process_and_reads_back_the_same(fixtures_dir
         assert warm_ids == cold_ids
         other_ids, other = await once("other", PrefixScope("tenant-b"))  # the same prompt, another tenant
         assert other.prefix_tier == "" and other.cached_prompt_tokens == 0 and other_ids == cold_ids
+
+    run(main())
+
+
+def test_a_sliding_model_keeps_both_its_system_prefix_and_its_whole_prompt(fixtures_dir, tmp_path):
+    """Its caches cannot be cut shorter, so the whole prompt is kept for the disk tier; the shared system
+    prefix is kept as well, for the next conversation that starts with it (keeping only the whole prompt
+    once cost every other conversation its system prefix)."""
+    system = "Be brief. " * 64
+
+    def chat(user):
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    async def main():
+        node = node_on(fixtures_dir, "gemma4-tiny", tmp_path)
+        try:
+            ends = [(await collect(node, Job(f"j{i}", "gemma4-tiny", greedy(4), messages=chat(user))))[2]
+                    for i, user in enumerate(["Tell me about rivers.", "And mountains?", "Tell me about rivers."])]
+        finally:
+            await node.stop()
+        first, other, again = ends
+        assert first.telemetry.cached_prompt_tokens == 0 and first.usage.prompt_tokens > DISK_MIN_TOKENS
+        # Another conversation: its system prefix (all but a few tokens of the prompt) from memory.
+        assert other.telemetry.prefix_tier == "memory"
+        assert other.usage.prompt_tokens - 24 <= other.telemetry.cached_prompt_tokens < other.usage.prompt_tokens - 4
+        assert again.telemetry.cached_prompt_tokens == again.usage.prompt_tokens - 1  # the same one: all of it
 
     run(main())
 

@@ -44,7 +44,7 @@ class Row:
     uid: int
     output: JobOutput
     sink: Sink
-    shared_prefix: int  # prompt tokens of a system prefix to keep once read (0: none)
+    keep_at: tuple[int, ...]  # prompt lengths whose KV is kept once read (a system prefix, the whole prompt)
     fault: BaseException | None = None  # its sampler, logits processor or output raised: it fails alone
     generator_done: bool = False  # the generator removed the row itself (EOS or its max_tokens)
     logprobs: LogprobRequest | None = None
@@ -88,12 +88,12 @@ class PlainBatch:
         return [*self._by_job, *self._scoring]
 
     def add(self, output: JobOutput, sink: Sink, prompt: list[int], *, cache, sampler, processors,
-            shared_prefix: int, cached: int | None = None) -> None:
+            keep_at: tuple[int, ...], cached: int | None = None) -> None:
         """Queue a row for the whole `prompt`; `cache` holds the KV of its first `cached` tokens (by default
         the job's cached_prompt_tokens; a job that decoded elsewhere first continues with its tokens so far
         as the prompt)."""
         cached = output.cached_prompt_tokens if cached is None else cached
-        row = Row(-1, output, sink, 0, logprobs=LogprobRequest.of(output, self.lm))
+        row = Row(-1, output, sink, (), logprobs=LogprobRequest.of(output, self.lm))
         if row.logprobs is not None:  # first: the logits before any processor changes them
             processors = [_tap(row), *(processors or ())]
         if self._hidden is not None:
@@ -102,19 +102,19 @@ class PlainBatch:
             row.scorer = PromptScorer(self.lm.model, prompt, output.job.sampling.top_logprobs,
                                       texts_for(self.lm.tokenizer), self.lm.decodable, self.lm.logits_width,
                                       cache=caches_for(self.lm))
-            row.joining = dict(prompt=prompt, sampler=sampler, processors=processors, shared_prefix=shared_prefix)
+            row.joining = dict(prompt=prompt, sampler=sampler, processors=processors, keep_at=keep_at)
             self._scoring[output.job.id] = row
             return
-        self._insert(row, prompt, cache, cached, sampler, processors, shared_prefix)
+        self._insert(row, prompt, cache, cached, sampler, processors, keep_at)
 
     def _insert(self, row: Row, prompt: list[int], cache, cached: int, sampler, processors,
-                shared_prefix: int) -> None:
+                keep_at: tuple[int, ...]) -> None:
         output = row.output
         rest = prompt[cached:]
-        # Two segments when a system prefix remains to compute: the generator stops at its end, and its KV is
-        # kept then, before the rest of the prompt is read.
-        split = shared_prefix - cached
-        segments = [rest[:split], rest[split:]] if 0 < split < len(rest) else [rest]
+        # A segment per prefix to keep that remains to compute (a system prefix, the whole prompt for the disk
+        # tier): the generator stops at each one's end, and its KV is kept then, before the rest is read.
+        cuts = sorted({k - cached for k in keep_at if 0 < k - cached < len(rest)})
+        segments = [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])]
         # A row with no cached prefix starts from fresh caches of the model's KV precision (kv_quant.caches_for),
         # not the ones mlx-lm would make for it.
         cache = cache if cache is not None else caches_for(self.lm)
@@ -123,7 +123,7 @@ class PlainBatch:
             samplers=[None if sampler is None else _guarded_sampler(sampler, row)],
             logits_processors=[[_guarded_processor(p, row) for p in processors or ()]],
             stop_sequences=[StopSequences([[t] for t in sorted(output.end_ids)])])[0]
-        row.shared_prefix = shared_prefix if len(segments) == 2 else 0
+        row.keep_at = tuple(cached + c for c in cuts)
         row.stage, row.left = QUEUED, len(rest) - 1
         self._rows[row.uid] = row
         self._by_job[output.job.id] = row.uid
@@ -248,9 +248,9 @@ class PlainBatch:
             if row.output.max_tokens <= 0:
                 return [(row, row.output.finish(FinishReason.LENGTH))]
             prompt = joining["prompt"]
-            if joining["shared_prefix"] >= len(prompt) - 1:  # its choices to come reuse the prompt's KV
+            if max(joining["keep_at"], default=0) >= len(prompt) - 1:  # its choices to come reuse the prompt's KV
                 self.prefix.share(prompt[:-1], scorer.cache, row.output.job.prefix_scope)
-            self._insert(row, prompt, scorer.cache, len(prompt) - 1, joining["sampler"], joining["processors"], 0)
+            self._insert(row, prompt, scorer.cache, len(prompt) - 1, joining["sampler"], joining["processors"], ())
         except Exception as e:  # this prompt's scoring fails its own job
             self._scoring.pop(row.output.job.id, None)
             row.fault = e
@@ -285,13 +285,14 @@ class PlainBatch:
 
     def _keep_system_prefixes(self, prompt_responses) -> None:
         done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
-                and r.uid in self._rows and self._rows[r.uid].shared_prefix]
+                and r.uid in self._rows and self._rows[r.uid].keep_at]
         if not done:
             return
         for uid, (cache, tokens) in self._gen.extract_cache(done).items():
-            if len(tokens) == self._rows[uid].shared_prefix:
-                self.prefix.store(tokens, cache, SYSTEM, self._rows[uid].output.job.prefix_scope)
-            self._rows[uid].shared_prefix = 0
+            row = self._rows[uid]
+            if len(tokens) in row.keep_at:
+                self.prefix.store(tokens, cache, SYSTEM, row.output.job.prefix_scope)
+            row.keep_at = tuple(k for k in row.keep_at if k > len(tokens))
 
 
 def _guarded_sampler(sampler, row: Row):

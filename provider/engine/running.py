@@ -148,9 +148,9 @@ class Running:
         prefix = self.prefixes.get(lm.id)
         if prefix is None:
             prefix = self.prefixes[lm.id] = PrefixCache.of(lm, self._prefix_cache_bytes, self._prefix_disk)
-        # A long prompt of a model whose caches cannot be cut shorter is kept whole once read, for the disk tier.
-        if prefix.wants_whole_prompt(len(prompt), job.prefix_scope):
-            shared_prefix = len(prompt) - 1
+        # A long prompt of a model whose caches cannot be cut shorter is also kept whole once read, for the disk tier.
+        keep_at = (shared_prefix, len(prompt) - 1) if prefix.wants_whole_prompt(len(prompt), job.prefix_scope) \
+            else (shared_prefix,)
         # A scored prompt is read whole (every position's logits are wanted), so it takes nothing from the cache;
         # nor does a claim, read whole by its verifier.
         cache, cached, tier = (None, 0, "") if job.sampling.prompt_logprobs or job.verify else \
@@ -172,17 +172,17 @@ class Running:
             output.grammar = RowGrammar(grammar.matcher, grammar.n_vocab, lm.logits_width, output.end_ids,
                                         grammar.kind)
         if vision is None:
-            self._join(lm, output, sink, prompt, plan, cache, cached, shared_prefix)
+            self._join(lm, output, sink, prompt, plan, cache, cached, keep_at)
             return
         if job.sampling.prompt_logprobs:
             raise JobError(Cause.INVALID_REQUEST, "prompt logprobs are not given for prompts with images", "echo")
         # Read a piece per pass beside the batches (the media reads), then it joins as after a prefix hit.
-        self._media.add(MediaRead(lm, output, sink, prompt, vision, cache, cached, keep_at=shared_prefix,
-                                  keep=lambda c: prefix.share(prompt[:shared_prefix], c, job.prefix_scope),
-                                  joining=dict(plan=plan, shared_prefix=shared_prefix)))
+        self._media.add(MediaRead(lm, output, sink, prompt, vision, cache, cached, keep_at=keep_at[-1],
+                                  keep=lambda c: prefix.share(prompt[:keep_at[-1]], c, job.prefix_scope),
+                                  joining=dict(plan=plan, keep_at=keep_at)))
 
     def _join(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, cache,
-              read: int, shared_prefix: int) -> None:
+              read: int, keep_at: tuple[int, ...]) -> None:
         """A job's row into its batch; its caches (`cache`) hold its first `read` prompt tokens."""
         if not plan.on and plan.reason in (SpecReason.NOT_PROFITABLE, SpecReason.BATCH_TOO_LARGE) and lm.id in self._speculating:
             for row in self._speculating[lm.id].demote():  # with this job, plain batching pays more
@@ -193,7 +193,7 @@ class Running:
                 spec = self._speculating[lm.id] = SpecBatch(lm, self.prefixes[lm.id], step_tokens=self._step_tokens)
             spec.add(output, sink, prompt, plan, cache=cache, cached=read)
         else:
-            self._add_plain(lm, output, sink, prompt, cache, cached=read, shared_prefix=shared_prefix)
+            self._add_plain(lm, output, sink, prompt, cache, cached=read, keep_at=keep_at)
 
     def _continue_plain(self, lm: LoadedModel, row, reason: str) -> None:
         prompt, cached = SpecBatch.continuation(row)
@@ -201,7 +201,7 @@ class Running:
         log.info("speculation_stopped", job_id=row.output.job.id, model=lm.id, reason=reason)
 
     def _add_plain(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], cache, *,
-                   cached: int | None = None, shared_prefix: int = 0) -> None:
+                   cached: int | None = None, keep_at: tuple[int, ...] = ()) -> None:
         params = output.job.sampling
         processors = sampling.logits_processors_for(params) or []
         if output.grammar is not None:  # last: what the grammar forbids stays forbidden whatever came before
@@ -210,7 +210,7 @@ class Running:
                                   sampler=None if params.greedy and lm.decodable is None
                                   else sampling.sampler_for(params, lm.decodable, seed=output.seed,
                                                             start=output.completion_tokens),
-                                  processors=processors, shared_prefix=shared_prefix, cached=cached)
+                                  processors=processors, keep_at=keep_at, cached=cached)
 
     def _plain_batch(self, lm: LoadedModel) -> PlainBatch:
         batch = self._batches.get(lm.id)
@@ -228,7 +228,7 @@ class Running:
                                      decoding=self._decoding):
             try:
                 self._join(read.lm, read.output, read.sink, read.prompt, read.joining["plan"], read.cache,
-                           read.read, read.joining["shared_prefix"])
+                           read.read, read.joining["keep_at"])
             except Exception as e:
                 self.cancel(read.output.job.id)  # whatever part of it a batch took
                 out.append(([_failed(read.output.job.id, e)], read.sink))
