@@ -17,6 +17,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from provider.jobs import Job
 
@@ -41,14 +42,20 @@ def prefix_chain(key: bytes, model: str, tenant: str, messages: list[dict] | Non
 
 
 class HeldPrefixes:
-    """The node's side: the prefixes its finished jobs left in its prefix cache, newest first, bounded."""
+    """The node's side: the prefixes its finished jobs left in its prefix cache, newest first, bounded. Each
+    hash remembers the jobs that left it; it is told only while the node still serves one of them
+    (`newest(holds)`: an evicted or unloaded prefix is no longer claimed, so an honest node's claims are
+    confirmed)."""
+
+    JOBS_PER_HASH = 8  # a system prompt's hash is left by every conversation: its newest jobs are enough
 
     def __init__(self) -> None:
         self.key = b""  # the session's routing key; empty: nothing is recorded or told
-        self._held: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._held: collections.OrderedDict[int, list[tuple[str, str]]] = collections.OrderedDict()
 
-    def record(self, model: str, tenant: str, job: Job, answer: str) -> None:
-        """After `job` (sent for `model` and `tenant` as its request named them) answered `answer`."""
+    def record(self, model: str, tenant: str, job: Job, answer: str, served_by: str = "") -> None:
+        """After `job` (sent for `model` and `tenant` as its request named them; `served_by` the model id that
+        ran it) answered `answer`."""
         if not self.key or job.prompt_ids is not None:
             return
         if job.messages is None:  # a raw prompt: found again only whole
@@ -56,12 +63,21 @@ class HeldPrefixes:
         else:  # every prefix of the conversation, its answer included (what the next turn starts with)
             chain = prefix_chain(self.key, model, tenant, [*job.messages, {"role": "assistant", "content": answer}])
         for h in chain:
-            self._held.pop(h, None)
-            self._held[h] = None
+            jobs = self._held.pop(h, [])
+            self._held[h] = [*jobs[-(self.JOBS_PER_HASH - 1):], (served_by or model, job.id)]
         while len(self._held) > MAX_HELD:
             self._held.popitem(last=False)
 
-    def newest(self) -> list[int]:
+    def newest(self, holds: Callable[[str, str], bool] | None = None) -> list[int]:
+        """The hashes still held, newest first; `holds(model id, job id)` says whether a job's prefix is still
+        served (None: all are). Those no longer held are forgotten."""
+        if holds is not None:
+            for h in list(self._held):
+                jobs = [j for j in self._held[h] if holds(*j)]
+                if jobs:
+                    self._held[h] = jobs
+                else:
+                    del self._held[h]
         return list(reversed(self._held))
 
 

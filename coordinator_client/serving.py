@@ -187,7 +187,7 @@ class CoordinatorJobs:
                     end(self._ending(last, transcript, weights, keys, deadline_passed=bool(expired),
                                      request_sha256=request_sha256))
                     if isinstance(last, Done) and not sealed:  # what its prefix cache now holds, for routing
-                        self.held.record(req.model, req.cache_scope, job, "".join(answer))
+                        self.held.record(req.model, req.cache_scope, job, "".join(answer), model or "")
         except asyncio.CancelledError:
             # The session was abandoned under this job (during its pin check, before its first step, or while
             # it ran): stop generating, report it on the next session.

@@ -296,8 +296,9 @@ class CoordinatorSession:
     async def _heartbeats(self, outbox: Outbox, interval: float) -> None:
         while True:
             if not outbox.over:  # an unread heartbeat says nothing; the next one will
+                held = self.jobs.held.newest(self.node.holds_prefix)  # what the prefix caches still serve
                 outbox.put_nowait(pb.ProviderFrame(heartbeat=heartbeat(
-                    self.node.status(), draining=self.jobs.draining, prefix_hashes=self.jobs.held.newest())))
+                    self.node.status(), draining=self.jobs.draining, prefix_hashes=held)))
             await asyncio.sleep(interval)
 
     # --- draining ---------------------------------------------------------------------

@@ -178,8 +178,7 @@ class Node:
     def model_ids(self) -> list[str]:
         return self.catalog.ids()
 
-    def hash_models(self) -> None:
-        """Compute every model's manifest hash (blocking: the first time reads every file once)."""
+    def hash_models(self) -> None:  # every model's manifest hash (blocking: the first time reads every file)
         self.catalog.hash_all()
 
     def model_hash(self, model_id: str) -> str:
@@ -238,6 +237,11 @@ class Node:
 
     def model_status(self, model_id: str) -> ModelStatus:
         return next(m for m in self.models.statuses() if m.id == model_id)
+
+    def holds_prefix(self, model_id: str, job_id: str) -> bool:
+        """Any thread: whether the prefix job `job_id` of `model_id` left is still served (routing's claims)."""
+        cache, disk = self.engine.prefix_cache(model_id), self.prefix_disk
+        return (cache is not None and cache.holds(job_id)) or (disk is not None and disk.holds(job_id))
 
     def group_ready(self) -> None:
         """Every rank holds the model (preload returned): rank 0's steps start leading the others'."""

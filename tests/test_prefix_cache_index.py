@@ -106,3 +106,20 @@ def test_keys_never_hold_image_tokens_but_the_text_before_an_image_is_kept():
     cache.store(text, _tiny_kv(len(text)))
     kv, cached, _ = cache.lookup(with_image)
     assert len(cache) == 1 and cached == len(text) and kv is not None
+
+
+def test_a_jobs_claim_follows_its_entry_to_a_longer_one_and_ends_with_its_eviction():
+    """What routing tells the coordinator a node holds (`holds`) is never more than the cache serves."""
+    cache = PrefixCache("m", max_bytes=1 << 30)
+    p, q = _prompts(2, 300, seed=3)
+    cache.store(p[:100], _tiny_kv(100), claim="a")
+    cache.store(p, _tiny_kv(300), claim="b")  # takes over a's entry as a prefix: a is still served
+    cache.store(q, _tiny_kv(300), claim="c")
+    cache.store(q, _tiny_kv(300))  # the same key again, unclaimed: c keeps it
+    assert all(cache.holds(j) for j in "abc") and not cache.holds("d")
+    hit, covered, _ = cache.lookup(p[:100] + [7])
+    assert covered == 100  # what a claimed: served by b's entry
+    cache.trim_to(cache.nbytes - 1)  # the least recently used entry goes (p's: q's was stored last)
+    assert not cache.holds("a") and not cache.holds("b") and cache.holds("c")
+    cache.clear()
+    assert not cache.holds("c") and not cache.claims.live

@@ -79,3 +79,41 @@ def test_the_next_turn_goes_to_the_node_that_holds_the_conversation(fixtures_dir
         await coord.kill()
 
     run(main())
+
+
+def test_a_node_stops_claiming_what_it_no_longer_holds(fixtures_dir, tmp_path):
+    """Unloading the model drops its memory tier: the prefixes it held leave the heartbeats (an honest node is
+    never struck for a claim it could not serve); those also on disk stay claimed."""
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=100)
+        await coord.start()
+        stop, tasks, nodes = asyncio.Event(), [], []
+        for i, disk_gb in enumerate([0.0, 1.0]):
+            node = make_node({"m": fixtures_dir / "llama-tiny"}, prefix_disk_gb=disk_gb,
+                             prefix_disk_dir=str(tmp_path / f"disk-{i}"))
+            session = CoordinatorSession(node, Settings(coordinator=coord.url, **FAST_RECONNECT),
+                                         Identity.load_or_create(tmp_path / str(i)))
+            tasks.append(asyncio.create_task(session.run(stop)))
+            nodes.append(node)
+        await until(lambda: len(coord.sessions) == 2, "two nodes")
+        messages = [pb.ChatMessage(role="system", content="cache " * 700), pb.ChatMessage(role="user", content="hi")]
+        for i, s in enumerate(coord.sessions.values()):
+            coord.dispatch(s, pb.JobRequest(job_id=f"j{i}", model="m", max_tokens=4, cache_scope="t",
+                                            sampling=pb.SamplingParams(temperature=0),
+                                            chat=pb.ChatMessages(messages=messages)))
+            await coord.outcome(f"j{i}")
+        sessions = {s.node_id: s for s in coord.sessions.values()}
+        await until(lambda: all(s.heartbeats and s.heartbeats[-1].prefix_hashes for s in sessions.values()),
+                    "both nodes claim the conversation")
+        for node in nodes:
+            assert await node.unload_model("m") == "unloaded"
+        await asyncio.sleep(0.5)  # a few heartbeats
+        claims = sorted(bool(s.heartbeats[-1].prefix_hashes) for s in sessions.values())
+        assert claims == [False, True]  # the memory-only node claims nothing now; the one with a disk still does
+        stop.set()
+        await asyncio.gather(*tasks)
+        for node in nodes:
+            await node.stop()
+        await coord.kill()
+
+    run(main())

@@ -159,14 +159,14 @@ class PlainBatch:
         # The step committed: only now do ended rows leave, so a failure above loses none of them.
         for row, r in dropped:
             self._forget(row)
-            self.prefix.store(r.all_tokens, r.prompt_cache, scope=row.output.job.prefix_scope)
+            self.prefix.store(r.all_tokens, r.prompt_cache, scope=row.output.job.prefix_scope, claim=row.output.job.id)
         if ended:
             caches = self._gen.remove([r.uid for _, r in ended], return_prompt_caches=True)
             for row, r in ended:
                 self._forget(row)
                 cache, tokens = caches.get(r.uid, (None, None))
                 if cache:
-                    self.prefix.store(tokens, cache, scope=row.output.job.prefix_scope)
+                    self.prefix.store(tokens, cache, scope=row.output.job.prefix_scope, claim=row.output.job.id)
         after = self._decoding()
         self._copy_pending(bool(decoding) and bool(after) and after != decoding)
         return out

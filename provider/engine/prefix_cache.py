@@ -44,11 +44,14 @@ MEMORY, DISK = "memory", "disk"
 
 
 class _CountedOrder(LRUPromptCache.CacheOrder):
-    """mlx-lm's LRU order, counting the tokens of the keys it holds (every entry passes through it)."""
+    """mlx-lm's LRU order, counting the tokens of the keys it holds (every entry passes through it), and telling
+    its cache's claims which entries left: `pop` is an eviction, `remove` a replacement or a prefix a longer
+    entry now serves."""
 
-    def __init__(self):
+    def __init__(self, claims: "Claims"):
         super().__init__()
         self.tokens = 0
+        self.claims = claims
 
     def push(self, model, tokens, cache_type="assistant"):
         super().push(model, tokens, cache_type)
@@ -59,11 +62,42 @@ class _CountedOrder(LRUPromptCache.CacheOrder):
         super().remove(model, tokens)
         if len(self) < before:
             self.tokens -= len(tokens)
+            self.claims.served_longer((model, tuple(tokens)))
 
     def pop(self):
         model, tokens = super().pop()
         self.tokens -= len(tokens)
+        self.claims.evicted((model, tuple(tokens)))
         return model, tokens
+
+
+class Claims:
+    """Which finished jobs' prefixes the memory tier still serves (`live`, by job id), so that what a node tells
+    its coordinator it holds (coordinator_client.routing.HeldPrefixes) is never more than it holds. A job's claim
+    follows its entry: to the longer entry that takes it over as a prefix, out with an eviction. Written on the
+    engine thread; `live` is only tested for membership elsewhere."""
+
+    MAX = 4096  # claims followed; the oldest beyond are given up (held or not, no longer claimed)
+
+    def __init__(self):
+        self.live: set[str] = set()
+        self._of: dict[tuple, list[str]] = {}  # entry (scope key, tokens) -> the jobs it serves
+        self.inserting: tuple | None = None
+
+    def add(self, entry: tuple, job_id: str) -> None:
+        self._of.setdefault(entry, []).append(job_id)
+        self.live.add(job_id)
+        while len(self.live) > self.MAX and self._of:
+            oldest = next(iter(self._of))
+            self.evicted(oldest)
+
+    def served_longer(self, entry: tuple) -> None:
+        if self.inserting is not None and entry != self.inserting and entry in self._of:
+            self._of.setdefault(self.inserting, []).extend(self._of.pop(entry))
+
+    def evicted(self, entry: tuple) -> None:
+        for job_id in self._of.pop(entry, ()):
+            self.live.discard(job_id)
 
 
 class PrefixCache:
@@ -75,7 +109,8 @@ class PrefixCache:
         # another image's prompt. A prompt's text before its first image is still kept and reused.
         self.unkeyable = unkeyable
         self._lru = LRUPromptCache(max_size=1 << 20, max_bytes=max(0, max_bytes))
-        self._order = self._lru._lru = _CountedOrder()
+        self.claims = Claims()
+        self._order = self._lru._lru = _CountedOrder(self.claims)
         self.disk = disk
         self.identity = identity  # the model's files (manifest.quick_identity): a disk entry outlives a process
         self.trimmable = trimmable  # caches a shorter prefix can be cut from (no sliding-window layers)
@@ -154,8 +189,9 @@ class PrefixCache:
         return cache, usable
 
     def store(self, tokens: list[int], cache: list[Any], kind: str = COMPLETION, scope: PrefixScope = PrefixScope(),
-              *, to_disk: bool = True) -> None:
-        """Keep `cache` (the KV of `tokens`) for reuse in `scope`. Never raises: keeping a prefix is an
+              *, to_disk: bool = True, claim: str = "") -> None:
+        """Keep `cache` (the KV of `tokens`) for reuse in `scope`; `claim`, the job it finished, is then held
+        (`holds`) for as long as some entry serves its tokens. Never raises: keeping a prefix is an
         optimisation, and its failure costs no job."""
         if not tokens or not cache or not self.unkeyable.isdisjoint(tokens):
             return
@@ -163,12 +199,23 @@ class PrefixCache:
             if self.max_bytes > 0 or self.disk is not None:
                 owned(cache)
             if self.disk is not None and to_disk and scope.to_disk and len(tokens) >= DISK_MIN_TOKENS:
-                self.disk.put(self._scope(scope), list(tokens), cache)
+                self.disk.put(self._scope(scope), list(tokens), cache, claim)
             if self.max_bytes > 0:
-                self._lru.insert_cache(self._key(scope), list(tokens), cache, cache_type=kind)
+                entry = (self._key(scope), tuple(tokens))
+                if claim:
+                    self.claims.add(entry, claim)
+                self.claims.inserting = entry
+                try:
+                    self._lru.insert_cache(self._key(scope), list(tokens), cache, cache_type=kind)
+                finally:
+                    self.claims.inserting = None
                 self.trim_to(self.max_bytes)  # mlx-lm bounded the KV alone
         except Exception:
             log.exception("prefix_store_failed", model=self.model_id)
+
+    def holds(self, claim: str) -> bool:
+        """Any thread: whether the prefix job `claim` left is still served, from memory or disk."""
+        return claim in self.claims.live or (self.disk is not None and self.disk.holds(claim))
 
     def prefetch(self, prompt: list[int], scope: PrefixScope) -> None:
         """Any thread (a prompt just prepared): read ahead the disk entry its lookup would use."""
@@ -222,4 +269,6 @@ def owned(cache: list[Any]) -> None:
                 array = getattr(c, name, None)
                 if isinstance(array, mx.array):
                     setattr(c, name, mx.contiguous(array))
+                elif isinstance(array, tuple):  # a quantized sliding layer's triple
+                    setattr(c, name, tuple(mx.contiguous(a) for a in array))
     mx.eval([c.state for c in cache])

@@ -29,6 +29,7 @@ log = logs.get("engine")
 SUFFIX = ".pxkv"
 QUEUE = 8  # entries waiting for the writer; past it a write is skipped (the memory tier still holds it)
 PREFETCH_BYTES = 512 << 20  # files read ahead of the prefill that needs them, held at most (host memory)
+MAX_CLAIMS = 4096  # finished jobs whose entries are followed (routing.HeldPrefixes asks); the oldest are given up
 
 
 @dataclass
@@ -61,6 +62,7 @@ class DiskTier:
         self.stats = DiskStats()
         self._started = time.monotonic()
         self._index: dict[str, DiskEntry] = {}
+        self._claims: collections.OrderedDict[str, str] = collections.OrderedDict()  # job id -> the entry it left
         self._lock = threading.Lock()
         self._allowance, self._refilled = float(write_bytes_per_hour) / 4, time.monotonic()  # a quarter hour's burst
         self._queue: queue.Queue = queue.Queue(QUEUE)
@@ -104,9 +106,19 @@ class DiskTier:
         with self._lock:
             return entry_key(scope, tokens) in self._index
 
-    def put(self, scope: bytes, tokens: list[int], cache: list) -> bool:
-        """Queue an entry for writing (its arrays copied out now); False if skipped (kind, rate, queue)."""
-        if len(tokens) < BLOCK or not kv_file.storable(cache) or self.has(scope, tokens):
+    def holds(self, claim: str) -> bool:
+        """Any thread: whether the entry job `claim` left (`put`) is on disk now."""
+        with self._lock:
+            key = self._claims.get(claim)
+            return key is not None and key in self._index
+
+    def put(self, scope: bytes, tokens: list[int], cache: list, claim: str = "") -> bool:
+        """Queue an entry for writing (its arrays copied out now); False if skipped (kind, rate, queue). The job
+        `claim` finished is held while the entry is on disk."""
+        if len(tokens) < BLOCK or not kv_file.storable(cache):
+            return False
+        if self.has(scope, tokens):
+            self._claim(claim, entry_key(scope, tokens))
             return False
         try:
             data = kv_file.encode(scope, tokens, cache)
@@ -116,13 +128,22 @@ class DiskTier:
             self.stats.skipped_rate += 1
             return False
         blocks = chain(scope, tokens)
+        key = entry_key(scope, tokens, blocks)
         try:
-            self._queue.put_nowait((entry_key(scope, tokens, blocks), data, DiskEntry(
+            self._queue.put_nowait((key, data, DiskEntry(
                 scope, blocks, len(tokens), tuple(tokens[len(blocks) * BLOCK:]), len(data), time.time())))
         except queue.Full:
             self.stats.skipped_queue += 1
             return False
+        self._claim(claim, key)
         return True
+
+    def _claim(self, claim: str, key: str) -> None:
+        if claim:
+            with self._lock:
+                self._claims[claim] = key
+                while len(self._claims) > MAX_CLAIMS:
+                    self._claims.popitem(last=False)
 
     def best(self, scope: bytes, prompt: list[int], trimmable: bool) -> tuple[str, int] | None:
         """The entry sharing the most tokens with `prompt` (block-exact; the file's tokens settle the rest), and

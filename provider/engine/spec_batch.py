@@ -154,7 +154,7 @@ class SpecBatch:
         del self._rows[row.output.job.id]
         spec = row.spec
         if not spec.reading:
-            self.prefix.store(spec.tokens, spec.caches, COMPLETION, row.output.job.prefix_scope)
+            self.prefix.store(spec.tokens, spec.caches, COMPLETION, row.output.job.prefix_scope, claim=row.output.job.id)
         self._observe(row)
 
     def _observe(self, row: Row) -> None:
