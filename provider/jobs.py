@@ -15,6 +15,7 @@ from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
 from .keep_alive import parse_keep_alive
 from .types import Cause, FinishReason, JobError, JobId, Policy
 from .telemetry import Telemetry
+from .verdicts import VerdictSummary  # noqa: F401 (a Done's)
 
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -311,21 +312,6 @@ class Claim:
             raise _invalid("verify.proof.seed", "a replayable proof needs the seed its tokens were drawn with")
         if not isinstance(p.commitment, bytes) or not 0 < len(p.commitment) <= MAX_COMMITMENT_BYTES:
             raise _invalid("verify.proof.commitment", "must be the commitment of the claimed output")
-
-
-@dataclass(frozen=True)
-class VerdictSummary:
-    """A verify job's answer (provider.verification.verifier.Verdict, as it travels)."""
-
-    passed: bool
-    reason: str
-    first_failure: int | None
-    tokens: int
-    chunks: int
-    min_overlap: float | None = None  # the lowest share of a chunk's committed entries the verifier found again
-    max_rel_err: float | None = None  # among those, the largest relative error
-    max_gap: float | None = None  # the largest shortfall of a token from the one expected (nats)
-    ties: int = 0  # tokens within the tie tolerance of the expected one
 
 
 @dataclass(frozen=True)

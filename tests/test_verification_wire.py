@@ -60,3 +60,9 @@ def test_the_reference_coordinator_verifies_jobs_on_a_third_node_and_tallies_the
     # The verdicts came signed by the verifier, as every result.
     verdicts = [coord.outcomes[j][0].job_done for j in coord.outcomes if j.startswith("verify-")]
     assert len(verdicts) == 8 and all(d.signature and d.signature_layout == 3 for d in verdicts)
+    # Each verdict says chunk by chunk where and by how much: the cheat's fail at their first chunk's entries.
+    for d in verdicts:
+        v = d.verdict
+        assert len(v.per_chunk) == v.chunks >= 1 and [c.start for c in v.per_chunk] == [32 * i for i in range(v.chunks)]
+        assert min(c.overlap for c in v.per_chunk) == v.min_overlap
+        assert v.passed == (v.per_chunk[0].overlap >= 0.9), v

@@ -513,7 +513,7 @@ class VerifyInput(_message.Message):
     def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("passed", "reason", "first_failure", "tokens", "chunks", "min_overlap", "max_rel_err", "max_gap", "ties")
+    __slots__ = ("passed", "reason", "first_failure", "tokens", "chunks", "min_overlap", "max_rel_err", "max_gap", "ties", "per_chunk")
     PASSED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FIRST_FAILURE_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +523,7 @@ class Verdict(_message.Message):
     MAX_REL_ERR_FIELD_NUMBER: _ClassVar[int]
     MAX_GAP_FIELD_NUMBER: _ClassVar[int]
     TIES_FIELD_NUMBER: _ClassVar[int]
+    PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     passed: bool
     reason: str
     first_failure: int
@@ -532,7 +533,22 @@ class Verdict(_message.Message):
     max_rel_err: float
     max_gap: float
     ties: int
-    def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., first_failure: _Optional[int] = ..., tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., min_overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ...) -> None: ...
+    per_chunk: _containers.RepeatedCompositeFieldContainer[ChunkVerdict]
+    def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., first_failure: _Optional[int] = ..., tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., min_overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ..., per_chunk: _Optional[_Iterable[_Union[ChunkVerdict, _Mapping]]] = ...) -> None: ...
+
+class ChunkVerdict(_message.Message):
+    __slots__ = ("start", "overlap", "max_rel_err", "max_gap", "ties")
+    START_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_REL_ERR_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAP_FIELD_NUMBER: _ClassVar[int]
+    TIES_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    overlap: float
+    max_rel_err: float
+    max_gap: float
+    ties: int
+    def __init__(self, start: _Optional[int] = ..., overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
     __slots__ = ("ids",)

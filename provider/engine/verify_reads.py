@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jobs import Event, Sink, VerdictSummary
+from ..jobs import Event, Sink
+from ..verdicts import ChunkVerdict, VerdictSummary
 from ..models.loader import LoadedModel
 from ..types import FinishReason
 from ..verification.verifier import Claim, ClaimReader
@@ -56,7 +57,7 @@ class VerifyReads:
             read.fault = e
             return []
         del self._reads[read.output.job.id]
-        read.output.verdict = VerdictSummary(**verdict)
+        read.output.verdict = VerdictSummary(**verdict | {"per_chunk": tuple(ChunkVerdict(**c) for c in verdict["per_chunk"])})
         return [(read, read.output.finish(FinishReason.STOP, flush=False))]
 
     def faults(self) -> list[tuple[VerifyRead, BaseException]]:

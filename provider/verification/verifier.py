@@ -60,6 +60,7 @@ class Verdict:
     chunks: list[ChunkMatch] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)  # per output position (replay.token_gaps)
     ties: int = 0
+    tied: list[bool] = field(default_factory=list)  # per output position: within the tie tolerance
 
     def summary(self) -> dict:
         overlaps = [c.overlap for c in self.chunks]
@@ -67,7 +68,10 @@ class Verdict:
                 "tokens": self.tokens, "chunks": len(self.chunks),
                 "min_overlap": min(overlaps) if overlaps else None,
                 "max_rel_err": max((c.max_rel_err for c in self.chunks), default=None),
-                "max_gap": max(self.gaps, default=None), "ties": self.ties}
+                "max_gap": max(self.gaps, default=None), "ties": self.ties,
+                "per_chunk": [{"start": c.start, "overlap": c.overlap, "max_rel_err": c.max_rel_err,
+                               "max_gap": max(self.gaps[c.start:c.start + CHUNK], default=None),
+                               "ties": sum(self.tied[c.start:c.start + CHUNK])} for c in self.chunks]}
 
 
 class ClaimReader:
@@ -151,10 +155,11 @@ def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str,
     plausible_only = sampler in (SPECULATIVE_SAMPLER, PLAUSIBLE)
     limit = tolerance.floor if plausible_only else tolerance.tie
     bad_tokens = [j for j, g in enumerate(gaps) if not (g <= limit)]
-    ties = 0 if plausible_only else int(((gaps > 0) & (gaps <= limit)).sum())
+    tied = np.zeros(len(gaps), bool) if plausible_only else (gaps > 0) & (gaps <= limit)
+    ties = int(tied.sum())
     bad_chunks = [c.start for c in chunks if c.overlap < tolerance.min_overlap]
     failures = sorted([(j, "token") for j in bad_tokens] + [(j, "hidden state") for j in bad_chunks])
-    out = Verdict(True, "", None, tokens, chunks, [float(g) for g in gaps], ties)
+    out = Verdict(True, "", None, tokens, chunks, [float(g) for g in gaps], ties, [bool(t) for t in tied])
     if failures:
         out.passed, out.first_failure = False, failures[0][0]
         out.reason = (f"output token {failures[0][0]} is not the model's" if failures[0][1] == "token"
