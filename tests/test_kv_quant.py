@@ -9,9 +9,12 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from provider.engine import kv_file
 from provider.engine.kv_quant import BatchQuantizedKVCache, QuantizedKVRow, make_caches
+from provider.engine.kv_quant_rotating import BatchQuantizedRotatingKVCache, QuantizedRotatingKVRow
+from provider.engine.spec_rounds import rollback
 from provider.jobs import Done, Job, SamplingParams
 from provider.memory.batch_kv import plain_batch_bytes
 from provider.memory.estimate import KVQuant, kv_shape
@@ -19,9 +22,13 @@ from provider.models import fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from tests.helpers import collect, greedy, make_node, run
 
-# Echo logprobs at 8 bits stay within this of full precision's, in nats (measured on the demo model: max 0.012, mean
-# 0.001 over 355 positions; at 4 bits max 0.055, mean 0.006).
+# Echo logprobs at 8 bits stay within this of full precision's, in nats (measured on the demo model with its
+# sliding-window layers quantized too: max 0.028, mean 0.005 over 355 positions).
 ECHO_TOL_8 = 0.05
+# Greedy tokens at 8 bits equal to full precision's, at least (measured: 93.3 % of 32 x 32 with every layer at 8
+# bits, 99.6 % with the full-attention layer alone; the tiny demo model has near-ties, and a flip early in a row
+# changes the rest of it).
+GREEDY_8 = 0.9
 
 
 def _prompts(n: int) -> list[str]:
@@ -116,16 +123,167 @@ def test_a_full_precision_row_joins_a_quantized_batch_quantized():
     assert batch.keys[0].shape[2] == 7 and batch.left_padding.tolist() == [4, 0]
 
 
+class _Twins:
+    """The same operations on a quantized sliding cache, on mlx-lm's full-precision one fed the dequantized K/V
+    (they must agree exactly) and on mlx-lm's fed the exact K/V (they must agree within quantization error)."""
+
+    H, D = 2, 64
+
+    def __init__(self, bits: int, group: int, caches: tuple):
+        self.bits, self.group = bits, group
+        self.q, self.seen, self.exact = caches
+
+    def dq(self, t):
+        return mx.dequantize(*t, group_size=self.group, bits=self.bits)
+
+    def feed(self, rows: int, n: int):
+        k, v = mx.random.normal((rows, self.H, n, self.D)), mx.random.normal((rows, self.H, n, self.D))
+        fake = [self.dq(mx.quantize(x, group_size=self.group, bits=self.bits)) for x in (k, v)]
+        for c, kv in ((self.q, (k, v)), (self.seen, fake), (self.exact, (k, v))):
+            c.update_and_fetch(*kv)
+        self.check()
+
+    def do(self, name: str, *args):
+        out = [getattr(c, name)(*args) for c in (self.q, self.seen, self.exact)]
+        self.check()
+        return out
+
+    def check(self):
+        q, f, e = self.q, self.seen, self.exact
+        (qk, qv), (fk, fv), (ek, ev) = q.keys_and_values(), f.keys_and_values(), e.keys_and_values()
+        assert qk[0].shape[2] == fk.shape[2] and q.size() == f.size()
+        assert mx.array_equal(self.dq(qk), fk) and mx.array_equal(self.dq(qv), fv)
+        # The exact K/V within quantization error: half a step of a group's range (normal values: under 16).
+        tol = 8 / (2 ** self.bits - 1)
+        assert mx.abs(self.dq(qk) - ek).max().item() <= tol and mx.abs(self.dq(qv) - ev).max().item() <= tol
+        for attr in ("offset", "left_padding", "_idx", "_offset", "rotated", "keep"):
+            if hasattr(f, attr):
+                a, b = getattr(q, attr), getattr(f, attr)
+                assert (a.tolist() if isinstance(a, mx.array) else a) == (b.tolist() if isinstance(b, mx.array)
+                                                                         else b), attr
+        for n in (1, 3):
+            qm, fm = q.make_mask(n, window_size=q.max_size), f.make_mask(n, window_size=f.max_size)
+            assert (qm is None and fm is None) or isinstance(qm, str) and qm == fm or mx.array_equal(qm, fm)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+def test_rotating_batch_ops_equal_batchrotatingkvcache_past_the_window(bits, group):
+    """mlx-lm's BatchRotatingKVCache and the quantized one through the generator's and the speculative rounds'
+    operations, past an 8-position window: rows merged (one past its window and rotated, one short, one empty),
+    right-padded prompts read in two chunks and finalized, width-1 steps that rotate, width-3 verify steps, rows
+    joining in another rotation state, rows leaving, rows extracted and merged again, a trim; the same positions,
+    offsets, padding and masks throughout, the same values once dequantized, the exact K/V within quantization
+    error."""
+    mx.random.seed(2)
+    W = 8
+
+    def rows(n):
+        t = _Twins(bits, group, (QuantizedRotatingKVRow(W, 0, group, bits), RotatingKVCache(W), RotatingKVCache(W)))
+        if n:
+            t.feed(1, n)
+        for _ in range(max(0, n - 10)):  # width-1 steps past the window: rotated
+            t.feed(1, 1)
+        return t
+
+    parts = [rows(n) for n in (5, 13, 0)]
+
+    def merged(parts):
+        caches = [[getattr(t, a) for t in parts] for a in ("q", "seen", "exact")]
+        return _Twins(bits, group, tuple(c[0].merge(c) for c in caches))
+
+    b = merged(parts)
+    assert isinstance(b.q, BatchQuantizedRotatingKVCache) and (b.q.bits, b.q.group_size) == (bits, group)
+    assert isinstance(b.seen, BatchRotatingKVCache)
+    b.check()
+    for _ in range(W + 3):
+        b.feed(3, 1)
+    assert b.q.rotated
+
+    p = merged([rows(0) for _ in range(3)])  # three prompts of 10, 4 and 7 tokens, right-padded, two chunks
+    for c in (p.q, p.seen, p.exact):
+        c.prepare(lengths=[10, 4, 7], right_padding=[0, 6, 3])
+    p.feed(3, 6)
+    p.feed(3, 4)
+    p.do("finalize")
+    for _ in range(5):
+        p.feed(3, 1)
+
+    for x, y in ((b.q, p.q), (b.seen, p.seen), (b.exact, p.exact)):  # rows joining, in another rotation state
+        x.extend(y)
+    b.check()
+    b.feed(6, 3)  # a verify step (width 3)
+    b.feed(6, 1)
+    b.do("filter", [1, 3, 5])
+    for _ in range(W):
+        b.feed(3, 1)
+    out = [b.do("extract", i) for i in range(3)]
+    for q, f, e in out:
+        assert isinstance(q, QuantizedRotatingKVRow) and q.offset == f.offset and q._idx == f._idx
+        assert q.nbytes == sum(a.nbytes for a in (*q.keys, *q.values))
+    again = merged([_Twins(bits, group, tuple(t)) for t in out])
+    again.feed(3, 1)
+    assert b.do("trim", 2)[0] == 2
+    twin = copy.deepcopy(b.q)  # mlx-lm's prompt batch copies its caches so
+    assert mx.array_equal(b.dq(twin.keys), b.seen.keys)
+    ratio = b.q.nbytes / b.seen.nbytes
+    assert ratio == pytest.approx((bits / 8 + 2 * 4 / group) / 4)  # float32 K/V: packed plus a scale and a bias
+
+
+def test_a_quantized_sliding_row_rolls_back_and_travels_as_mlx_lms():
+    """One sequence past its window: chunks, width-1 steps, a width-4 verify step rolled back by the speculative
+    rounds' rollback and decoded on; the same as mlx-lm's RotatingKVCache on the values. Its state is written to
+    a prefix-cache file and read back, and it joins a batch."""
+    mx.random.seed(3)
+    t = _Twins(8, 64, (QuantizedRotatingKVRow(8, 0, 64, 8), RotatingKVCache(8), RotatingKVCache(8)))
+    t.feed(1, 6)
+    for _ in range(5):
+        t.feed(1, 1)
+    t.feed(1, 4)
+    rollback([t.q, t.seen, t.exact], 3)
+    t.check()
+    for _ in range(9):
+        t.feed(1, 1)
+    mx.eval(t.q.state)
+    _, (back,) = kv_file.decode(kv_file.encode(b"s", [1, 2], [t.q]), b"s")
+    assert type(back) is QuantizedRotatingKVRow and back.state[2:] == t.q.state[2:]
+    assert all(mx.array_equal(a, b) for a, b in zip((*back.keys, *back.values), (*t.q.keys, *t.q.values)))
+    full = RotatingKVCache(8)  # a full-precision row joins a quantized batch quantized
+    full.update_and_fetch(*(mx.random.normal((1, 2, 3, 64)),) * 2)
+    batch = QuantizedRotatingKVRow.merge([back, full])
+    assert isinstance(batch, BatchQuantizedRotatingKVCache) and batch.left_padding.tolist() == [0, 5]
+
+
+def test_sliding_layers_are_quantized_and_booked_so():
+    """The demo model's sliding-window layers get quantized caches when kv_bits is set (they stayed in full
+    precision before), at 8 bits even when kv_bits is 4, and kv_shape books them at the quantized size."""
+    from mlx_lm import load
+
+    model, _ = load(str(DEMO_TARGET))
+    config = json.loads((DEMO_TARGET / "config.json").read_text())
+    for bits in (8, 4):
+        caches = make_caches(model, config, KVQuant(bits, 64))
+        assert [type(c) for c in caches] == [QuantizedRotatingKVRow, QuantizedRotatingKVRow, QuantizedKVRow,
+                                             QuantizedRotatingKVRow]
+        assert [(c.bits, c.group_size) for c in caches] == [(8, 64), (8, 64), (bits, 64), (8, 64)]
+        full, quant = kv_shape(config, 2), kv_shape(config, 2, KVQuant(bits, 64))
+
+        def per(b):  # fp16: packed plus a scale and a bias per 64 elements
+            return (b / 8 + 2 * 2 / 64) / 2
+
+        assert quant.bytes_per_token_sliding == pytest.approx(per(8) * full.bytes_per_token_sliding)
+        assert quant.bytes_per_token_full == pytest.approx(per(bits) * full.bytes_per_token_full)
+
+
 def test_the_ledger_books_what_a_quantized_batch_holds():
-    """The demo model's caches at 4 bits, three rows read to 300 tokens: what they hold (full-attention layers
-    quantized, sliding ones in full precision) is at most what plain_batch_bytes books, and most of it."""
+    """The demo model's caches at 4 bits, three rows read to 300 tokens: what they hold (full-attention and
+    sliding-window layers quantized) is at most what plain_batch_bytes books, and most of it."""
     from mlx_lm import load
 
     model, _ = load(str(DEMO_TARGET))
     config = json.loads((DEMO_TARGET / "config.json").read_text())
     quant = KVQuant(4, 64)
     rows = [make_caches(model, config, quant) for _ in range(3)]
-    assert {type(c) for c in rows[0]} == {QuantizedKVRow, RotatingKVCache}
+    assert {type(c) for c in rows[0]} == {QuantizedKVRow, QuantizedRotatingKVRow}
     batch = [layer[0].merge(list(layer)) for layer in zip(*rows)]
     model(mx.array([[7] * 299] * 3), cache=batch)
     model(mx.array([[7]] * 3), cache=batch)
@@ -166,14 +324,28 @@ def test_greedy_and_echo_at_8_bits_match_full_precision_on_the_demo_model():
         print(f"kv_bits {bits}: greedy tokens equal to full precision {same}/{total} ({same / total:.3f}); "
               f"echo logprob |diff| max {max(diffs):.4f} mean {sum(diffs) / len(diffs):.4f} over {len(diffs)}")
         if bits == 8:
-            assert same >= 0.95 * total
+            assert same >= GREEDY_8 * total
             assert max(diffs) <= ECHO_TOL_8
+
+
+def test_greedy_past_the_sliding_window_at_8_bits_matches_full_precision():
+    """Prompts of about 150 to 250 tokens and 48 greedy tokens each, so the demo model's sliding-window layers
+    (window 128, quantized now) hold only the window: at 8 bits most tokens equal full precision's."""
+    text = " ".join(_prompts(60))
+    jobs = [Job(f"w{i}", "d", greedy(48), prompt=text[300 * i:][: 700 + 120 * i]) for i in range(6)]
+    base, out = _serve(0, jobs), _serve(8, jobs)
+    assert all(isinstance(end, Done) for _, _, end, _ in out)
+    assert min(end.usage.prompt_tokens for _, _, end, _ in out) > 128
+    same = sum(a == b for (x, _, _, _), (y, _, _, _) in zip(base, out) for a, b in zip(x, y))
+    total = sum(len(x) for x, _, _, _ in base)
+    print(f"past the window, kv_bits 8: greedy tokens equal to full precision {same}/{total}")
+    assert same >= 0.8 * total  # measured: 249 of 288 (6 rows of 48: one early flip changes the rest of a row)
 
 
 def test_speculation_with_the_assistant_reads_the_quantized_target_kv():
     """MTP speculation over a quantized target cache gives exactly the tokens plain decoding gives at the same
-    precision (the assistant attends to the quantized K/V of the target's last full layer, and to the sliding
-    layer's full-precision K/V); one prompt passes the 128-token window."""
+    precision (the assistant attends to the quantized K/V of the target's last full and last sliding layer); one
+    prompt passes the 128-token window."""
     prompts = _prompts(3)
     prompts[0] = " ".join(_prompts(40))[:800]
     plain = _serve(8, [Job(f"p{i}", "d", greedy(32), prompt=p) for i, p in enumerate(prompts)])

@@ -20,6 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from .kv_quant import QuantizedKVRow
+from .kv_quant_rotating import QuantizedRotatingKVRow
 
 MAGIC = b"PXKV1\n"
 MAX_HEADER = 8 << 20
@@ -30,6 +31,7 @@ KINDS: dict[str, tuple[type, int, int]] = {
     "rotating": (RotatingKVCache, 2, 4),  # keys, values; offset, keep, max_size, _idx
     "quantized": (QuantizedKVCache, 6, 3),  # keys and values as (packed, scales, biases); offset, group, bits
     "quantized_row": (QuantizedKVRow, 6, 3),
+    "quantized_rotating": (QuantizedRotatingKVRow, 6, 6),  # as quantized; offset, keep, max_size, _idx, group, bits
 }
 _KIND_OF = {cls: name for name, (cls, _, _) in KINDS.items()}
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}

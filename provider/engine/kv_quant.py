@@ -12,9 +12,10 @@ so each applies to the three arrays alike; a quantization group never spans posi
 `_merge_caches`, the speculative rounds' `merged`, `extract` and the prefix cache handle quantized rows as any.
 
 What is quantized (`caches_for`): the full-attention layers' caches, in the group memory.estimate.full_layer_quant
-gives (the ledger books them by the same rule). Sliding-window layers (RotatingKVCache) keep full precision: they
-hold at most the window whatever the length, and mlx-lm quantizes no rotating cache either. A draft model keeps
-its own KV in full precision (it is small; the ledger books it so).
+gives, and the sliding-window layers' (kv_quant_rotating.QuantizedRotatingKVRow, mlx-lm's RotatingKVCache over
+triples), in the group memory.estimate.sliding_layer_quant gives; the ledger books both by the same rules. A layer
+whose head dimension no supported group divides keeps full precision. A draft model keeps its own KV in full
+precision (it is small; the ledger books it so).
 
 Gemma 4's KV-shared layers (and the MTP assistant, built of the same layers) attend to the triples an earlier
 layer's cache returned with no cache of their own: `install` gives mlx-lm's gemma4_text an attention that sees a
@@ -25,14 +26,19 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models import base
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    dynamic_roll,
+    make_prompt_cache,
+)
 
-from ..memory.estimate import full_layer_quant
-
-
-def _each(x, f):
-    """`f` over each array of a triple (or over a plain array)."""
-    return tuple(f(a) for a in x) if isinstance(x, tuple) else f(x)
+from ..memory.estimate import full_layer_quant, sliding_layer_quant
+from .kv_quant_rotating import QuantizedRotatingKVRow
+from .kv_quant_rotating import each as _each
+from .kv_quant_rotating import empty_triple as _zeros
 
 
 class QuantizedKVRow(QuantizedKVCache):
@@ -48,12 +54,6 @@ class QuantizedKVRow(QuantizedKVCache):
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else sum(a.nbytes for a in (*self.keys, *self.values))
-
-
-def _zeros(shape: tuple, dim: int, group_size: int, bits: int, dtype) -> tuple:
-    """An empty triple of `shape` (B, H, L) positions of `dim` elements."""
-    return (mx.zeros((*shape, dim * bits // 32), dtype=mx.uint32), mx.zeros((*shape, dim // group_size), dtype=dtype),
-            mx.zeros((*shape, dim // group_size), dtype=dtype))
 
 
 class BatchQuantizedKVCache(BatchKVCache):
@@ -192,17 +192,26 @@ def _quantized(c, group: int, bits: int) -> QuantizedKVCache:
 
 def caches_for(lm) -> list:
     """A fresh set of caches for one sequence of `lm` (a models.loader.LoadedModel): mlx-lm's, with each
-    full-attention KVCache a QuantizedKVRow when `lm.kv_quant` asks for one (as memory.estimate books them)."""
+    full-attention KVCache a QuantizedKVRow and each sliding-window RotatingKVCache a QuantizedRotatingKVRow when
+    `lm.kv_quant` asks for one (as memory.estimate books them)."""
     return make_caches(lm.model, lm.config, lm.kv_quant)
 
 
 def make_caches(model, config: dict, quant) -> list:
     caches = make_prompt_cache(model)
-    per_layer = full_layer_quant(config, quant)
-    if per_layer is None:
+    full, sliding = full_layer_quant(config, quant), sliding_layer_quant(config, quant)
+    if full is None and sliding is None:
         return caches
     install()
-    return [QuantizedKVRow(per_layer.group_size, per_layer.bits) if type(c) is KVCache else c for c in caches]
+
+    def stored(c):
+        if type(c) is KVCache and full is not None:
+            return QuantizedKVRow(full.group_size, full.bits)
+        if type(c) is RotatingKVCache and sliding is not None:
+            return QuantizedRotatingKVRow(c.max_size, c.keep, sliding.group_size, sliding.bits)
+        return c
+
+    return [stored(c) for c in caches]
 
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):

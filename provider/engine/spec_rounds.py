@@ -7,8 +7,8 @@ the target's argmax is computed exactly as mlx-lm's plain path computes it (log-
 on this CPU backend a row of a width-(k+1) forward equals the width-1 row bit for bit. The host reads
 values back once per round.
 
-Each row owns plain per-sequence caches (KVCache, RotatingKVCache, or kv_quant.QuantizedKVRow for a model
-served with quantized KV), whose rollback is exact. A round over
+Each row owns plain per-sequence caches (KVCache, RotatingKVCache, or kv_quant's QuantizedKVRow and
+QuantizedRotatingKVRow for a model served with quantized KV), whose rollback is exact. A round over
 several rows merges them into batch caches (left-padded to the longest row), runs the drafter and
 the verify forward on those, and extracts each row's caches back, so rows join and leave between rounds
 freely and each keeps its own acceptance length. The merge copies the rows' K/V once per round; a lone row
@@ -133,8 +133,8 @@ def rollback(caches: list, n: int) -> None:
         if isinstance(c, RotatingKVCache) and c.keys is not None:
             # A verify step leaves the buffer in temporal order; cut the stale tail now, or the next
             # width-1 update trims live entries from the front and writes over the wrong slot.
-            c.keys = c.keys[..., : c._idx, :]
-            c.values = c.values[..., : c._idx, :]
+            c.keys, c.values = (tuple(a[..., : c._idx, :] for a in x) if isinstance(x, tuple)  # quantized: a triple
+                                else x[..., : c._idx, :] for x in (c.keys, c.values))
 
 
 def merged(rows_caches: list[list]) -> list:

@@ -105,23 +105,44 @@ def full_layer_quant(config: dict, quant: KVQuant | None) -> KVQuant | None:
     return None if group is None else KVQuant(quant.bits, group)
 
 
+def sliding_head_dim(config: dict) -> int:
+    """The head dimension of the sliding-window layers' K and V (Gemma 4's `head_dim`; other models' only one)."""
+    tc = text_config(config)
+    heads = tc.get("num_attention_heads", 1)
+    return tc.get("head_dim") or tc.get("hidden_size", 0) // max(heads, 1)
+
+
+SLIDING_MIN_BITS = 8  # a sliding window's KV is never stored in fewer bits (docs/memory.md: a quantized KV cache)
+
+
+def sliding_layer_quant(config: dict, quant: KVQuant | None) -> KVQuant | None:
+    """How a sliding-window layer's KV is stored under `quant` (provider.engine.kv_quant makes its rotating caches
+    by this): in the group quant_group gives for the sliding layers' head dimension (None: full precision), and in
+    `quant`'s bits but never fewer than SLIDING_MIN_BITS. The windows hold the nearest context: at 4 bits they flip
+    over 40 % of the demo model's greedy tokens, at 8 bits a few, for a small share of a long row's bytes."""
+    if quant is None:
+        return None
+    group = quant_group(sliding_head_dim(config), quant.group_size)
+    return None if group is None else KVQuant(max(quant.bits, SLIDING_MIN_BITS), group)
+
+
 def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -> KVShape:
     """K and V bytes per token, per non-shared layer; sliding layers separately (they stop at the window). With
-    `quant`, the full-attention layers' KV as the quantized cache stores it (full_layer_quant); sliding-window
-    layers keep theirs in full precision (bounded by the window; mlx-lm quantizes no rotating cache either)."""
+    `quant`, each layer's KV as the quantized cache stores it: full-attention layers by full_layer_quant,
+    sliding-window layers by sliding_layer_quant."""
     tc = text_config(config)
     layers = tc.get("num_hidden_layers", 0)
     heads = tc.get("num_attention_heads", 1)
     kv_heads = tc.get("num_key_value_heads") or heads
-    head_dim = tc.get("head_dim") or tc.get("hidden_size", 0) // max(heads, 1)
+    head_dim = sliding_head_dim(config)
     types = tc.get("layer_types") or ["full_attention"] * layers
     shared = tc.get("num_kv_shared_layers") or 0
     window = tc.get("sliding_window")
-    full_quant = full_layer_quant(config, quant)
+    full_quant, sliding_quant = full_layer_quant(config, quant), sliding_layer_quant(config, quant)
     full = sliding = 0
     for kind in types[: layers - shared]:
         if kind == "sliding_attention" and window:
-            sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, None)
+            sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, sliding_quant)
         else:  # Gemma 4's full layers have their own head size and KV head count
             h = tc.get("num_global_key_value_heads") or kv_heads
             full += (1 if tc.get("attention_k_eq_v") else 2) * _kv_bytes(h * full_head_dim(config), dtype_bytes,

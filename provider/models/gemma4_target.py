@@ -63,8 +63,9 @@ class Target:
                 masks[kind] = (mx.arange(start, c._idx)[None] >= c.left_padding[:, None])[:, None, None, :]
             elif isinstance(c, RotatingKVCache):
                 k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
-                n = min(c.offset, k.shape[2], self.window)
-                out[kind] = (k[..., k.shape[2] - n:, :], v[..., v.shape[2] - n:, :])
+                length = (k[0] if isinstance(k, tuple) else k).shape[2]
+                n = min(c.offset, length, self.window)
+                out[kind] = (_positions(k, length - n, length), _positions(v, length - n, length))
             else:
                 out[kind] = (_positions(c.keys, 0, c.offset), _positions(c.values, 0, c.offset))
         return out, masks or None
