@@ -277,11 +277,14 @@ class PlainBatch:
         """Each committing row's entries of the token it gives this step (computed a step ago: read back now
         without waiting), before its output takes the token and may end with its proof."""
         rows = [row for r in gen_responses if (row := self._rows.get(r.uid)) is not None and row.entries]
-        entries = [row.entries.popleft() for row in rows]
-        mx.eval(entries)
-        for row, (indices, bits) in zip(rows, entries):
+        read: dict[int, tuple] = {}  # each step's [B, K] arrays read once, however many rows they hold (by id: kept)
+        for row in rows:
+            indices, bits, i = row.entries.popleft()
             if row.output.commitment is not None:
-                row.output.commitment.add(np.array(indices), np.array(bits))
+                for a in (indices, bits):
+                    if id(a) not in read:
+                        read[id(a)] = (a, np.array(a))
+                row.output.commitment.add(read[id(indices)][1][i:i + 1], read[id(bits)][1][i:i + 1])
 
     def _keep_system_prefixes(self, prompt_responses) -> None:
         done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt

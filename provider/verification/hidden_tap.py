@@ -39,16 +39,19 @@ class HiddenTap:
         self._local.row = row + 1
         return self._local.last[row:row + 1, -1, :]
 
-    def next_row_entries(self) -> tuple[mx.array, mx.array]:
-        """The next row's top entries [1, K] at this thread's latest forward's last position, lazily. The first
-        row's call takes every row's at once (one small graph a step, not one a row); they are evaluated a step
-        later, when the forward they read has long been computed with the step's tokens."""
+    def next_row_entries(self) -> tuple[mx.array, mx.array, int]:
+        """The top entries at this thread's latest forward's last position, of every row ([B, K] each), and which
+        row is the next one's. The first row's call takes every row's at once (one small graph a step) and
+        schedules it with the forward it reads: evaluated a step later instead, it would wait behind the next
+        forward (one stream, in order) and the step's Python work would no longer overlap it. Whoever reads them
+        a step later picks the row out in numpy (an MLX slice would be a graph of its own, queued behind)."""
         local = self._local
         row = local.row
         local.row = row + 1
         if row == 0:
             local.entries = top_entries(local.last[:, -1, :])
-        return tuple(a[row:row + 1] for a in local.entries)
+            mx.async_eval(local.entries)
+        return (*local.entries, row)
 
 
 def _text_model(model):
