@@ -22,13 +22,15 @@ from provider.models import fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from tests.helpers import collect, greedy, make_node, run
 
-# Echo logprobs at 8 bits stay within this of full precision's, in nats (measured on the demo model with its
-# sliding-window layers quantized too: max 0.028, mean 0.005 over 355 positions).
+# Echo logprobs at 8 bits stay within this of full precision's, in nats (measured on the demo model: max 0.009).
 ECHO_TOL_8 = 0.05
-# Greedy tokens at 8 bits equal to full precision's, at least (measured: 93.3 % of 32 x 32 with every layer at 8
-# bits, 99.6 % with the full-attention layer alone; the tiny demo model has near-ties, and a flip early in a row
-# changes the rest of it).
-GREEDY_8 = 0.9
+# Greedy tokens at 8 bits equal to full precision's, at least: issue 40's bar (measured: 99.6 % of 32 x 32; at
+# kv_bits 8 the sliding windows stay in full precision, memory.estimate.sliding_layer_quant: with them at 8 bits
+# too, 93.3 %).
+GREEDY_8 = 0.95
+# Past the window at kv_bits 4 (full-attention layers at 4 bits, the windows at 8), at least (measured: 249 of
+# 288, 6 rows of 48; one early flip changes the rest of a row).
+PAST_WINDOW_4 = 0.8
 
 
 def _prompts(n: int) -> list[str]:
@@ -253,25 +255,28 @@ def test_a_quantized_sliding_row_rolls_back_and_travels_as_mlx_lms():
     assert isinstance(batch, BatchQuantizedRotatingKVCache) and batch.left_padding.tolist() == [0, 5]
 
 
-def test_sliding_layers_are_quantized_and_booked_so():
-    """The demo model's sliding-window layers get quantized caches when kv_bits is set (they stayed in full
-    precision before), at 8 bits even when kv_bits is 4, and kv_shape books them at the quantized size."""
+def test_sliding_layers_are_quantized_below_8_bits_and_booked_so():
+    """The demo model's sliding-window layers keep full precision at kv_bits 8 and get 8-bit quantized caches at
+    kv_bits 4 (they stayed in full precision before), and kv_shape books each as it is stored."""
     from mlx_lm import load
+    from mlx_lm.models.cache import RotatingKVCache
 
     model, _ = load(str(DEMO_TARGET))
     config = json.loads((DEMO_TARGET / "config.json").read_text())
-    for bits in (8, 4):
+    full = kv_shape(config, 2)
+
+    def per(b):  # fp16: packed plus a scale and a bias per 64 elements
+        return (b / 8 + 2 * 2 / 64) / 2
+
+    for bits, window in ((8, RotatingKVCache), (4, QuantizedRotatingKVRow)):
         caches = make_caches(model, config, KVQuant(bits, 64))
-        assert [type(c) for c in caches] == [QuantizedRotatingKVRow, QuantizedRotatingKVRow, QuantizedKVRow,
-                                             QuantizedRotatingKVRow]
-        assert [(c.bits, c.group_size) for c in caches] == [(8, 64), (8, 64), (bits, 64), (8, 64)]
-        full, quant = kv_shape(config, 2), kv_shape(config, 2, KVQuant(bits, 64))
-
-        def per(b):  # fp16: packed plus a scale and a bias per 64 elements
-            return (b / 8 + 2 * 2 / 64) / 2
-
-        assert quant.bytes_per_token_sliding == pytest.approx(per(8) * full.bytes_per_token_sliding)
+        assert [type(c) for c in caches] == [window, window, QuantizedKVRow, window]
+        quant = kv_shape(config, 2, KVQuant(bits, 64))
         assert quant.bytes_per_token_full == pytest.approx(per(bits) * full.bytes_per_token_full)
+        window_share = 1.0 if bits == 8 else per(8)
+        assert quant.bytes_per_token_sliding == pytest.approx(window_share * full.bytes_per_token_sliding)
+    assert [(c.bits, c.group_size) for c in make_caches(model, config, KVQuant(4, 64))] == [(8, 64), (8, 64), (4, 64),
+                                                                                          (8, 64)]
 
 
 def test_the_ledger_books_what_a_quantized_batch_holds():
@@ -328,18 +333,18 @@ def test_greedy_and_echo_at_8_bits_match_full_precision_on_the_demo_model():
             assert max(diffs) <= ECHO_TOL_8
 
 
-def test_greedy_past_the_sliding_window_at_8_bits_matches_full_precision():
+def test_greedy_past_the_sliding_window_at_4_bits_stays_close_to_full_precision():
     """Prompts of about 150 to 250 tokens and 48 greedy tokens each, so the demo model's sliding-window layers
-    (window 128, quantized now) hold only the window: at 8 bits most tokens equal full precision's."""
+    (window 128; at kv_bits 4 quantized at 8 bits) hold only the window: most tokens equal full precision's."""
     text = " ".join(_prompts(60))
     jobs = [Job(f"w{i}", "d", greedy(48), prompt=text[300 * i:][: 700 + 120 * i]) for i in range(6)]
-    base, out = _serve(0, jobs), _serve(8, jobs)
+    base, out = _serve(0, jobs), _serve(4, jobs)
     assert all(isinstance(end, Done) for _, _, end, _ in out)
     assert min(end.usage.prompt_tokens for _, _, end, _ in out) > 128
     same = sum(a == b for (x, _, _, _), (y, _, _, _) in zip(base, out) for a, b in zip(x, y))
     total = sum(len(x) for x, _, _, _ in base)
-    print(f"past the window, kv_bits 8: greedy tokens equal to full precision {same}/{total}")
-    assert same >= 0.8 * total  # measured: 249 of 288 (6 rows of 48: one early flip changes the rest of a row)
+    print(f"past the window, kv_bits 4: greedy tokens equal to full precision {same}/{total}")
+    assert same >= PAST_WINDOW_4 * total
 
 
 def test_speculation_with_the_assistant_reads_the_quantized_target_kv():
@@ -348,8 +353,8 @@ def test_speculation_with_the_assistant_reads_the_quantized_target_kv():
     prompt passes the 128-token window."""
     prompts = _prompts(3)
     prompts[0] = " ".join(_prompts(40))[:800]
-    plain = _serve(8, [Job(f"p{i}", "d", greedy(32), prompt=p) for i, p in enumerate(prompts)])
-    spec = _serve(8, [Job(f"s{i}", "d", greedy(32), prompt=p) for i, p in enumerate(prompts)], speculation="on")
+    plain = _serve(4, [Job(f"p{i}", "d", greedy(32), prompt=p) for i, p in enumerate(prompts)])
+    spec = _serve(4, [Job(f"s{i}", "d", greedy(32), prompt=p) for i, p in enumerate(prompts)], speculation="on")
     for (x, _, _, _), (y, _, end, _) in zip(plain, spec):
         assert end.telemetry.speculation.mode == "mtp" and end.telemetry.speculation.accepted > 0
         assert x == y
@@ -384,10 +389,10 @@ def test_speculation_with_a_draft_model_over_quantized_target_kv(tmp_path, fixtu
 
 
 def test_prefix_reuse_and_rows_joining_and_leaving_with_quantized_kv():
-    """At 8 bits: a prompt extending a served one reuses its quantized KV from the prefix cache and decodes as a
-    fresh node does; rows that join a decoding batch, leave it early (short max_tokens) or are cancelled leave
-    every other row's tokens as they are alone."""
-    node = make_node({"d": DEMO_TARGET}, manager_kw={"kv_bits": 8}, max_concurrent_jobs=8, speculation="off")
+    """At 4 bits (every layer quantized): a prompt extending a served one reuses its quantized KV from the prefix
+    cache and decodes as a fresh node does; rows that join a decoding batch, leave it early (short max_tokens) or
+    are cancelled leave every other row's tokens as they are alone."""
+    node = make_node({"d": DEMO_TARGET}, manager_kw={"kv_bits": 4}, max_concurrent_jobs=8, speculation="off")
     prompts = _prompts(8)
     long = " ".join(prompts[:4])
 
@@ -411,7 +416,7 @@ def test_prefix_reuse_and_rows_joining_and_leaving_with_quantized_kv():
 
     first, again, solo, mixed, queue = run(main())
     assert again[2].usage.cached_prompt_tokens > 0 and queue.prefix_hits >= 1
-    fresh = _serve(8, [Job("b", "d", greedy(24), prompt=long + " and more")], prefix_cache_gb=0)
+    fresh = _serve(4, [Job("b", "d", greedy(24), prompt=long + " and more")], prefix_cache_gb=0)
     assert again[0] == fresh[0][0]
     for (x, _, _, _), (y, _, _, _) in zip(solo, mixed):
         assert x == y
