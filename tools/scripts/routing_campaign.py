@@ -8,7 +8,7 @@ with load-only routing, to the least loaded node (ties at random, as the cache-a
 per policy: the share of the reusable prompt tokens (those of the conversation's previous turn, prompt and
 answer) that were served from a prefix cache, and the mean time to first token.
 
-    python tools/scripts/routing_campaign.py [--conversations 20] [--turns 4] [--system-words 600]
+    python tools/scripts/routing_campaign.py [--conversations 20] [--turns 4] [--system-words 600] [--shared-system]
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ async def campaign(model: Path, cache_aware: bool, args, root: Path) -> dict:
     while len(coord.sessions) < 2:
         await asyncio.sleep(0.05)
     rng = random.Random(args.seed)
-    history = {k: [{"role": "system", "content": system_prompt(k, args.system_words, rng)}]
+    # Each conversation's own system prompt, or (--shared-system) its tenant's: an app's agents share theirs.
+    systems = {t: system_prompt(t, args.system_words, rng) for t in range(3)} if args.shared_system else {}
+    history = {k: [{"role": "system", "content": systems.get(k % 3) or system_prompt(k, args.system_words, rng)}]
                for k in range(args.conversations)}
     previous: dict[int, int] = {}
     reusable = reused = 0
@@ -93,6 +95,8 @@ def main() -> int:
     ap.add_argument("--system-words", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--shared-system", action="store_true",
+                    help="one system prompt per tenant (3 tenants), not one per conversation")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
