@@ -101,7 +101,8 @@ def test_a_node_stops_claiming_what_it_no_longer_holds(fixtures_dir, tmp_path):
         async with connected_nodes(fixtures_dir, tmp_path, *[
                 {"prefix_disk_gb": gb, "prefix_disk_dir": str(tmp_path / f"disk-{i}")} for i, gb in enumerate([0, 1])
         ]) as (coord, nodes):
-            messages = [pb.ChatMessage(role="system", content="cache " * 700), pb.ChatMessage(role="user", content="hi")]
+            messages = [pb.ChatMessage(role="system", content="cache " * 700),
+                        pb.ChatMessage(role="user", content="hi")]
             for i, s in enumerate(coord.sessions.values()):
                 coord.dispatch(s, pb.JobRequest(job_id=f"j{i}", model="m", max_tokens=4, cache_scope="t",
                                                 sampling=pb.SamplingParams(temperature=0),

@@ -154,7 +154,8 @@ class SpecBatch:
         del self._rows[row.output.job.id]
         spec = row.spec
         if not spec.reading:
-            self.prefix.store(spec.tokens, spec.caches, COMPLETION, row.output.job.prefix_scope, claim=row.output.job.id)
+            job = row.output.job
+            self.prefix.store(spec.tokens, spec.caches, COMPLETION, job.prefix_scope, claim=job.id)
         self._observe(row)
 
     def _observe(self, row: Row) -> None:

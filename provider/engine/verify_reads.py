@@ -57,7 +57,8 @@ class VerifyReads:
             read.fault = e
             return []
         del self._reads[read.output.job.id]
-        read.output.verdict = VerdictSummary(**verdict | {"per_chunk": tuple(ChunkVerdict(**c) for c in verdict["per_chunk"])})
+        chunks = tuple(ChunkVerdict(**c) for c in verdict["per_chunk"])
+        read.output.verdict = VerdictSummary(**verdict | {"per_chunk": chunks})
         return [(read, read.output.finish(FinishReason.STOP, flush=False))]
 
     def faults(self) -> list[tuple[VerifyRead, BaseException]]:
