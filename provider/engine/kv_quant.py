@@ -36,7 +36,7 @@ from mlx_lm.models.cache import (
 )
 
 from ..memory.estimate import full_layer_quant, sliding_layer_quant
-from .kv_quant_rotating import QuantizedRotatingKVRow
+from .kv_quant_rotating import QuantizedRotatingKVRow, join_rows
 from .kv_quant_rotating import each as _each
 from .kv_quant_rotating import empty_triple as _zeros
 
@@ -115,30 +115,7 @@ class BatchQuantizedKVCache(BatchKVCache):
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
             return
-        idx = max(self._idx, other._idx)
-        size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
-        like = (self if self.keys is not None else other)
-
-        def pad(c):  # right-justified at `idx`, `size` positions long
-            k, v = c.keys, c.values
-            if k is None:
-                rows = c.offset.shape[0]
-                k, v = (tuple(mx.zeros((rows, *a.shape[1:2], 0, a.shape[3]), dtype=a.dtype) for a in x)
-                        for x in (like.keys, like.values))
-            left = idx - c._idx
-            right = size - k[0].shape[2] - left
-            if right < 0:
-                k, v = (_each(x, lambda a: a[..., :right, :]) for x in (k, v))
-                right = 0
-            if left or right:
-                k, v = (_each(x, lambda a: mx.pad(a, [(0, 0), (0, 0), (left, right), (0, 0)])) for x in (k, v))
-            return k, v, c.offset, c.left_padding + left
-
-        (k1, v1, o1, l1), (k2, v2, o2, l2) = pad(self), pad(other)
-        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2))
-        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2))
-        self.offset, self.left_padding = mx.concatenate([o1, o2]), mx.concatenate([l1, l2])
-        self._idx = idx
+        join_rows(self, other)
 
     def extract(self, idx):
         row = QuantizedKVRow(self.group_size, self.bits)

@@ -45,6 +45,49 @@ def _length(x) -> int:
     return x[0].shape[2]
 
 
+def join_rows(batch, other) -> None:
+    """`other`'s rows after `batch`'s, both right-justified at the later write position and padded to the longer
+    (BatchKVCache.extend and BatchRotatingKVCache.extend over triples; the quantized full and sliding forms)."""
+    idx = max(batch._idx, other._idx)
+    size = max(_length(c.keys) for c in (batch, other) if c.keys is not None)
+    like = batch if batch.keys is not None else other
+
+    def pad(c):  # right-justified at `idx`, `size` positions long
+        k, v = c.keys, c.values
+        if k is None:
+            rows = c.offset.shape[0]
+            k, v = (tuple(mx.zeros((rows, a.shape[1], 0, a.shape[3]), dtype=a.dtype) for a in x)
+                    for x in (like.keys, like.values))
+        left = idx - c._idx
+        right = size - _length(k) - left
+        if right < 0:
+            k, v = (each(x, lambda a: a[..., :right, :]) for x in (k, v))
+            right = 0
+        if left or right:
+            k, v = (each(x, lambda a: mx.pad(a, [(0, 0), (0, 0), (left, right), (0, 0)])) for x in (k, v))
+        return k, v, c.offset, c.left_padding + left
+
+    (k1, v1, o1, l1), (k2, v2, o2, l2) = pad(batch), pad(other)
+    batch.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2))
+    batch.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2))
+    batch.offset, batch.left_padding = mx.concatenate([o1, o2]), mx.concatenate([l1, l2])
+    batch._idx = idx
+
+
+def _grow(cache, keys, values, prev: int) -> None:
+    """Room for `step` more positions (at most up to the window) after `prev`, as mlx-lm's rotating caches grow
+    before the window is full; the row form and the batch form alike."""
+    B, H, _, dk = keys.shape
+    size = min(cache.step, cache.max_size - prev)
+    new_k = empty_triple((B, H, size), dk, cache.group_size, cache.bits, keys.dtype)
+    new_v = empty_triple((B, H, size), values.shape[3], cache.group_size, cache.bits, values.dtype)
+    if cache.keys is None:
+        cache.keys, cache.values = new_k, new_v
+    else:
+        cache.keys, cache.values = _cat(cache.keys, new_k), _cat(cache.values, new_v)
+    cache._idx = prev
+
+
 class QuantizedRotatingKVRow(RotatingKVCache):
     """One sequence's sliding-window KV, stored as QuantizedKVCache stores it; mergeable into a
     BatchQuantizedRotatingKVCache."""
@@ -78,17 +121,10 @@ class QuantizedRotatingKVRow(RotatingKVCache):
         return self.keys, self.values
 
     def _update_in_place(self, keys, values):
-        B, H, S, dk = keys.shape
+        S = keys.shape[2]
         prev = self.offset
         if self.keys is None or (prev >= _length(self.keys) and _length(self.keys) < self.max_size):
-            size = min(self.step, self.max_size - prev)
-            new_k = empty_triple((B, H, size), dk, self.group_size, self.bits, keys.dtype)
-            new_v = empty_triple((B, H, size), values.shape[3], self.group_size, self.bits, values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys, self.values = _cat(self.keys, new_k), _cat(self.values, new_v)
-            self._idx = prev
+            _grow(self, keys, values, prev)
         trim_size = _length(self.keys) - self.max_size
         if trim_size > 0:
             self.keys, self.values = self._trim(trim_size, self.keys), self._trim(trim_size, self.values)
@@ -193,17 +229,10 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
     def _update_in_place(self, keys, values):
         if self._lengths is not None:
             raise RuntimeError("finalize() should be called before decoding with BatchRotatingKVCache")
-        B, H, S, dk = keys.shape
+        S = keys.shape[2]
         prev = self._offset
         if self.keys is None or (prev >= _length(self.keys) and _length(self.keys) < self.max_size):
-            size = min(self.step, self.max_size - prev)
-            new_k = empty_triple((B, H, size), dk, self.group_size, self.bits, keys.dtype)
-            new_v = empty_triple((B, H, size), values.shape[3], self.group_size, self.bits, values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys, self.values = _cat(self.keys, new_k), _cat(self.values, new_v)
-            self._idx = prev
+            _grow(self, keys, values, prev)
         trim_size = _length(self.keys) - self.max_size
         if trim_size > 0:
             self.keys, self.values = self._trim(trim_size, self.keys), self._trim(trim_size, self.values)
@@ -249,30 +278,7 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         if self.rotated != other.rotated or self._idx != other._idx:
             self._temporal_order()
             other._temporal_order()
-        idx = max(self._idx, other._idx)
-        size = max(_length(c.keys) for c in (self, other) if c.keys is not None)
-        like = self if self.keys is not None else other
-
-        def pad(c):  # right-justified at `idx`, `size` positions long
-            k, v = c.keys, c.values
-            if k is None:
-                rows = c.offset.shape[0]
-                k, v = (tuple(mx.zeros((rows, a.shape[1], 0, a.shape[3]), dtype=a.dtype) for a in x)
-                        for x in (like.keys, like.values))
-            left = idx - c._idx
-            right = size - _length(k) - left
-            if right < 0:
-                k, v = (each(x, lambda a: a[..., :right, :]) for x in (k, v))
-                right = 0
-            if left or right:
-                k, v = (each(x, lambda a: mx.pad(a, [(0, 0), (0, 0), (left, right), (0, 0)])) for x in (k, v))
-            return k, v, c.offset, c.left_padding + left
-
-        (k1, v1, o1, l1), (k2, v2, o2, l2) = pad(self), pad(other)
-        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2))
-        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2))
-        self.offset, self.left_padding = mx.concatenate([o1, o2]), mx.concatenate([l1, l2])
-        self._idx = idx
+        join_rows(self, other)
         self._offset = max(self._offset, other._offset)
 
     def extract(self, idx):
