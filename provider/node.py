@@ -29,7 +29,7 @@ from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
 from .keep_alive import parse_keep_alive
 from .types import Cause, ModelId
 from .machine import decide_node_budget, longest_prefill_read, node_step_tokens
-from .memory.budget import Budget, pin_mlx_limits, system_facts
+from .memory.budget import Budget, freeze_startup_heap, pin_mlx_limits, system_facts
 from .models import store
 from .models.catalog import Catalog
 from .models.residency import Residency
@@ -166,6 +166,7 @@ class Node:
 
     def start(self) -> None:
         pin_mlx_limits(self.models.budget)
+        freeze_startup_heap()
         self.engine.start()
         log.info("node_started", models=self.catalog.ids(), default_model=self.catalog.default_id)
 

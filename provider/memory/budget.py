@@ -107,3 +107,20 @@ def trim_heaps() -> bool:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+_heap_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Once per process, when a node starts: move every object alive now (imports, settings, the catalog) out of
+    the cycle collector's reach. An unload's full collection then scans only what came after; before this it
+    scanned the whole startup heap for ~0.13 s holding the GIL, and a flood of warm and release frames starved
+    the session's event loop (300 frames took 21 s, with 150 load/unload cycles, instead of 0.4 s)."""
+    import gc
+
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()  # what is garbage already is freed, not frozen
+        gc.freeze()
