@@ -147,9 +147,9 @@ class Settings:
     prefix_disk_write_gb_per_hour: float = field(default=4.0, metadata=_range(0.01, 1024))
     prefix_disk_dir: str = ""
     # A proof in every outcome (docs/verification.md): per token, a commitment to the model's hidden state, and
-    # the seed of sampled tokens. auto: on when a coordinator is set (what the network checks), else off. Off by
-    # default until committing costs decode less than 3% (it costs 8-11% on the bundled model now).
-    commitments: str = field(default="off", metadata=_choice("auto", "on", "off"))
+    # the seed of sampled tokens. auto: on when a coordinator is set (what the network checks), else off (a local
+    # server's clients have no verifier). Committing costs no decode the benchmark can see (docs/verification.md).
+    commitments: str = field(default="auto", metadata=_choice("auto", "on", "off"))
     # On SIGTERM/Ctrl-C, in-flight jobs get this long to finish before they are cancelled.
     shutdown_grace_s: float = field(default=10.0, metadata=_range(0, 3600))
 

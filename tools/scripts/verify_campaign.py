@@ -180,9 +180,8 @@ def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple[bool, bool]]:
     elif kind == "drafter_alone":  # the draft model's output claimed as its target's
         for job, ids, end in asyncio.run(produce(node, "draft", jobs)):
             v = read(verifier, "llama", job, ids, end.proof).verdict()
-            honest = asyncio.run(produce(verifier, "llama", [job]))[0][1]
-            start = next((j for j, (a, b) in enumerate(zip(ids, honest)) if a != b), None)
-            out.append((v.passed, start is not None and v.first_failure is not None and v.first_failure <= start))
+            # The commitment is the drafter's hidden states from token 0, whatever its tokens: it starts there.
+            out.append((v.passed, v.first_failure == 0))
     elif kind in ("hotter", "other_seed"):
         lie = [dataclasses.replace(j, sampling=dataclasses.replace(
             j.sampling, **({"temperature": 1.3} if kind == "hotter" else {"seed": j.sampling.seed + 1}))) for j in jobs]
