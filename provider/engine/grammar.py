@@ -57,6 +57,12 @@ class RowGrammar:
         # row's masks allow everything from then on, and its batch fails it alone (`check`).
         self.error: GrammarError | None = None
 
+    @classmethod
+    def of(cls, compiled, width: int, end_ids: set[int]) -> "RowGrammar":
+        """A row's grammar from the job's compiled one (prompts.CompiledGrammar): a generating row's, and the
+        verifier's replaying a claim of that job, alike."""
+        return cls(compiled.matcher, compiled.n_vocab, width, end_ids, compiled.kind)
+
     def check(self) -> None:
         if self.error is not None:
             raise self.error

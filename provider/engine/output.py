@@ -22,6 +22,11 @@ from .stops import StopMatcher
 from .tool_calls import ToolCallSplitter
 
 
+def end_ids(tokenizer, sampling) -> set[int]:
+    """The ids that end a job's output unemitted (its grammar's EOS too): the model's and the job's stop ids."""
+    return set(tokenizer.eos_token_ids) | set(sampling.stop_token_ids)
+
+
 class JobOutput:
     def __init__(self, job: Job, tokenizer, *, prompt_tokens: int, max_tokens: int, arrived: float,
                  cached_prompt_tokens: int = 0, cached_tier: str = "", spec_off_reason: str = "", spec_choice=None,
@@ -48,7 +53,7 @@ class JobOutput:
         self._seq = 0
         self._detok = tokenizer.detokenizer
         self._stops = StopMatcher(job.sampling.stop)
-        self._eos = set(tokenizer.eos_token_ids) | set(job.sampling.stop_token_ids)
+        self._eos = end_ids(tokenizer, job.sampling)
         self.t_arrived = arrived
         self.t_started = time.perf_counter()
         self.t_first: float | None = None

@@ -164,13 +164,12 @@ class Running:
                            spec_choice=plan.choice,
                            tool_format=tool_format)
         if job.verify is not None:
-            self._verifying.add(lm, output, sink, prompt)
+            self._verifying.add(lm, output, sink, prompt, grammar)  # the job's grammar, compiled as for generating
             return
         if self._commit and lm.hidden_tap is not None and vision is None:  # media: the verifier reads no images yet
             output.commitment = CommitmentBuilder(lm.hidden_tap.hidden_size)
         if grammar is not None:
-            output.grammar = RowGrammar(grammar.matcher, grammar.n_vocab, lm.logits_width, output.end_ids,
-                                        grammar.kind)
+            output.grammar = RowGrammar.of(grammar, lm.logits_width, output.end_ids)
         if vision is None:
             self._join(lm, output, sink, prompt, plan, cache, cached, keep_at)
             return

@@ -37,11 +37,11 @@ class VerifyReads:
     def rows(self, model_id: str | None = None) -> list[VerifyRead]:
         return [r for r in self._reads.values() if model_id is None or r.lm.id == model_id]
 
-    def add(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int]) -> None:
+    def add(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], grammar=None) -> None:
+        """`grammar`: the job's output rules compiled as for generating it (prompts.CompiledGrammar), or None."""
         job = output.job
-        claim = Claim(tuple(prompt), job.verify.output, job.sampling, job.verify.proof,
-                      constrained=job.rules.constrained)
-        self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim))
+        claim = Claim(tuple(prompt), job.verify.output, job.sampling, job.verify.proof)
+        self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim, grammar))
 
     def step(self, budget: int) -> list[tuple[VerifyRead, list[Event]]]:
         """One chunk of the oldest read; its verdict once it is whole."""

@@ -2,7 +2,7 @@
 engine.prompt_reader), each output position's hidden state met with the node's commitment (`commitment`) and
 its token with the distribution it was drawn from (`replay`); then judged by `Tolerance`.
 
-    reader = ClaimReader(lm, claim)
+    reader = ClaimReader(lm, claim, grammar)  # grammar: the job's own, compiled as for generating it (or None)
     while not reader.done:
         reader.step(256)
     verdict = reader.verdict()
@@ -16,13 +16,20 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ..engine.grammar import RowGrammar
 from ..engine.kv_quant import caches_for
 from ..engine.logprobs import SCORE_BYTES_PER_LOGIT
+from ..engine.output import end_ids
 from ..engine.prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
 from ..jobs import SPECULATIVE_SAMPLER, Proof, SamplingParams
 from .commitment import CHUNK, ChunkMatch, CommitmentError, decode, match_chunk
 from .hidden_tap import install, top_entries
-from .replay import PLAUSIBLE, processed, token_gaps
+from .replay import GrammarReplay, processed, token_gaps
+
+# Output positions a constrained claim's read takes a pass. Each costs one mask, bounded as a generating row's step
+# is (grammar_compile.LIMITS: ~10 ms at worst, ~0.2 ms for a real schema): a pass stalls the batches beside it
+# for at most what a batch of this many constrained rows would.
+GRAMMAR_POSITIONS = 64
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,6 @@ class Claim:
     output: tuple[int, ...]
     sampling: SamplingParams
     proof: Proof
-    constrained: bool = False  # drawn under a grammar's masks, which the verifier does not replay (yet)
 
 
 @dataclass(frozen=True)
@@ -75,10 +81,14 @@ class Verdict:
 
 
 class ClaimReader:
-    """Reads a claim's prompt + output (all but the last output token) through `lm`'s model, a chunk a step."""
+    """Reads a claim's prompt + output (all but the last output token) through `lm`'s model, a chunk a step.
+    `grammar`: the job's output rules compiled for this model (prompts.CompiledGrammar, from the job itself,
+    never from the claim), when generating it would have masked its tokens."""
 
-    def __init__(self, lm, claim: Claim):
+    def __init__(self, lm, claim: Claim, grammar=None):
         self.lm, self.claim = lm, claim
+        self._grammar = None if grammar is None else \
+            GrammarReplay(RowGrammar.of(grammar, lm.logits_width, end_ids(lm.tokenizer, claim.sampling)))
         self._tap = install(lm.model)
         self._sequence = list(claim.prompt) + list(claim.output)
         self._first = len(claim.prompt) - 1  # the position whose forward gives output token 0
@@ -92,15 +102,12 @@ class ClaimReader:
             raise CommitmentError(f"{lm.id}: this model's family has no final norm to read a hidden state from")
 
     @property
-    def sampler(self) -> str:
-        """The check its tokens get: the proof's, or plausibility for tokens drawn under masks it cannot replay."""
-        return PLAUSIBLE if self.claim.constrained else self.claim.proof.sampler
-
-    @property
     def done(self) -> bool:
         return self.reader.done or not self.claim.output
 
     def step(self, tokens: int) -> None:
+        if self._grammar is not None:  # its walk runs on the engine thread beside the batches: a few positions a pass
+            tokens = min(tokens, max(0, self._first - self.reader.read) + GRAMMAR_POSITIONS)
         start, end = self.reader.step(tokens)
         if self._pending:
             indices, bits, gaps = self._pending
@@ -118,9 +125,11 @@ class ClaimReader:
         logits = logits[lo - start:]
         j0, j1 = lo - self._first, end - self._first  # output positions of this chunk
         c = self.claim
-        logprobs = processed(logits, c.sampling, self._sequence, lo + 1)
-        gaps = token_gaps(logprobs, list(c.output[j0:j1]), list(range(j0, j1)), c.sampling, self.sampler,
-                          c.proof.seed, self.lm.decodable)
+        tokens = list(c.output[j0:j1])
+        masks = None if self._grammar is None else self._grammar.masks(tokens, j0)
+        logprobs = processed(logits, c.sampling, self._sequence, lo + 1, masks)
+        gaps = token_gaps(logprobs, tokens, list(range(j0, j1)), c.sampling, c.proof.sampler, c.proof.seed,
+                          self.lm.decodable)
         self._pending = (*top_entries(hidden), gaps)
         return list(self._pending)
 
@@ -146,24 +155,30 @@ class ClaimReader:
             s = slice(i * CHUNK, min(n, (i + 1) * CHUNK))
             chunks.append(match_chunk(i * CHUNK, modulus, coeffs, indices[s], bits[s], self._tap.hidden_size,
                                       tolerance.rel_tol))
-        return judge(n, chunks, gaps, self.sampler, tolerance)
+        return judge(n, chunks, gaps, self.claim.proof.sampler, tolerance,
+                     self._grammar.failure if self._grammar is not None else None)
 
 
-def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str, tolerance: Tolerance) -> Verdict:
+def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str, tolerance: Tolerance,
+          grammar: tuple[int, str] | None = None) -> Verdict:
     """The verdict from the numbers alone: the first chunk under min_overlap, the first token past its tie (or
-    for a speculative draw, below the floor), too many near-ties."""
-    plausible_only = sampler in (SPECULATIVE_SAMPLER, PLAUSIBLE)
+    for a speculative draw, below the floor), the token where the claim left its grammar (`grammar`: its
+    position and why), too many near-ties."""
+    plausible_only = sampler == SPECULATIVE_SAMPLER
     limit = tolerance.floor if plausible_only else tolerance.tie
     bad_tokens = [j for j, g in enumerate(gaps) if not (g <= limit)]
     tied = np.zeros(len(gaps), bool) if plausible_only else (gaps > 0) & (gaps <= limit)
     ties = int(tied.sum())
     bad_chunks = [c.start for c in chunks if c.overlap < tolerance.min_overlap]
-    failures = sorted([(j, "token") for j in bad_tokens] + [(j, "hidden state") for j in bad_chunks])
+    # At one position, the grammar's reason before the token's (a forbidden token is also -inf: not the model's).
+    failures = sorted([(j, "token") for j in bad_tokens] + [(j, "hidden state") for j in bad_chunks]
+                      + ([(grammar[0], "grammar")] if grammar is not None else []))
     out = Verdict(True, "", None, tokens, chunks, [float(g) for g in gaps], ties, [bool(t) for t in tied])
     if failures:
         out.passed, out.first_failure = False, failures[0][0]
-        out.reason = (f"output token {failures[0][0]} is not the model's" if failures[0][1] == "token"
-                      else f"the hidden states of tokens {failures[0][0]}.. do not match the commitment")
+        j, kind = failures[0]
+        out.reason = (f"output token {j} is not the model's" if kind == "token" else grammar[1] if kind == "grammar"
+                      else f"the hidden states of tokens {j}.. do not match the commitment")
     elif ties > max(1, math.ceil(tolerance.max_tie_share * tokens)):
         out.passed, out.reason, out.first_failure = False, f"{ties} near-ties in {tokens} tokens", 0
     return out
