@@ -26,10 +26,11 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from ..models.gemma4_target import Target
 from ..telemetry import SpecTelemetry
+from . import recurrent
 from .acceptance import GreedyChoice
 from .grammar import masked
 from .logprobs import log_softmax, pick, read
@@ -129,6 +130,8 @@ def rollback(caches: list, n: int) -> None:
     if n <= 0:
         return
     for c in caches:
+        if isinstance(c, ArraysCache):
+            continue  # a recurrent layer's state: rewound by the round (recurrent.Rewind), it has no trim
         c.trim(n)  # KVCache and RotatingKVCache both move offset back; is_trimmable() is too strict here
         if isinstance(c, RotatingKVCache) and c.keys is not None:
             # A verify step leaves the buffer in temporal order; cut the stale tail now, or the next
@@ -166,6 +169,7 @@ class Speculator:
         self.target = Target(model)
         self.model = model
         self.drafter = drafter
+        recurrent.install(model)  # a hybrid target's recurrent layers record what a verify feeds them
         # A new row's fresh caches: the model's KV precision (kv_quant.caches_for); mlx-lm's by default
         self._new_caches = new_caches or (lambda: make_prompt_cache(model))
 
@@ -244,7 +248,10 @@ class Speculator:
         mx.eval(drafts, qs)  # materialized here so the draft views into the caches are released before verify
         t1 = time.perf_counter()
         last = mx.array([[r.last] for r in rows])
+        rewind = recurrent.begin(self.model, caches)
         logits, hidden_all = self.target.forward(mx.concatenate([last, drafts], axis=1), caches)
+        if rewind is not None:
+            rewind.done()
         # A constrained row's k+1 positions under the masks its drafts were drawn with, and the bonus's.
         verdicts = [r.choice.verify(logits[i] if r.grammar is None else masked(logits[i], r.grammar.verify_masks()),
                                     drafts[i], qs[i]) for i, r in enumerate(rows)]
@@ -263,6 +270,8 @@ class Speculator:
             _emitted_logprobs(row, scored[i], [*drafted[i][:n], bonus])
             _emitted_entries(row, entries, i, n + 1)
             rollback(own, k - n)
+            if rewind is not None:
+                rewind.row(own, i, n + 1, k + 1)
             row.caches = own
             row.tokens += [row.last, *drafted[i][:n]]
             row.last = bonus
