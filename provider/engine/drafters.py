@@ -2,6 +2,8 @@
 
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
+- HeadDrafter: an MTP head shipped inside the target's checkpoint (Qwen3.5 / Qwen3-Next), with a KV cache of its
+  own per row, fed the target's final-norm hidden states.
 
 Both draft every row of a round together, each row drawing from its own logits by its own choice (greedy
 or sampled, with its own key), and return each row's draft distributions for the verify step.
@@ -108,8 +110,94 @@ class MTPDrafter:
         pass
 
 
+class HeadDrafter:
+    """A native MTP head (models.qwen3_5_mtp): the pair (token t+1, target hidden at t) at position t, its own K/V.
+
+    A row's head cache holds every pair the head has read for good; `pending` the pairs it reads at the start of
+    the next round, ending with (last, the hidden that produced last). A round reads them all in its first step
+    (rows of other widths right-padded, the padding then rolled into the left padding, as mlx-lm's batch caches
+    do for ragged prompts), then drafts k - 1 more from its own hidden; after the verify the k - 1 draft pairs
+    are dropped and the accepted drafts come back as pending with the target's own hidden states (as vLLM replays
+    them: mlx-vlm keeps the head's own, which agrees less). A prompt prefix served from the prefix cache left no
+    hidden states: the head reads from where the target's forwards start (lossless; it only drafts less well)."""
+
+    mode = "mtp"
+
+    def __init__(self, head, target: Target):
+        self.head, self.target = head, target
+        lm = target.lm
+        self.embed = lm.model.embed_tokens
+        self.lm_head = getattr(lm, "lm_head", None) or self.embed.as_linear
+        self._round: list[SpecRow] = []
+
+    def begin(self, row: SpecRow) -> None:
+        row.draft = {"cache": self.head.make_cache(), "pending": [], "carry": None, "unseen": row.read}
+
+    def read(self, row: SpecRow, tokens: list[int]) -> None:
+        """A chunk of prompt the target has just read (its hidden states are the tap's latest), or of a cached
+        prefix (none: skipped)."""
+        d = row.draft
+        if d["unseen"] > 0:
+            d["unseen"] -= len(tokens)
+            return
+        hidden = self.target.tap.last
+        assert hidden is not None and hidden.shape[1] == len(tokens), "the head reads the chunk the target read"
+        pairs = ([(tokens[0], d["carry"])] if d["carry"] is not None else []) + \
+            [(t, hidden[:, j:j + 1]) for j, t in enumerate(tokens[1:])]
+        d["carry"] = hidden[:, -1:]
+        if pairs:
+            self.head(self.embed(mx.array([[t for t, _ in pairs]])), mx.concatenate([h for _, h in pairs], axis=1),
+                      d["cache"])
+            mx.eval([c.state for c in d["cache"]])
+
+    def start(self, row: SpecRow, first: int) -> None:
+        d = row.draft
+        d["pending"] = ([(row.prompt[-1], d["carry"])] if d["carry"] is not None else []) + [(first, row.hidden)]
+        d["carry"] = None
+
+    def propose(self, rows: list[SpecRow], k: int, caches: list) -> tuple[mx.array, list[list]]:
+        self._round = rows
+        widths = [len(r.draft["pending"]) for r in rows]
+        width = max(widths)
+        cache = merged([r.draft["cache"] for r in rows])
+        if len(rows) > 1 and min(widths) < width:
+            for c in cache:
+                c.prepare(right_padding=[width - w for w in widths])
+        pad = [(0, mx.zeros_like(rows[0].hidden))]
+        pending = [r.draft["pending"] + pad * (width - w) for r, w in zip(rows, widths)]
+        tokens = mx.array([[t for t, _ in p] for p in pending])
+        h = self.head(self.embed(tokens), mx.concatenate([mx.concatenate([h for _, h in p], axis=1) for p in pending]),
+                      cache)
+        if len(rows) > 1:
+            for c in cache:
+                c.finalize()  # the right padding becomes left padding (nothing to do when none was added)
+        h = mx.take_along_axis(h, mx.array(widths)[:, None, None] - 1, axis=1)  # each row's last real pair
+        drafted, qs = [], [[] for _ in rows]
+        for step in range(k):
+            token = _draw(rows, self.lm_head(h)[:, -1, :], qs)
+            drafted.append(token)
+            if step < k - 1:
+                h = self.head(self.embed(token), h, cache)
+        for row, own in zip(rows, split(cache, len(rows))):
+            row.draft["cache"] = own
+        return mx.concatenate(drafted, axis=1), qs
+
+    def accepted(self, row: SpecRow, n: int, k: int, drafts: list[int], bonus: int) -> None:
+        # The verify's final-norm hidden states [rows, k + 1, H] are the tap's latest: the round runs no other
+        # forward of the target between its verify and this.
+        verified = self.target.tap.last
+        i = next(j for j, r in enumerate(self._round) if r is row)
+        rollback(row.draft["cache"], k - 1)  # the head's own draft pairs
+        tokens = [*drafts[:n], bonus]
+        row.draft["pending"] = [(t, verified[i:i + 1, j:j + 1]) for j, t in enumerate(tokens)]
+
+
 def drafter_for(lm):
     """The drafter of a loaded pair (`models.loader.LoadedModel`); per-row state lives on the rows."""
+    from ..models.qwen3_5_mtp import Qwen35MTPHead
+
+    if isinstance(lm.drafter, Qwen35MTPHead):
+        return HeadDrafter(lm.drafter, Target(lm.model))
     if lm.drafter_mode == SpecMode.MTP:
         return MTPDrafter(lm.drafter, Target(lm.model))
     return DraftModelDrafter(lm.drafter)

@@ -12,6 +12,8 @@ from .checkpoint import HeaderError, context_length, open_checkpoint, read_confi
 ASSISTANT_TYPES = {"gemma4_assistant"}
 GEMMA4_TYPES = {"gemma4", "gemma4_text"}
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+# Families whose in-checkpoint MTP head the node drafts with (models.qwen3_5_mtp); the rest are detected and reported.
+NATIVE_HEAD_FAMILIES = {"qwen3_5"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,12 @@ def has_mtp_tensors(names: list[str], config: dict) -> bool:
             if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= layers:
                 return True
     return False
+
+
+def native_head_family(config: dict) -> bool:
+    """A family whose MTP head the node loads as a drafter (dense Qwen3.5: a MoE head's experts are not mapped yet)."""
+    tc = text_config(config)
+    return config.get("model_type") in NATIVE_HEAD_FAMILIES and not tc.get("num_experts")
 
 
 def images_refused(config: dict) -> str | None:
@@ -168,6 +176,8 @@ def with_drafter(caps: Capabilities, target: Path, drafter: Path | None, target_
     from dataclasses import replace
 
     if drafter is None:
+        if caps.native_mtp_heads and native_head_family(target_config):  # its own head drafts (config + tensors)
+            return replace(caps, mtp_capable=True, drafter_reason="ok")
         reason = "no_drafter" if caps.family in GEMMA4_TYPES else "not_mtp_capable"
         return replace(caps, drafter_reason=reason)
     dcfg = read_config(drafter)

@@ -345,6 +345,8 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "qwen2-tiny": lambda d: make_qwen2_tiny(d / "qwen2-tiny"),
     "llama-kv-heavy": lambda d: make_llama_kv_heavy(d / "llama-kv-heavy"),
     "gemma4-tools": lambda d: make_gemma4_tools(d / "gemma4-tools"),
+    "qwen3_5-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp", fromlist=["_"]).make_qwen3_5_mtp_tiny(
+        d / "qwen3_5-mtp-tiny"),
 }
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..memory import estimate
 from ..types import SpecMode
-from .capability import images_refused
+from .capability import images_refused, native_head_family
 from .checkpoint import context_length, open_checkpoint
 
 
@@ -40,11 +41,23 @@ def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step
 def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:
     """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
     prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
+    if mode is SpecMode.MTP and native_head_family(config):  # the head inside the target's checkpoint
+        head = {n: t for n, t in open_checkpoint(path).tensors.items() if n.startswith("mtp.")}
+        weights = sum(estimate.DTYPE_BYTES.get(dtype, 4) * math.prod(shape) for dtype, shape in head.values())
+        return weights + estimate.activation_bytes(config, prefill_step)  # it reads prompt chunks with the target
     weights = estimate.weight_bytes(config, open_checkpoint(path).tensors)
     if mode is SpecMode.MTP:
         return weights + estimate.activation_bytes(config, k + 1)
     return weights + estimate.activation_bytes(config, prefill_step) + estimate.kv_shape(config).bytes_for(
         prefill_step)
+
+
+def head_kv_shape(path: Path, config: dict) -> estimate.KVShape:
+    """Per-token KV of a native MTP head: its full-attention layers, each row's own (models.qwen3_5_mtp)."""
+    tc = estimate.text_config(config)
+    layers = int(tc.get("mtp_num_hidden_layers") or 0)
+    kv = (tc.get("num_key_value_heads") or tc.get("num_attention_heads", 1)) * estimate.full_head_dim(config)
+    return estimate.KVShape(2 * layers * kv * _dominant_float_bytes(open_checkpoint(path).tensors), 0, None)
 
 
 def kv_shape_of(path: Path, config: dict, kv_quant: estimate.KVQuant | None = None) -> estimate.KVShape:

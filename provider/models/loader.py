@@ -19,7 +19,7 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
     load_seconds: float
-    drafter: Any = None  # a Gemma4Assistant or a draft mlx-lm model, loaded and freed with the target
+    drafter: Any = None  # a Gemma4Assistant, a native MTP head or a draft mlx-lm model, loaded and freed with it
     drafter_mode: str | None = None  # mtp | draft | None
     drafter_reason: str = "no_drafter"  # why there is no drafter (stable reason), or "ok"
     spec_profile: Any = None  # speculation.SpecProfile: the pair's measured costs and acceptance (auto's k)
@@ -137,7 +137,11 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
     if drafter_path is None:
         return lm, active_delta
     try:
-        if drafting.mode is SpecMode.MTP:
+        if drafting.mode is SpecMode.MTP and drafter_path == path:  # the head inside the target's checkpoint
+            from .qwen3_5_mtp import load_head
+
+            lm.drafter = load_head(path, lm.model)
+        elif drafting.mode is SpecMode.MTP:
             from .gemma4_assistant import load_assistant
 
             lm.drafter = load_assistant(drafter_path)

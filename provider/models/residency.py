@@ -29,7 +29,7 @@ from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
 from .checkpoint import HeaderError, read_config
-from .footprint import drafter_footprint, estimate_footprint, kv_shape_of
+from .footprint import drafter_footprint, estimate_footprint, head_kv_shape, kv_shape_of
 from .loader import LoadedModel
 from .resident_model import ResidentModel, free_mlx_cache, mlx_active
 from .spec_profiles import SpecProfiles
@@ -313,6 +313,8 @@ class Residency:
         lm.kv_quant, lm.identity = kv_quant, manifest.quick_identity(path)
         if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
             lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))
+        elif lm.drafter is not None and drafter_path == path:  # a native MTP head: its own K/V per row
+            lm.draft_kv_shape = head_kv_shape(path, config)
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:
             self._profiles.at_load(model_id, lm, path, drafter_path, self.profiler)  # kept, or measured meanwhile
         # Never account for less than the parameters hold (concurrent frees can hide part of the delta).
@@ -338,6 +340,8 @@ class Residency:
         headers only, so a drafter that does not pair never has its weights read."""
         drafter_path = Path(stored.drafter).expanduser() if stored.drafter else None
         caps = capability.with_drafter(capability.detect(path, config), path, drafter_path, config)
+        if drafter_path is None and caps.mtp_capable:
+            drafter_path = path  # its own MTP head, inside its checkpoint
         if not (caps.mtp_capable or caps.draft_compatible):
             if drafter_path is not None:
                 log.warning("drafter_not_paired", model=stored.id, drafter=str(drafter_path), why=caps.drafter_reason)
