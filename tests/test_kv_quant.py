@@ -313,12 +313,13 @@ def _serve(bits: int, jobs: list[Job], **settings) -> list:
 
 
 def test_greedy_and_echo_at_8_bits_match_full_precision_on_the_demo_model():
-    """32 prompts, 32 greedy tokens each, and four scored prompts (echo), at full precision, 8 and 4 bits."""
+    """32 prompts, 32 greedy tokens each, and four scored prompts (echo), at full precision and 8 bits (4 bits'
+    figures are tools/bench/bench_kv_quant.py's: the suite has no bar for them here)."""
     prompts = _prompts(32)
     jobs = [Job(f"g{i}", "d", greedy(32), prompt=p) for i, p in enumerate(prompts)]
     jobs += [Job(f"e{i}", "d", SamplingParams(max_tokens=0, temperature=0.0, logprobs=1, prompt_logprobs=True),
                  prompt=" ".join(prompts[i::8])) for i in range(4)]
-    runs = {bits: _serve(bits, jobs) for bits in (0, 8, 4)}
+    runs = {bits: _serve(bits, jobs) for bits in (0, 8)}
     base = runs[0]
     for bits, out in runs.items():
         assert all(isinstance(end, Done) for _, _, end, _ in out)
