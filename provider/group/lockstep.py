@@ -28,6 +28,7 @@ from ..types import Cause
 from ..engine.collective import GroupLost
 from .link import Link
 from .plan import CancelRow, StartRow, StepPlan
+from .proofs import refuse_false_commitments
 
 log = logs.get("group")
 
@@ -62,11 +63,15 @@ class LeaderRunning(Running):
         self._beat = beat
         self._changes: list[StartRow | CancelRow] = []
         self.ready = ready  # set once every rank has the model: nothing is sent before
+        self._checked: set[str] = set()  # models whose commitments were checked possible on this rank (proofs)
 
     def start(self, job: Job, sink, lm: LoadedModel, prompt: list[int], *, max_tokens: int, plan: SpecPlan,
               shared_prefix: int, vision=None, **kw) -> None:
         if vision is not None:
             raise JobError(Cause.INVALID_REQUEST, "a node group does not take images or video", "messages")
+        if lm.id not in self._checked:  # before its first row: a commitment is made only where it can be true
+            self._checked.add(lm.id)
+            refuse_false_commitments(lm)
         if not job.sampling.greedy and job.sampling.seed is None:  # every rank draws from the same key
             job = dataclasses.replace(job, sampling=dataclasses.replace(job.sampling, seed=job_seed(job.sampling)))
         self._changes.append(StartRow(job, tuple(prompt), max_tokens, plan, shared_prefix))
@@ -109,8 +114,8 @@ def follow(link: Link, running: Running, lm: LoadedModel, grammar_for: Callable[
                 continue
             try:
                 running.start(change.job, discard, lm, list(change.prompt), max_tokens=change.max_tokens,
-                              arrived=0.0, plan=change.plan, shared_prefix=change.shared_prefix, grammar=grammar_for(change.job),
-                              tool_format=tool_format)
+                              arrived=0.0, plan=change.plan, shared_prefix=change.shared_prefix,
+                              grammar=grammar_for(change.job), tool_format=tool_format)
             except Exception as e:  # as on rank 0, whose engine then cancels the row (a change that follows)
                 log.info("group_row_refused", job_id=change.job.id, error=f"{type(e).__name__}: {e}")
         if plan.stop:
