@@ -13,12 +13,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from provider.jobs import Job
 from provider.models import capability
 from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.types import SpecMode
 from tests.helpers import collect, greedy, make_node, run
-from provider.jobs import Job
 
 NAME = "qwen3_5-mtp-tiny"
 
@@ -50,7 +50,8 @@ def test_capability_is_read_from_config_and_head_tensors(target, tmp_path):
     import json
     import shutil
 
-    from mlx.core import load as mx_load, save_safetensors
+    from mlx.core import load as mx_load
+    from mlx.core import save_safetensors
 
     stripped = tmp_path / "stripped"
     shutil.copytree(target, stripped)
@@ -92,3 +93,45 @@ def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(tar
     assert sum(s.accepted for s in trained) / sum(s.rounds for s in trained) > 0.5
     assert together[0][2].telemetry.speculation.mean_batch > 2  # verified together with the others
     assert len(accepted) > 2
+
+
+def test_the_head_computes_what_mlx_vlms_qwen3_5_mtp_drafter_computes_on_the_same_weights(target):
+    """The head as loaded here (models.qwen3_5_mtp) against mlx-vlm's Qwen3_5MTPDraftModel, loaded by mlx-vlm's
+    own split of the same checkpoint: the same parameters, and on the prompt's pairs then four draft steps the
+    same hidden state and draft tokens bit for bit, and the same K/V: V bit for bit, K within 1e-6 (mlx-lm's layer
+    rotates with mx.fast.rope, mlx-vlm's with its own M-RoPE arithmetic: 2e-9 apart on one element here)."""
+    pytest.importorskip("mlx_vlm.speculative.drafters.qwen3_5_mtp")
+    from mlx.utils import tree_flatten
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.split import Qwen3_5MTPSplitter
+
+    from provider.models.qwen3_5_mtp import load_head
+    from provider.verification.hidden_tap import install
+
+    theirs = Qwen3_5MTPSplitter().load(target)
+    model, _ = load(str(target))
+    tap = install(model)
+    ours = load_head(target, model)
+    mine, other = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
+    assert mine.keys() == other.keys()
+    assert [k for k in mine if not mx.array_equal(mine[k], other[k]).item()] == []
+
+    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:20]])
+    model(ids)
+    hidden, bonus = tap.last, 77
+    theirs.reset(model)
+    theirs.prefill_from_target_hidden(ids, hidden, bonus, None, greedy=True)
+    lm = model.language_model
+    cache = ours.make_cache()
+    h = ours(lm.model.embed_tokens(mx.concatenate([ids[:, 1:], mx.array([[bonus]])], axis=1)), hidden, cache)[:, -1:]
+    assert mx.array_equal(h, theirs._seed_hidden).item()
+    drafted = []
+    for step in range(4):
+        token = lm.lm_head(h).argmax(-1)
+        drafted.append(token.item())
+        if step < 3:  # the fourth draft needs no step after it
+            h = ours(lm.model.embed_tokens(token), h, cache)
+    assert theirs.draft_block(bonus, hidden[:, -1:], None, 5, None, greedy=True).tolist() == [drafted]
+    for a, b in zip(cache, theirs._cache):
+        assert a.offset == b.offset
+        assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], rtol=1e-6, atol=1e-6).item()
+        assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :]).item()

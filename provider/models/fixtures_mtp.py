@@ -15,6 +15,10 @@ from mlx.utils import tree_flatten
 
 from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
 
+# Hugging Face's writer tags its files "pt". mlx-vlm reads a file tagged "mlx" as already converted (its head norms
+# taken as stored, not + 1), so the published tag is part of the layout: with "mlx" the two loaders disagree.
+HF_METADATA = {"format": "pt"}
+
 _CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
             ".k_norm.weight")
 
@@ -59,6 +63,7 @@ def make_qwen3_5_mtp_tiny(out: Path, seed: int = 11, train: bool = True) -> None
             value = value - 1.0  # every head norm is zero-centred in the published layout
         weights["mtp." + name] = value
     _save(out, config, weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
     if train:
         train_head(out)
 
@@ -77,8 +82,8 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
     """Distil the fixture's head briefly on its target's own greedy continuations (the pair (token t+1, target
     hidden at t) learns token t+2, through the target's frozen LM head), so that its drafts are accepted often
     but not always, and write it back in the published layout. Returns the head's training accuracy."""
-    import mlx.nn as nn
     import mlx.optimizers as optim
+    from mlx import nn
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
@@ -110,5 +115,5 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
     weights = dict(mx.load(str(out / "model.safetensors")))
     for name, value in tree_flatten(head.parameters()):
         weights["mtp." + name] = value - 1.0 if value.ndim == 1 else value
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
     return accuracy
