@@ -2,8 +2,9 @@
 
 Honest: jobs across the engine's paths, made on producer nodes that commit (the fixture gemma4-tiny alone and
 in batches of 16 with mixed lengths and sampling, prefix hits, prefill chunks 64 and 2048; the bundled MTP pair
-and the llama draft pair speculating; logprob jobs), each verified on a separate verifier node holding the real
-weights. Expected: 0 false rejections.
+and the llama draft pair speculating; logprob jobs; a quarter of them structured output, under a JSON schema's
+grammar, which the verifier replays), each verified on a separate verifier node holding the real weights.
+Expected: 0 false rejections.
 
 Cheats, each claimed as the real model's work and verified the same way: other weights (1% noise), the real
 weights quantized by mlx-lm to 8 and 4 bits, one layer dropped, another system prompt, the drafter's output
@@ -31,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from provider.constraints import OutputRules, ResponseFormat  # noqa: E402
 from provider.jobs import Done, Job, Proof, SamplingParams  # noqa: E402
 from provider.models import cheat_fixtures, fixtures  # noqa: E402
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
@@ -39,6 +41,15 @@ from provider.verification.verifier import Claim, ClaimReader  # noqa: E402
 from tools.harness.nodes import make_node  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
+# Structured output: schemas with a regex, an enum, bounded numbers, an array and an optional field.
+SCHEMAS = [
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                                      "kind": {"enum": ["capital", "town", "village"]}}, "required": ["code", "kind"]},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99}, "maxItems": 4},
+                                      "paid": {"type": "boolean"}, "note": {"type": "string", "maxLength": 12}},
+     "required": ["items", "paid"]},
+]
 
 
 def sampling_for(rng: random.Random, tokens: int, seeded: bool = True) -> SamplingParams:
@@ -73,7 +84,8 @@ def read(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> ClaimR
     asyncio.run(verifier.preload(model))
     lm = verifier.models.acquire(model)
     try:
-        reader = ClaimReader(lm, Claim(prepared.prompt, tuple(ids), prepared.job.sampling, proof))
+        # The job's own grammar, compiled from its rules as for generating it (None for a job without rules).
+        reader = ClaimReader(lm, Claim(prepared.prompt, tuple(ids), prepared.job.sampling, proof), prepared.grammar)
         while not reader.done:
             reader.step(512)
         return reader
@@ -131,14 +143,18 @@ def main() -> int:
             for i in range(min(rng.choice([1, 4, 16]), args.honest - done)):
                 msgs = rng.choice(history) if history and rng.random() < 0.25 else messages(rng)
                 history.append(msgs)
-                batch.append(Job(id=f"h{done + i}", model=model, messages=msgs,
+                structured = rng.random() < 0.25
+                rules = OutputRules(ResponseFormat("json_schema", rng.choice(SCHEMAS), "out")) if structured \
+                    else OutputRules()
+                batch.append(Job(id=f"h{done + i}", model=model, messages=msgs, rules=rules,
                                  sampling=sampling_for(rng, args.tokens, seeded=path != "mtp" or rng.random() < 0.5)))
             for job, ids, end in asyncio.run(produce(node, model, batch)):
                 assert isinstance(end, Done), end
                 verdict = read(verifier, model, job, ids, end.proof).verdict()
-                report["honest"][(path, verdict.passed)] += 1
+                kind = path + ("+json_schema" if job.rules.constrained else "")
+                report["honest"][(kind, verdict.passed)] += 1
                 if not verdict.passed:
-                    report["honest_failures"].append({"path": path, "job": job.id, **verdict.summary()})
+                    report["honest_failures"].append({"path": kind, "job": job.id, **verdict.summary()})
             done += len(batch)
         # Cheats.
         kinds = [*bad, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice"]
