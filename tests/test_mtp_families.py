@@ -13,12 +13,20 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from provider.jobs import Job
+from provider.engine.acceptance import SampledChoice
+from provider.engine.drafters import HeadDrafter
+from provider.engine.spec_rounds import Speculator
+from provider.jobs import Job, SamplingParams
 from provider.models import capability
 from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.models.gemma4_target import Target
+from provider.models.qwen3_5_mtp import load_head
+from provider.telemetry import SpecTelemetry
 from provider.types import SpecMode
+from provider.verification.hidden_tap import install
 from tests.helpers import collect, greedy, make_node, run
+from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
 
 NAME = "qwen3_5-mtp-tiny"
 
@@ -135,3 +143,43 @@ def test_the_head_computes_what_mlx_vlms_qwen3_5_mtp_drafter_computes_on_the_sam
         assert a.offset == b.offset
         assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], rtol=1e-6, atol=1e-6).item()
         assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :]).item()
+
+
+def _sampled(model, head, prompt, params, n, k, choice=SampledChoice, seed0=0, positions=6):
+    """n speculative samples of the first `positions` tokens (seeds seed0, seed0 + 1, ...): rows of the engine's
+    round loop with the head, 400 at a time, each reading the prompt itself as a fresh job does (the harness's
+    rows start from one read prompt, which leaves a head no prompt pairs and accepts a fifth as often)."""
+    spec, total, out = Speculator(model, HeadDrafter(head, Target(model))), SpecTelemetry("sampled", k=k), []
+    for start in range(seed0, seed0 + n, 400):
+        rows = [spec.new_row(prompt, stats=SpecTelemetry("sampled", k=k), choice=choice(params, seed))
+                for seed in range(start, min(start + 400, seed0 + n))]
+        for row in rows:
+            while not spec.read(row, 2048):
+                pass
+        samples = [[first] for first in spec.begin(rows)]
+        while live := [i for i, s in enumerate(samples) if len(s) < positions]:
+            for i, tokens in zip(live, spec.round([rows[i] for i in live])):
+                samples[i] += tokens
+        out += [tuple(s[:positions]) for s in samples]
+        total.accepted += sum(r.stats.accepted for r in rows)
+        total.judged += sum(r.stats.judged for r in rows)
+    return out, total
+
+
+def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
+    """test_spec_sampling's distribution test with the head: the first 6 tokens at T = 0.15 with top_p and top_k,
+    k = 3, 800 samples a side; a chi-square per position does not tell speculative sampling from the node's plain
+    sampler, and it does tell the biased control (every draft accepted). A low temperature keeps the samples near
+    the continuations the head was distilled on, so a fifth of its drafts are accepted and the rest resampled."""
+    model, _ = load(str(target))
+    install(model)
+    head = load_head(target, model)
+    prompt = train_prompts()[0]
+    params = SamplingParams(max_tokens=6, temperature=0.15, top_p=0.95, top_k=32, seed=3)
+    plain = plain_samples(model, prompt, params, 800, 6)
+    spec, stats = _sampled(model, head, prompt, params, 800, 3)
+    assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats  # both branches, many times
+    rows = compare(plain, spec, 6)
+    assert all(r["p"] >= 1e-3 for r in rows), rows
+    biased, _ = _sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
+    assert min(r["p"] for r in compare(plain, biased, 6)) < 1e-3  # the test has the power to see a bias
