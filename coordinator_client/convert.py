@@ -280,7 +280,8 @@ def verdict_to_pb(v: VerdictSummary) -> pb.Verdict:
         if getattr(v, name) is not None:
             setattr(out, name, getattr(v, name))
     for c in v.per_chunk:
-        out.per_chunk.add(start=c.start, overlap=c.overlap, max_rel_err=c.max_rel_err, ties=c.ties,
+        out.per_chunk.add(start=c.start, overlap=c.overlap, max_rel_err=c.max_rel_err, mean_rel_err=c.mean_rel_err,
+                          ties=c.ties,
                           **({} if c.max_gap is None else {"max_gap": c.max_gap}))
     return out
 

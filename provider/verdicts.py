@@ -14,6 +14,7 @@ class ChunkVerdict:
     start: int  # its first output position
     overlap: float  # the share of its committed entries the verifier found again
     max_rel_err: float  # among those, the largest relative error
+    mean_rel_err: float  # and their mean (a chunk fails above verifier.Tolerance.max_mean_err too)
     max_gap: float | None  # the largest shortfall of one of its tokens from the one expected (nats); None: none
     ties: int  # its tokens within the tie tolerance of the expected one
 

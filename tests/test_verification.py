@@ -149,6 +149,25 @@ def test_other_weights_served_under_the_models_name_are_caught(fixtures_dir, che
     run(node.stop())
 
 
+def test_weights_one_percent_off_are_caught_where_most_values_stay_within_rel_tol(fixtures_dir, tmp_path):
+    """On llama-tiny, weights 1% off move most committed values by less than rel_tol (chunks keep >= 90% of their
+    points): the matched points' mean error is what catches them, at token 0."""
+    noisy = cheat_fixtures.noisy(fixtures_dir / "llama-tiny", tmp_path / "noisy", 0.01)
+    node = make_node({"m": fixtures_dir / "llama-tiny", "noisy": noisy}, commitments="on", speculation="off")
+    cases = [(p, s) for p in PROMPTS for s in (GREEDY, SEEDED)]
+
+    async def made():
+        return await asyncio.gather(*(generate(node, "noisy", p, s, f"n{i}") for i, (p, s) in enumerate(cases)))
+
+    outs = run(made())
+    verdicts = [check(node, "m", p, ids, s, proof) for (p, s), (ids, proof) in zip(cases, outs)]
+    assert all(not v.passed and v.first_failure == 0 for v in verdicts), [v.summary() for v in verdicts]
+    # Overlap alone would have let some through: the chunks over it that fail on their mean error.
+    assert any(c.overlap >= 0.9 for v in verdicts for c in v.chunks), [v.summary()["min_overlap"] for v in verdicts]
+    assert all(c.mean_rel_err > 0.003 for v in verdicts for c in v.chunks if c.overlap >= 0.9)
+    run(node.stop())
+
+
 def test_lies_about_the_prompt_sampling_seed_or_drafter_and_splices_are_caught_where_they_start(fixtures_dir, cheats):
     node = make_node({"m": fixtures_dir / "gemma4-tiny", "noisy": cheats["noisy"],
                       "draft": fixtures_dir / "llama-tiny-draft", "llama": fixtures_dir / "llama-tiny"},

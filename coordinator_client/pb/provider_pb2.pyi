@@ -537,18 +537,20 @@ class Verdict(_message.Message):
     def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., first_failure: _Optional[int] = ..., tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., min_overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ..., per_chunk: _Optional[_Iterable[_Union[ChunkVerdict, _Mapping]]] = ...) -> None: ...
 
 class ChunkVerdict(_message.Message):
-    __slots__ = ("start", "overlap", "max_rel_err", "max_gap", "ties")
+    __slots__ = ("start", "overlap", "max_rel_err", "max_gap", "ties", "mean_rel_err")
     START_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     MAX_REL_ERR_FIELD_NUMBER: _ClassVar[int]
     MAX_GAP_FIELD_NUMBER: _ClassVar[int]
     TIES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REL_ERR_FIELD_NUMBER: _ClassVar[int]
     start: int
     overlap: float
     max_rel_err: float
     max_gap: float
     ties: int
-    def __init__(self, start: _Optional[int] = ..., overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ...) -> None: ...
+    mean_rel_err: float
+    def __init__(self, start: _Optional[int] = ..., overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ..., mean_rel_err: _Optional[float] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
     __slots__ = ("ids",)

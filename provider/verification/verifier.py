@@ -46,12 +46,14 @@ class Claim:
 class Tolerance:
     """How far an honest node's numbers may fall from the verifier's (measured: docs/verification.md).
     rel_tol: a committed value within this relative error of the verifier's counts as matched; min_overlap: a
-    chunk fails below this share of matched points; tie: a token this many nats short of the expected one is
+    chunk fails below this share of matched points; max_mean_err: or when its matched points are off by more
+    than this on average (weights 1% off move most values by less than rel_tol, but all of them); tie: a token this many nats short of the expected one is
     a near-tie the two forwards broke apart, not a failure, at most max_ties of them; floor: a speculative
     token less likely than this (nats) under the declared distribution fails."""
 
     rel_tol: float = 0.02
     min_overlap: float = 0.9
+    max_mean_err: float = 0.003
     tie: float = 0.02
     max_tie_share: float = 0.05
     floor: float = 18.0
@@ -76,6 +78,7 @@ class Verdict:
                 "max_rel_err": max((c.max_rel_err for c in self.chunks), default=None),
                 "max_gap": max(self.gaps, default=None), "ties": self.ties,
                 "per_chunk": [{"start": c.start, "overlap": c.overlap, "max_rel_err": c.max_rel_err,
+                               "mean_rel_err": c.mean_rel_err,
                                "max_gap": max(self.gaps[c.start:c.start + CHUNK], default=None),
                                "ties": sum(self.tied[c.start:c.start + CHUNK])} for c in self.chunks]}
 
@@ -161,7 +164,7 @@ class ClaimReader:
 
 def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str, tolerance: Tolerance,
           grammar: tuple[int, str] | None = None) -> Verdict:
-    """The verdict from the numbers alone: the first chunk under min_overlap, the first token past its tie (or
+    """The verdict from the numbers alone: the first chunk under min_overlap or over max_mean_err, the first token past its tie (or
     for a speculative draw, below the floor), the token where the claim left its grammar (`grammar`: its
     position and why), too many near-ties."""
     plausible_only = sampler == SPECULATIVE_SAMPLER
@@ -169,7 +172,8 @@ def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str,
     bad_tokens = [j for j, g in enumerate(gaps) if not (g <= limit)]
     tied = np.zeros(len(gaps), bool) if plausible_only else (gaps > 0) & (gaps <= limit)
     ties = int(tied.sum())
-    bad_chunks = [c.start for c in chunks if c.overlap < tolerance.min_overlap]
+    bad_chunks = [c.start for c in chunks
+                  if c.overlap < tolerance.min_overlap or c.mean_rel_err > tolerance.max_mean_err]
     # At one position, the grammar's reason before the token's (a forbidden token is also -inf: not the model's).
     failures = sorted([(j, "token") for j in bad_tokens] + [(j, "hidden state") for j in bad_chunks]
                       + ([(grammar[0], "grammar")] if grammar is not None else []))
