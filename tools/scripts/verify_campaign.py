@@ -3,10 +3,11 @@
 Honest: jobs across the engine's paths, made on producer nodes that commit (the fixture gemma4-tiny alone and
 in batches of 16 with mixed lengths and sampling, prefix hits, prefill chunks 64 and 2048; the bundled MTP pair
 and the llama draft pair speculating; logprob jobs; a quarter of them structured output, under a JSON schema's
-grammar, which the verifier replays), each verified on a separate verifier node holding the real weights.
-Expected: 0 false rejections.
+grammar, which the verifier replays; a node group of two split by projections and one split by layers), each
+verified on a separate verifier node holding the real weights. Expected: 0 false rejections.
 
-Cheats, each claimed as the real model's work and verified the same way: other weights (1% noise), the real
+Cheats, each claimed as the real model's work and verified the same way: other weights (1% noise, on gemma4-tiny
+and on llama-tiny, where most values move by less than rel_tol), the real
 weights quantized by mlx-lm to 8 and 4 bits, one layer dropped, another system prompt, the drafter's output
 alone (llama-tiny-draft for llama-tiny), a higher temperature than declared, another seed than declared, and a
 splice (the real model's first k tokens, then another model's, with a commitment the forger computed with the
@@ -14,14 +15,16 @@ real weights over the whole output: the strongest forgery, answered by the token
 in >= 99.9% of its jobs, and where it starts (the first token that is not the real model's, or the first chunk
 whose hidden states are another model's; never before, and past it only by near-ties).
 
-    python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--tokens 48] [--seed 39]
+    python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--group 200] [--tokens 48] [--seed 39]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import random
@@ -29,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -38,9 +43,13 @@ from provider.models import cheat_fixtures, fixtures  # noqa: E402
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
 from provider.verification.commitment import CommitmentBuilder  # noqa: E402
 from provider.verification.verifier import Claim, ClaimReader  # noqa: E402
+from tools.harness.group import start_group  # noqa: E402
 from tools.harness.nodes import make_node  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
+WEIGHT_CHEATS = {"noise_1pct": "g", "quantized_8bit": "g", "quantized_4bit": "g", "layer_dropped": "g",
+                 "noise_1pct_llama": "llama"}  # served instead of the model claimed
+GROUP_SPLITS = {"group_tensor": ("llama-tiny", "auto"), "group_pipeline": ("qwen2-tiny", "pipeline")}
 # Structured output: schemas with a regex, an enum, bounded numbers, an array and an optional field.
 SCHEMAS = [
     {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
@@ -93,6 +102,33 @@ def read(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> ClaimR
         verifier.models.release(model)
 
 
+def group_outcomes(root: Path, path: str, family: str, split: str, rng: random.Random, args):
+    """Honest token-id jobs through a committing group of two's rank 0 (its local API), 8 at a time."""
+    leader, followers = start_group(root / "fx" / family, root / path, 2, "--group-split", split,
+                                    env={"PROVIDER_COMMITMENTS": "on"})
+    jobs = [Job(id=f"{path}{i}", model=family,
+                prompt_ids=tuple(rng.randrange(1, 200) for _ in range(rng.randint(3, 60))),
+                sampling=dataclasses.replace(sampling_for(rng, args.tokens), logprobs=None))
+            for i in range(args.group)]
+
+    def one(job: Job):
+        s = job.sampling
+        body = {"prompt": list(job.prompt_ids), "max_tokens": s.max_tokens, "temperature": s.temperature,
+                "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p} | ({"seed": s.seed} if s.seed is not None else {})
+        r = httpx.post(f"{leader.url}/v1/completions", headers=leader.headers, json=body, timeout=600)
+        r.raise_for_status()
+        p = r.json()["choices"][0]["proof"]
+        return job, p["output_ids"], Proof(base64.b64decode(p["commitment"]), p["sampler"], p["seed"])
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            return list(pool.map(one, jobs))
+    finally:
+        leader.stop()
+        for f in followers:
+            f.stop()
+
+
 def forged(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> Proof:
     """A commitment to `ids` computed with the real weights (what a forger holding them can make for any output)."""
     indices, bits = read(verifier, model, job, ids, proof).entries()
@@ -108,6 +144,7 @@ def main() -> int:
     ap.add_argument("--cheats", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=39)
+    ap.add_argument("--group", type=int, default=200, help="honest jobs per split through a node group of two")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
@@ -118,8 +155,11 @@ def main() -> int:
         bad = {"noise_1pct": cheat_fixtures.noisy(real, root / "noisy", 0.01),
                "quantized_8bit": cheat_fixtures.quantized(real, root / "q8", 8),
                "quantized_4bit": cheat_fixtures.quantized(real, root / "q4", 4),
-               "layer_dropped": cheat_fixtures.layer_dropped(real, root / "dropped", 1)}
-        verifier = make_node({"g": real, "demo": DEMO_TARGET, "llama": llama}, commitments="on",
+               "layer_dropped": cheat_fixtures.layer_dropped(real, root / "dropped", 1),
+               # On llama-tiny most values move by less than rel_tol: the matched points' mean error catches it.
+               "noise_1pct_llama": cheat_fixtures.noisy(llama, root / "noisy-llama", 0.01)}
+        verifier = make_node({"g": real, "demo": DEMO_TARGET, "llama": llama, "llama-tiny": llama,
+                              "qwen2-tiny": root / "fx" / "qwen2-tiny"}, commitments="on",
                              speculation="off", manager_kw={"max_resident": 8})
         producers = {
             "plain_chunk64": (make_node({"g": real}, commitments="on", speculation="off", prefill_step_size=64,
@@ -156,6 +196,12 @@ def main() -> int:
                 if not verdict.passed:
                     report["honest_failures"].append({"path": kind, "job": job.id, **verdict.summary()})
             done += len(batch)
+        for path, (family, split) in GROUP_SPLITS.items():  # a node group of two, each split
+            for job, ids, proof in group_outcomes(root, path, family, split, rng, args):
+                verdict = read(verifier, family, job, ids, proof).verdict()
+                report["honest"][(path, verdict.passed)] += 1
+                if not verdict.passed:
+                    report["honest_failures"].append({"path": path, "job": job.id, **verdict.summary()})
         # Cheats.
         kinds = [*bad, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice"]
         for kind in kinds:
@@ -171,6 +217,8 @@ def main() -> int:
                     at_start += (not ok) and right_place
             report["cheats"][kind] = {"jobs": args.cheats, "caught": caught, "caught_where_it_starts": at_start}
             print(f"{kind}: caught {caught}/{args.cheats}, where it starts {at_start}", flush=True)
+        for node in (verifier, cheat_node, *(n for n, _ in producers.values())):
+            asyncio.run(node.stop())  # before the interpreter exits: a live engine thread aborted it (134)
     honest_total = sum(report["honest"].values())
     false = sum(v for (_, passed), v in report["honest"].items() if not passed)
     print(f"honest: {honest_total} jobs, {false} false rejections; by path: "
@@ -184,9 +232,9 @@ def main() -> int:
 def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple[bool, bool]]:
     """(passed, failed where it starts) for each cheating job, verified as the real model's ("g")."""
     out = []
-    if kind in ("noise_1pct", "quantized_8bit", "quantized_4bit", "layer_dropped"):
+    if kind in WEIGHT_CHEATS:
         for job, ids, end in asyncio.run(produce(node, kind, jobs)):
-            v = read(verifier, "g", job, ids, end.proof).verdict()
+            v = read(verifier, WEIGHT_CHEATS[kind], job, ids, end.proof).verdict()
             out.append((v.passed, v.first_failure == 0))
     elif kind == "system_prompt":  # made with a system message, claimed without it
         made = asyncio.run(produce(node, "g", [dataclasses.replace(j, messages=(SYSTEM, *j.messages)) for j in jobs]))
