@@ -75,6 +75,32 @@ def test_capability_is_read_from_config_and_head_tensors(target, tmp_path):
     assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4  # K and V, 2 heads x 16, fp32
 
 
+def test_the_head_is_booked_once_as_the_drafter_never_inside_the_target(target):
+    """mlx-lm's sanitize drops `mtp.*`: the target's weight estimate (the catalog's size, the load's footprint)
+    is what the loaded target holds, to the byte, and the checkpoint's tensors are that plus the head the
+    drafter's footprint books."""
+    from mlx.utils import tree_flatten
+
+    from provider.memory import estimate
+    from provider.models.checkpoint import open_checkpoint
+
+    config = capability.read_config(target)
+    tensors = open_checkpoint(target).tensors
+    model, _ = load(str(target))
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert estimate.weight_bytes(config, tensors) == held
+    head = load_head(target, model)
+    head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    on_disk = sum(v.nbytes for v in mx.load(str(target / "model.safetensors")).values())
+    assert held + head_bytes == on_disk
+    assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
+        estimate.activation_bytes(config, 512)
+    # DeepSeek-V3 / GLM keep their head as the layers after the last (config num_nextn_predict_layers).
+    deep = {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}
+    names = {f"model.layers.{i}.mlp.w.weight": ("F32", [4]) for i in range(3)}
+    assert estimate.weight_bytes(deep, names) == 2 * 16
+
+
 def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
     n = 24
     ps = prompts(target)
@@ -183,3 +209,53 @@ def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
     assert all(r["p"] >= 1e-3 for r in rows), rows
     biased, _ = _sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
     assert min(r["p"] for r in compare(plain, biased, 6)) < 1e-3  # the test has the power to see a bias
+
+
+def test_auto_measures_the_head_at_load_and_declines_it_with_its_numbers_where_it_does_not_pay(target, tmp_path,
+                                                                                               monkeypatch):
+    """auto with the head: at load the node times its plain steps and the head's rounds (k = 1..4, one row and
+    four) and a first acceptance, on its profiler thread, and each job's decision comes from those numbers. On
+    costs where no k pays, greedy and sampled jobs decode plain with `not_profitable` and the numbers."""
+    from provider import speculation as sp
+    from tests.helpers import until
+
+    async def profiled(node):
+        await node.preload(NAME)
+        await until(lambda: next(m for m in node.status().models if m.id == NAME).speculation, "the head's costs")
+        return next(m for m in node.status().models if m.id == NAME)
+
+    async def measured():
+        node = make_node({NAME: target}, speculation="auto")
+        status = await profiled(node)
+        done = (await collect(node, Job("g", NAME, greedy(6), prompt_ids=tuple(train_prompts()[0]))))[2]
+        await node.stop()
+        return status, done.telemetry.speculation.as_dict()
+
+    status, spec = run(measured())
+    costs = status.speculation
+    assert status.speculation_profile["source"] == "measured"
+    assert costs["plain_token_ms"] > 0 and len(costs["round_ms"]) == 4 and min(costs["round_ms"]) > 0
+    assert costs["rows"] == 4 and costs["plain_rows_ms"] > 0 and len(costs["round_rows_ms"]) == 4
+    assert spec["decision"]["profile"]["source"] == "measured"
+    assert (spec["mode"], spec["reason"]) == (("off", "not_profitable") if spec["decision"]["k"] == 0
+                                              else ("mtp", "ok"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "fresh"))  # not the profile just kept: the given costs
+
+    given = sp.SpecCosts(plain_token_s=0.010, round_s=(0.012, 0.016, 0.020, 0.024), rows=4, plain_rows_s=0.040,
+                         round_rows_s=(0.080, 0.112, 0.144, 0.176))
+
+    async def declined():
+        node = make_node({NAME: target}, speculation="auto")
+        node.models.profiler = lambda lm: sp.SpecProfile(given, {sp.GREEDY: 0.1, sp.SPECULATIVE_SAMPLING: 0.2})
+        await profiled(node)
+        out = []
+        for params in (greedy(8), SamplingParams(max_tokens=8, temperature=0.7)):
+            out.append((await collect(node, Job("j", NAME, params, prompt_ids=tuple(train_prompts()[1]))))[2])
+        await node.stop()
+        return [d.telemetry.speculation.as_dict() for d in out]
+
+    for spec, acceptance in zip(run(declined()), (0.1, 0.2)):
+        assert (spec["mode"], spec["reason"]) == ("off", "not_profitable")
+        spec["decision"].pop("profile")
+        assert spec["decision"] == {"k": 0, "acceptance": acceptance, "expected_speedup": {
+            str(k): round(v, 3) for k, v in sp.speedups(given, acceptance).items()}}
