@@ -37,7 +37,8 @@ def model_infos(st: NodeStatus) -> list[pb.ModelInfo]:
             info.size_bytes = f.size_bytes
             info.capabilities.CopyFrom(pb.Capabilities(
                 family=f.family, quantization=f.quantization or "", context_length=f.context_length,
-                native_mtp_heads=f.native_mtp_heads, vision=f.vision))
+                native_mtp_heads=f.native_mtp_heads, vision=f.vision, mtp_capable=f.mtp_capable,
+                draft_compatible=f.draft_compatible, speculates_with=f.speculates_with))
         out.append(info)
     return out
 

@@ -110,8 +110,13 @@ def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
         "weights_mib": round(fp.weights / MiB, 1), "footprint_mib": round(fp.total / MiB, 1),
         "fits": fp.total <= usable, "mtp_capable": caps.mtp_capable, "draft_compatible": caps.draft_compatible,
         "native_mtp_heads": caps.native_mtp_heads, "drafter": str(drafter) if drafter else None,
+        "speculates_with": caps.speculates_with,
         "speculation_reason": caps.drafter_reason,
     }
+
+
+# What `models list` says a model speculates with (capability.Capabilities.speculates_with).
+SPEC_TAGS = {"own_mtp_head": "  [mtp: own head]", "mtp_assistant": "  [mtp]", "draft_model": "  [draft]"}
 
 
 def cmd_list(settings: Settings, usable: int) -> int:
@@ -124,7 +129,7 @@ def cmd_list(settings: Settings, usable: int) -> int:
         print(f"{r['id'][:32]:32} {r['origin']:10} {str(r.get('family', '-')):12} {str(r.get('quantization') or '-'):10}"
               f" {str(r.get('context', '-')):>7} {str(r.get('weights_mib', '-')) + ' MiB':>9}"
               f" {str(r.get('footprint_mib', '-')) + ' MiB':>10}  {r['status']}"
-              + ("  [mtp]" if r.get("mtp_capable") else "") + ("  [draft]" if r.get("draft_compatible") else ""))
+              + SPEC_TAGS.get(r.get("speculates_with") or "", ""))
     return 0
 
 

@@ -237,7 +237,7 @@ class ModelInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., resident: _Optional[bool] = ..., drafter_sha256: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("family", "quantization", "context_length", "mtp_capable", "draft_compatible", "native_mtp_heads", "vision")
+    __slots__ = ("family", "quantization", "context_length", "mtp_capable", "draft_compatible", "native_mtp_heads", "vision", "speculates_with")
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class Capabilities(_message.Message):
     DRAFT_COMPATIBLE_FIELD_NUMBER: _ClassVar[int]
     NATIVE_MTP_HEADS_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATES_WITH_FIELD_NUMBER: _ClassVar[int]
     family: str
     quantization: str
     context_length: int
@@ -252,7 +253,8 @@ class Capabilities(_message.Message):
     draft_compatible: bool
     native_mtp_heads: bool
     vision: bool
-    def __init__(self, family: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_capable: _Optional[bool] = ..., draft_compatible: _Optional[bool] = ..., native_mtp_heads: _Optional[bool] = ..., vision: _Optional[bool] = ...) -> None: ...
+    speculates_with: str
+    def __init__(self, family: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_capable: _Optional[bool] = ..., draft_compatible: _Optional[bool] = ..., native_mtp_heads: _Optional[bool] = ..., vision: _Optional[bool] = ..., speculates_with: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("session_id", "session_epoch", "heartbeat_interval_ms", "coordinator_version", "protocol_version", "routing_key")

@@ -10,6 +10,7 @@ from ..memory.estimate import text_config
 from .checkpoint import HeaderError, context_length, open_checkpoint, read_config
 
 ASSISTANT_TYPES = {"gemma4_assistant"}
+OWN_HEAD, ASSISTANT, DRAFT_MODEL = "own_mtp_head", "mtp_assistant", "draft_model"  # Capabilities.speculates_with
 GEMMA4_TYPES = {"gemma4", "gemma4_text"}
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
 # Families whose in-checkpoint MTP head the node drafts with (models.qwen3_5_mtp); the rest are detected and reported.
@@ -36,6 +37,8 @@ class Capabilities:
     mtp_capable: bool = False  # Gemma 4 target with a validly paired assistant
     draft_compatible: bool = False  # a configured draft model with an identical vocabulary
     drafter_reason: str = "no_drafter"
+    # What it speculates with, when it can: its own MTP head (OWN_HEAD), a Gemma 4 assistant, or a draft model.
+    speculates_with: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -177,12 +180,14 @@ def with_drafter(caps: Capabilities, target: Path, drafter: Path | None, target_
 
     if drafter is None:
         if caps.native_mtp_heads and native_head_family(target_config):  # its own head drafts (config + tensors)
-            return replace(caps, mtp_capable=True, drafter_reason="ok")
+            return replace(caps, mtp_capable=True, drafter_reason="ok", speculates_with=OWN_HEAD)
         reason = "no_drafter" if caps.family in GEMMA4_TYPES else "not_mtp_capable"
         return replace(caps, drafter_reason=reason)
     dcfg = read_config(drafter)
     if dcfg.get("model_type") in ASSISTANT_TYPES:
         p = pair_assistant(target, drafter, target_config, dcfg)
-        return replace(caps, mtp_capable=p.paired, drafter_reason=p.reason)
+        return replace(caps, mtp_capable=p.paired, drafter_reason=p.reason,
+                       speculates_with=ASSISTANT if p.paired else "")
     p = pair_draft_model(target, drafter, target_config, dcfg)
-    return replace(caps, draft_compatible=p.paired, drafter_reason=p.reason)
+    return replace(caps, draft_compatible=p.paired, drafter_reason=p.reason,
+                   speculates_with=DRAFT_MODEL if p.paired else "")

@@ -102,17 +102,18 @@ class Catalog:
         if stored.path is None:
             return None
         try:
-            return _facts(stored.path, (stored.path / "config.json").stat().st_mtime_ns)
+            return _facts(stored.path, (stored.path / "config.json").stat().st_mtime_ns, self.drafter_path(model_id))
         except Exception:  # a broken checkpoint is listed without facts; a job for it gets the load error
             return None
 
 
 @functools.lru_cache(maxsize=256)
-def _facts(path: Path, mtime_ns: int) -> ModelFacts:
+def _facts(path: Path, mtime_ns: int, drafter: Path | None = None) -> ModelFacts:
     from . import capability
 
     ckpt = open_checkpoint(path)
-    caps = capability.detect(path, ckpt.config)
+    caps = capability.with_drafter(capability.detect(path, ckpt.config), path, drafter, ckpt.config)
     return ModelFacts(size_bytes=estimate.weight_bytes(ckpt.config, ckpt.tensors), family=caps.family,
                       quantization=caps.quantization, context_length=caps.context_length,
-                      native_mtp_heads=caps.native_mtp_heads, vision=caps.vision)
+                      native_mtp_heads=caps.native_mtp_heads, vision=caps.vision, mtp_capable=caps.mtp_capable,
+                      draft_compatible=caps.draft_compatible, speculates_with=caps.speculates_with)
