@@ -259,3 +259,88 @@ def test_auto_measures_the_head_at_load_and_declines_it_with_its_numbers_where_i
         spec["decision"].pop("profile")
         assert spec["decision"] == {"k": 0, "acceptance": acceptance, "expected_speedup": {
             str(k): round(v, 3) for k, v in sp.speedups(given, acceptance).items()}}
+
+
+def test_registration_says_which_models_speculate_and_with_what(fixtures_dir, target, tmp_path):
+    """Registration's capabilities (from the files, before any load): the Qwen3.5 speculates with its own head,
+    the Gemma 4 target with its assistant, the Llama with its draft model, Qwen3 with nothing; `provider models
+    list` says which with its own head."""
+    from coordinator_client.registration import model_infos
+
+    drafters = {"g": fixtures_dir / "gemma4-tiny-assistant", "l": fixtures_dir / "llama-tiny-draft"}
+    node = make_node({NAME: target, "g": fixtures_dir / "gemma4-tiny", "l": fixtures_dir / "llama-tiny",
+                      "q": fixtures_dir / "qwen3-tiny"}, manager_kw={"drafters": drafters})
+    caps = {i.id: i.capabilities for i in model_infos(node.status())}
+    run(node.stop())
+    assert (caps[NAME].mtp_capable, caps[NAME].native_mtp_heads, caps[NAME].speculates_with) == \
+        (True, True, "own_mtp_head")
+    assert (caps["g"].mtp_capable, caps["g"].speculates_with) == (True, "mtp_assistant")
+    assert (caps["l"].draft_compatible, caps["l"].mtp_capable, caps["l"].speculates_with) == \
+        (True, False, "draft_model")
+    assert (caps["q"].mtp_capable, caps["q"].draft_compatible, caps["q"].speculates_with) == (False, False, "")
+
+    import shutil
+    import subprocess
+    import sys
+
+    models = tmp_path / "cache" / "provider" / "models"
+    for name in (NAME, "gemma4-tiny", "gemma4-tiny-assistant", "qwen3-tiny"):
+        shutil.copytree(fixtures_dir / name, models / name)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "XDG_STATE_HOME": str(tmp_path / "state"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    listing = subprocess.run([sys.executable, "-m", "provider", "models", "list"], capture_output=True, text=True,
+                             env=env, timeout=120, check=True)
+    rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+    assert rows[NAME].endswith("[mtp: own head]") and rows["gemma4-tiny"].endswith("[mtp]"), listing.stdout
+    assert "[" not in rows["qwen3-tiny"]
+
+
+def test_grammar_rows_and_logprob_jobs_with_the_head_equal_plain_decoding_together(target):
+    """Two rows under JSON schemas (drafts proposed under the grammar's masks), one asking logprobs and one free,
+    speculating together with the head: each emits the tokens of its plain run alone, the constrained ones
+    validate, and the logprobs reported are the target's own, as plain decoding reports them."""
+    import json
+
+    import jsonschema
+
+    from provider.constraints import OutputRules, ResponseFormat
+    from provider.jobs import Tokens
+
+    schemas = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                 "kind": {"enum": ["capital", "town", "village"]}},
+                "required": ["name", "kind"]},
+               {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                 "ok": {"type": "boolean"}}, "required": ["n", "ok"]}]
+    messages = ({"role": "user", "content": "Describe a place as JSON."},)
+    ps = prompts(target)
+
+    def jobs(tag: str, speculation: str) -> list[Job]:
+        return [*(Job(f"{tag}s{i}", NAME, greedy(48), messages=messages, speculation=speculation,
+                      rules=OutputRules(ResponseFormat("json_schema", s, "x"))) for i, s in enumerate(schemas)),
+                Job(f"{tag}l", NAME, greedy(24, logprobs=2), prompt_ids=tuple(ps[0]), speculation=speculation),
+                Job(f"{tag}f", NAME, greedy(24), prompt_ids=tuple(ps[5]), speculation=speculation)]
+
+    async def main():
+        node = make_node({NAME: target}, max_concurrent_jobs=4, speculation_k=3)
+        plain = [await collect(node, j) for j in jobs("off", "off")]
+        together = await asyncio.gather(*(collect(node, j) for j in jobs("on", "on")))
+        await node.stop()
+        return plain, together
+
+    plain, together = run(main())
+    for i, ((ids, text, done, events), (want, _, _, plain_events)) in enumerate(zip(together, plain)):
+        spec = done.telemetry.speculation
+        assert (spec.mode.value, spec.reason) == ("mtp", "ok") and spec.rounds > 0, (i, spec)
+        assert ids == want, f"job {i}: speculation changed the output"
+        if i < 2:
+            jsonschema.validate(json.loads(text), schemas[i])
+            assert done.telemetry.constraint == "json_schema"
+        if i == 2:
+            got = [lp for e in events if isinstance(e, Tokens) for lp in e.logprobs]
+            ref = [lp for e in plain_events if isinstance(e, Tokens) for lp in e.logprobs]
+            assert len(got) == len(ref) == 24
+            for a, b in zip(got, ref):
+                assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t[0] for t in a.top] == [t[0] for t in b.top]
+    assert together[0][2].telemetry.speculation.mean_batch > 1.5  # the rows verified together
+    assert sum(r[2].telemetry.speculation.accepted for r in together[:2]) > 0  # drafts under the grammar accepted

@@ -14,6 +14,10 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32
 DROPPED = re.compile(r"(vision_tower|audio_tower|multi_modal_projector|embed_vision|embed_audio|rotary_emb)")
 VISION = re.compile(r"(vision_tower|embed_vision)\.")
 SHARED_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
+# A native MTP head: dropped with the target by mlx-lm's sanitize (Qwen3.5 / Qwen3-Next `mtp.*`; DeepSeek-V3 / GLM
+# store it as the layers after the last), so never the target's bytes; booked as the drafter's when it is loaded.
+MTP = re.compile(r"(^|\.)mtp[._]")
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def text_config(config: dict) -> dict:
@@ -30,11 +34,21 @@ def weight_bytes(config: dict, tensors: dict, with_vision: bool = False) -> int:
     for name, (dtype, shape) in tensors.items():
         if DROPPED.search(name) and not (with_vision and VISION.search(name) and "rotary_emb" not in name):
             continue
+        if is_mtp_head(name, tc):
+            continue
         m = SHARED_KV.search(name)
         if m and tc.get("num_kv_shared_layers") and int(m.group(1)) >= first_shared:
             continue
         total += DTYPE_BYTES.get(dtype, 4) * math.prod(shape)
     return total
+
+
+def is_mtp_head(name: str, tc: dict) -> bool:
+    """A tensor of the checkpoint's own MTP head (which the target, as mlx-lm loads it, does not hold)."""
+    if MTP.search(name):
+        return True
+    layer = LAYER_INDEX.match(name)
+    return bool(layer and tc.get("num_nextn_predict_layers") and int(layer.group(1)) >= tc.get("num_hidden_layers", 0))
 
 
 LAYER = re.compile(r"\.layers\.\d+\.")
