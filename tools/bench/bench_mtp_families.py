@@ -40,16 +40,23 @@ NAME = "mtp-bench"
 TEXT = "The provider node serves language models to a network of clients. It loads a model when a job needs it. "
 
 
-def prompts(path: Path, n: int) -> list[list[int]]:
-    """n prompts: half the head's training prompts, half held-out text of 6 to 40 tokens."""
+def prompts(path: Path, n: int, tokens: int) -> list[list[int]]:
+    """n prompts: half the head's training prompts, half held-out text of 6 to 60 tokens; only prompts whose
+    plain greedy continuation has no end-of-sequence token within `tokens` (the node stops there, mlx-vlm's
+    generate_step does not, so the two would deliver different counts)."""
     from mlx_lm import load
 
     from provider.models.fixtures_mtp import train_prompts
 
     _, tok = load(str(path))
-    text = tok.encode(TEXT * 4)
-    held = [text[7 * i:7 * i + 6 + 5 * i] for i in range(n - n // 2)]
-    return train_prompts()[:n // 2] + held
+    text = tok.encode(TEXT * 8)
+    eos = set(tok.eos_token_ids)
+    candidates = train_prompts()
+    clean = [p for p, out in zip(candidates, plain(path, candidates, tokens)) if not eos & set(out)][:n // 2]
+    held = [text[7 * i:7 * i + 6 + 3 * i] for i in range(3 * n)]
+    clean += [p for p, out in zip(held, plain(path, held, tokens)) if not eos & set(out)][:n - len(clean)]
+    assert len(clean) == n, f"only {len(clean)} of {len(candidates) + len(held)} prompts run {tokens} tokens clean"
+    return clean
 
 
 def plain(path: Path, ps: list[list[int]], n: int) -> list[list[int]]:
@@ -131,7 +138,7 @@ def main() -> int:
 
             path = Path(tmp) / "qwen3_5-mtp-tiny"
             make_qwen3_5_mtp_tiny(path)
-        ps = prompts(path, args.prompts)
+        ps = prompts(path, args.prompts, args.tokens)
         truth = plain(path, ps, args.tokens)
         print(f"{path.name}: {len(ps)} prompts, {args.tokens} tokens each, greedy; tokens per target forward")
         print(f"{'k':>2} {'node':>6} {'mlx-vlm':>8} {'ratio':>6} {'node tok/s':>10} {'vlm tok/s':>9}  greedy = plain")
