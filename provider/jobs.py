@@ -203,8 +203,6 @@ class Job:
         check_media(self.images, self.videos, placeholders)
         if self.verify is not None and not isinstance(self.verify, Claim):
             raise _invalid("verify", "must be a claim")
-        if self.verify is not None and (self.images or self.videos):
-            raise _invalid("verify", "claims about prompts with images or video are not verified here yet")
         if not isinstance(self.rules, OutputRules):
             raise _invalid("response_format", "must be the job's output rules")
         if not isinstance(self.speculation, str) or self.speculation not in {p.value for p in Policy}:

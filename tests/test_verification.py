@@ -274,7 +274,7 @@ def test_a_verify_job_is_booked_cancelled_and_ended_once_like_any_job(fixtures_d
     node = make_node({"m": fixtures_dir / "gemma4-tiny"}, commitments="on", speculation="off")
     held = []
     real_step = VerifyReads.step
-    monkeypatch.setattr(VerifyReads, "step", lambda self, budget: [] if held else real_step(self, budget))
+    monkeypatch.setattr(VerifyReads, "step", lambda self, budget, **kw: [] if held else real_step(self, budget, **kw))
 
     async def main():
         ids, proof = await generate(node, "m", PROMPTS[3], GREEDY, "made")

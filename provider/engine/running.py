@@ -118,7 +118,7 @@ class Running:
         plain_rows = (plain.rows() if plain else []) + self._media.rows(model_id) + self._verifying.rows(model_id)
         layout = _layout(plain_rows, lambda r: r.output.t_first is None)
         layout.copying = plain.copying if plain else 0
-        reads = self._media.rows(model_id)
+        reads = self._media.rows(model_id) + self._verifying.rows(model_id)  # a claim's images are read alike
         layout.media = sum(r.held_bytes for r in reads)
         layout.vision = max((r.scratch_bytes for r in reads), default=0)
         return layout, _layout(spec.rows() if spec else [], lambda r: r.spec.reading)
@@ -164,9 +164,9 @@ class Running:
                            spec_choice=plan.choice,
                            tool_format=tool_format)
         if job.verify is not None:
-            self._verifying.add(lm, output, sink, prompt, grammar)  # the job's grammar, compiled as for generating
+            self._verifying.add(lm, output, sink, prompt, grammar, vision)  # its grammar and media, as for generating
             return
-        if self._commit and lm.hidden_tap is not None and vision is None:  # media: the verifier reads no images yet
+        if self._commit and lm.hidden_tap is not None:
             output.commitment = CommitmentBuilder(lm.hidden_tap.hidden_size)
         if grammar is not None:
             output.grammar = RowGrammar.of(grammar, lm.logits_width, output.end_ids)
@@ -232,7 +232,8 @@ class Running:
                 self.cancel(read.output.job.id)  # whatever part of it a batch took
                 out.append(([_failed(read.output.job.id, e)], read.sink))
         out += self._faulted(self._media)
-        out += [(events, read.sink) for read, events in self._verifying.step(self._step_tokens)]
+        out += [(events, read.sink) for read, events in self._verifying.step(
+            self._step_tokens, idle=not (self._batches or self._speculating or len(self._media)))]
         out += self._faulted(self._verifying)
         for model_id, batch in list(self._batches.items()):
             out += self._step_batch(model_id, batch)

@@ -1,18 +1,28 @@
 """Verify jobs beside the batches: each reads its claim (prompt + the claimed output) through the model a chunk
 per pass (provider.verification.verifier.ClaimReader, by the one prompt reader), oldest first, and ends with
 its verdict. Memory sees one as a plain row reading a scored prompt (running.Layout: its KV to the claim's
-end, the scoring scratch a chunk's logits take)."""
+end, the scoring scratch a chunk's logits take).
+
+A claim whose request has images or video reads its prompt as the job that made it did: by the engine's own
+vision prefill (vision_prefill.MediaRead: the same media, prepared again from the request within the same
+bounds, each through the checkpoint's tower, the prompt's embeddings with their features in place), a piece a
+pass; then the claim's reader goes on from the prompt's last token, where the producer's first decode began.
+Until then it holds, and is booked for, what a generating job's media read holds (`held_bytes`,
+`scratch_bytes`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 
 from ..jobs import Event, Sink
+from ..media_plan import MediaPlan
 from ..verdicts import ChunkVerdict, VerdictSummary
 from ..models.loader import LoadedModel
 from ..types import FinishReason
 from ..verification.verifier import Claim, ClaimReader
 from .output import JobOutput
+from .vision_prefill import PIXELS_WAIT_S, MediaRead
 
 
 @dataclass
@@ -21,7 +31,21 @@ class VerifyRead:
     output: JobOutput
     sink: Sink
     scorer: ClaimReader  # named as a scored prompt's reader: what memory books for it is the same
+    media: MediaRead | None = None  # its prompt with images, read first into the scorer's caches; None once read
     fault: BaseException | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        return self.media.held_bytes if self.media is not None else 0
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.media.scratch_bytes if self.media is not None else 0
+
+    def close(self) -> None:
+        if self.media is not None:
+            self.media.close()
+            self.media = None
 
 
 class VerifyReads:
@@ -37,24 +61,43 @@ class VerifyReads:
     def rows(self, model_id: str | None = None) -> list[VerifyRead]:
         return [r for r in self._reads.values() if model_id is None or r.lm.id == model_id]
 
-    def add(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], grammar=None) -> None:
-        """`grammar`: the job's output rules compiled as for generating it (prompts.CompiledGrammar), or None."""
+    def add(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], grammar=None,
+            vision: MediaPlan | None = None) -> None:
+        """`grammar`: the job's output rules compiled as for generating it (prompts.CompiledGrammar), or None;
+        `vision`: the request's images or video, planned as for generating it (prompts.Prepared.vision), or None."""
         job = output.job
         claim = Claim(tuple(prompt), job.verify.output, job.sampling, job.verify.proof)
-        self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim, grammar))
+        if vision is None:
+            self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim, grammar))
+            return
+        # Raises, typed, for a model whose tower is not loaded, before anything is prepared.
+        media = MediaRead(lm, output, sink, prompt, vision, None, 0, joining={})
+        scorer = ClaimReader(lm, claim, grammar, cache=media.cache, read=len(prompt) - 1)
+        self._reads[job.id] = VerifyRead(lm, output, sink, scorer, media)
 
-    def step(self, budget: int) -> list[tuple[VerifyRead, list[Event]]]:
-        """One chunk of the oldest read; its verdict once it is whole."""
+    def step(self, budget: int, idle: bool = False) -> list[tuple[VerifyRead, list[Event]]]:
+        """One piece of the oldest read (an image through the tower, a chunk of its prompt or of its claim); its
+        verdict once it is whole. `idle`: nothing else runs this pass, so pixels still being prepared are waited
+        for a moment rather than the engine spinning."""
         read = next(iter(self._reads.values()), None)
         if read is None:
             return []
         try:
+            if read.media is not None:
+                waiting = read.media.waiting
+                if waiting is not None and idle:
+                    concurrent.futures.wait([waiting], timeout=PIXELS_WAIT_S)
+                read.media.advance(budget)
+                if read.media.done:
+                    read.media = None  # its embeddings go; its caches are the scorer's
+                return []
             read.scorer.step(budget)
             if not read.scorer.done:
                 return []
             verdict = read.scorer.verdict().summary()
-        except Exception as e:  # this claim's read fails its own job
+        except Exception as e:  # this claim's read (its images included) fails its own job
             read.fault = e
+            read.close()
             return []
         del self._reads[read.output.job.id]
         chunks = tuple(ChunkVerdict(**c) for c in verdict["per_chunk"])
@@ -68,9 +111,14 @@ class VerifyReads:
         return [(r, r.fault) for r in bad]
 
     def cancel(self, job_id: str) -> VerifyRead | None:
-        return self._reads.pop(job_id, None)
+        read = self._reads.pop(job_id, None)
+        if read is not None:
+            read.close()
+        return read
 
     def close(self) -> list[VerifyRead]:
         out = list(self._reads.values())
+        for read in out:
+            read.close()
         self._reads.clear()
         return out

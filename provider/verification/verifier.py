@@ -86,9 +86,11 @@ class Verdict:
 class ClaimReader:
     """Reads a claim's prompt + output (all but the last output token) through `lm`'s model, a chunk a step.
     `grammar`: the job's output rules compiled for this model (prompts.CompiledGrammar, from the job itself,
-    never from the claim), when generating it would have masked its tokens."""
+    never from the claim), when generating it would have masked its tokens. `cache` and `read`: caches already
+    holding the first `read` prompt tokens (a prompt with images, read by the engine's vision prefill as the
+    producer's was), at most all but the prompt's last: every output position is read here."""
 
-    def __init__(self, lm, claim: Claim, grammar=None):
+    def __init__(self, lm, claim: Claim, grammar=None, *, cache: list | None = None, read: int = 0):
         self.lm, self.claim = lm, claim
         self._grammar = None if grammar is None else \
             GrammarReplay(RowGrammar.of(grammar, lm.logits_width, end_ids(lm.tokenizer, claim.sampling)))
@@ -96,7 +98,10 @@ class ClaimReader:
         self._sequence = list(claim.prompt) + list(claim.output)
         self._first = len(claim.prompt) - 1  # the position whose forward gives output token 0
         most = max(1, SCORE_SCRATCH_BYTES // max(1, lm.logits_width * SCORE_BYTES_PER_LOGIT))
-        self.reader = PromptReader(self._sequence, caches_for(lm), self._forward, most=most)
+        if not 0 <= read <= max(0, self._first):
+            raise ValueError(f"{read} tokens read past the claim's first output position")
+        self.reader = PromptReader(self._sequence, caches_for(lm) if cache is None else cache, self._forward,
+                                   read=read, most=most)
         self._indices: list[np.ndarray] = []
         self._bits: list[np.ndarray] = []
         self._gaps: list[np.ndarray] = []
