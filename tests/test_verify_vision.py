@@ -42,7 +42,7 @@ def vlm(tmp_path_factory) -> Path:
 def _job(job_id: str, messages: list[dict], files: list[bytes], sampling: SamplingParams, model: str = "vlm",
          speculation: str = "off", **kw) -> Job:
     parts = [{**m, "content": [dict(IMAGE_PART) if p == {"type": "image"} else p for p in m["content"]]}
-             for m in messages]
+             if isinstance(m["content"], list) else m for m in messages]
     return Job(id=job_id, model=model, sampling=sampling, messages=tuple(parts),
                images=tuple(ImageInput(f) for f in files), speculation=speculation, **kw)
 
@@ -56,8 +56,11 @@ def _video_job(job_id: str, sampling: SamplingParams) -> Job:
                videos=(VideoInput(tuple(_encoded(f) for f in _frames(3)), 2.0),))
 
 
-async def _produce(node, jobs: list[Job]) -> list[tuple[list[int], Proof]]:
+async def _produce(node, jobs: list[Job], ends: list | None = None) -> list[tuple[list[int], Proof]]:
+    """Each job's (ids, proof), made together; `ends` takes their Done events."""
     outs = await asyncio.gather(*(collect(node, j) for j in jobs))  # batched together, as a node serves them
+    if ends is not None:
+        ends += [end for _, _, end, _ in outs]
     for job, (ids, _, end, _) in zip(jobs, outs):
         assert isinstance(end, Done), (job.id, end)
         assert end.proof is not None and end.proof.commitment is not None, (job.id, "no proof for an image job")
@@ -82,28 +85,36 @@ def test_honest_image_jobs_pass_a_verify_job_on_another_node(vlm):
             _job("two-greedy", TWO, [a, b], GREEDY), _job("two-seeded", TWO, [b, c], SEEDED),
             _job("one-mtp", ONE, [b], GREEDY, speculation="on"),  # MTP after the image prefill
             _job("two-mtp-seeded", TWO, [c, a], SEEDED, speculation="on"),  # coupled draws: still replayable
-            _video_job("video-seeded", SEEDED)]  # a video's frames are read by the same prefill
+            _video_job("video-seeded", SEEDED),  # a video's frames are read by the same prefill
+            Job(id="text", model="vlm", sampling=SEEDED, speculation="off",  # a text row beside the image rows
+                messages=({"role": "user", "content": "Tell me about caches."},))]
+    # Then one at a time, a system prompt before the image: the second job reads it from the prefix cache.
+    system = {"role": "system", "content": "You describe pictures for a catalogue, briefly and plainly. " * 3}
+    hits = [_job("system-a", [system, *ONE], [a], GREEDY), _job("system-b", [system, *TWO], [c, b], SEEDED)]
 
     async def main():
         producer = make_node({"vlm": vlm / "gemma4-vlm"}, commitments="on", speculation_k=3,
                              max_concurrent_jobs=8, manager_kw={"drafters": {"vlm": vlm / "gemma4-vlm-assistant"}})
         verifier = make_node({"vlm": vlm / "gemma4-vlm"}, speculation="off", prefill_step_size=16)
         try:
-            claims = await _produce(producer, jobs)
-            verdicts = [await _verify(verifier, job, ids, proof) for job, (ids, proof) in zip(jobs, claims)]
+            claims, ends = await _produce(producer, jobs), []
+            for job in hits:
+                claims += await _produce(producer, [job], ends)
+            assert ends[-1].usage.cached_prompt_tokens > 0  # the system prompt's KV, reused
+            verdicts = [await _verify(verifier, job, ids, proof) for job, (ids, proof) in zip(jobs + hits, claims)]
             return claims, verdicts
         finally:
             await producer.stop()
             await verifier.stop()
 
     claims, verdicts = run(main())
-    for job, (ids, proof), end in zip(jobs, claims, verdicts):
+    for job, (ids, proof), end in zip(jobs + hits, claims, verdicts):
         print(job.id, len(ids), end.verdict)  # the margins (docs/verification.md)
         assert proof.sampler == ("greedy" if job.sampling.greedy else "replayable"), job.id
         assert isinstance(end, Done) and end.verdict is not None, (job.id, end)
         assert end.verdict.passed, (job.id, end.verdict)
         assert end.verdict.tokens == len(ids) and end.verdict.min_overlap == 1.0, (job.id, end.verdict)
-    assert len({tuple(ids) for ids, _ in claims}) == len(jobs)  # the images matter: every output differs
+    assert len({tuple(ids) for ids, _ in claims}) == len(claims)  # the images matter: every output differs
 
 
 def test_the_same_output_claimed_for_another_image_or_made_by_other_weights_fails_at_token_0(vlm):
