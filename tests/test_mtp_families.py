@@ -344,3 +344,25 @@ def test_grammar_rows_and_logprob_jobs_with_the_head_equal_plain_decoding_togeth
                 assert [t[0] for t in a.top] == [t[0] for t in b.top]
     assert together[0][2].telemetry.speculation.mean_batch > 1.5  # the rows verified together
     assert sum(r[2].telemetry.speculation.accepted for r in together[:2]) > 0  # drafts under the grammar accepted
+
+
+def test_a_finished_row_and_its_caches_are_not_held_by_the_head(target):
+    """A job's row (its target caches and the head's) is freed when the job ends: the drafter keeps no reference
+    to the last round's rows, or their memory outlived the ledger's booking until the next round (seen by
+    tools/bench/memory_ledger.py's phase m as MLX memory at idle past the ledger)."""
+    import gc
+    import weakref
+
+    model, _ = load(str(target))
+    install(model)
+    spec = Speculator(model, HeadDrafter(load_head(target, model), Target(model)))
+    row = spec.new_row(train_prompts()[0], stats=SpecTelemetry("mtp", k=3))
+    while not spec.read(row, 2048):
+        pass
+    spec.begin([row])
+    spec.round([row])
+    spec.round([row])
+    gone = weakref.ref(row)
+    del row
+    gc.collect()
+    assert gone() is None

@@ -128,7 +128,9 @@ class HeadDrafter:
         lm = target.lm
         self.embed = lm.model.embed_tokens
         self.lm_head = getattr(lm, "lm_head", None) or self.embed.as_linear
-        self._round: list[SpecRow] = []
+        # Each row's index in the current round's verify, by identity: the rows themselves are not held, or the
+        # last round's rows (their caches, the target's and the head's) outlived their jobs until the next round.
+        self._index: dict[int, int] = {}
 
     def begin(self, row: SpecRow) -> None:
         row.draft = {"cache": self.head.make_cache(), "pending": [], "carry": None, "unseen": row.read}
@@ -156,7 +158,7 @@ class HeadDrafter:
         d["carry"] = None
 
     def propose(self, rows: list[SpecRow], k: int, caches: list) -> tuple[mx.array, list[list]]:
-        self._round = rows
+        self._index = {id(r): i for i, r in enumerate(rows)}
         widths = [len(r.draft["pending"]) for r in rows]
         width = max(widths)
         cache = merged([r.draft["cache"] for r in rows])
@@ -186,7 +188,7 @@ class HeadDrafter:
         # The verify's final-norm hidden states [rows, k + 1, H] are the tap's latest: the round runs no other
         # forward of the target between its verify and this.
         verified = self.target.tap.last
-        i = next(j for j, r in enumerate(self._round) if r is row)
+        i = self._index[id(row)]
         rollback(row.draft["cache"], k - 1)  # the head's own draft pairs
         tokens = [*drafts[:n], bonus]
         row.draft["pending"] = [(t, verified[i:i + 1, j:j + 1]) for j, t in enumerate(tokens)]
