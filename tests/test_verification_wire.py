@@ -21,9 +21,11 @@ def _job(job_id: str, i: int) -> pb.JobRequest:
                          chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=f"Tell me {i} things")]))
 
 
-def test_the_reference_coordinator_verifies_jobs_on_a_third_node_and_tallies_the_cheat(fixtures_dir, tmp_path):
-    real = fixtures_dir / "gemma4-tiny"
-    noisy = cheat_fixtures.noisy(real, tmp_path / "noisy", 0.01)
+def spot_checked(tmp_path, model: str, real, noisy, request, per_node: int) -> ReferenceCoordinator:
+    """An honest node, a cheat (`noisy` under the honest weights' name and hash) and a verifier, all committing,
+    under a reference coordinator that verifies every job on the third: `per_node` jobs to each of the first two
+    (the last sealed), run until every verdict is in. Asserts the tallies: the honest passed, the cheat failed
+    at token 0."""
     ids = {name: Identity.load_or_create(tmp_path / name).node_id for name in ("honest", "cheat", "verifier")}
 
     async def main():
@@ -34,28 +36,35 @@ def test_the_reference_coordinator_verifies_jobs_on_a_third_node_and_tallies_the
             nodes = {}
             for name, path in (("honest", real), ("cheat", noisy), ("verifier", real)):
                 _, nodes[name], _ = await stack.enter_async_context(
-                    harness({"m": path}, tmp_path / name, coordinator=coord, commitments="on"))
+                    harness({model: path}, tmp_path / name, coordinator=coord, commitments="on"))
             await until(lambda: len(coord.sessions) == 3, "three sessions")
-            await nodes["honest"].preload("m")
-            await nodes["cheat"].preload("m")
+            await nodes["honest"].preload(model)
+            await nodes["cheat"].preload(model)
             nodes["cheat"].model_hash = nodes["honest"].model_hash  # its wrong claim: the honest weights' hash
             sent = []
             for name in ("honest", "cheat"):
-                session = coord.sessions[ids[name]]
-                for i in range(4):
+                for i in range(per_node):
                     job_id = f"{name}-{i}"
-                    (coord.dispatch_sealed if i == 3 else coord.dispatch)(session, _job(job_id, i))
+                    (coord.dispatch_sealed if i == per_node - 1 else coord.dispatch)(coord.sessions[ids[name]],
+                                                                                      request(job_id, i))
                     sent.append(job_id)
             for job_id in sent:
-                assert (await coord.outcome(job_id)).WhichOneof("frame") == "job_done"
+                assert (await coord.outcome(job_id)).WhichOneof("frame") == "job_done", job_id
             await until(lambda: not coord.spot_checks.pending and sum(
                 t.checked + t.errors for t in coord.spot_checks.tally.values()) == len(sent), "every verdict", 300)
             return coord
+
     coord = run(main())
     honest, cheat = coord.spot_checks.tally[ids["honest"]], coord.spot_checks.tally[ids["cheat"]]
-    assert (honest.checked, honest.passed, honest.failed, honest.errors) == (4, 4, 0, 0), honest
-    assert (cheat.checked, cheat.failed, cheat.errors) == (4, 4, 0), cheat
+    assert (honest.checked, honest.passed, honest.failed, honest.errors) == (per_node, per_node, 0, 0), honest
+    assert (cheat.checked, cheat.failed, cheat.errors) == (per_node, per_node, 0), cheat
     assert all(f["first_failure"] == 0 for f in cheat.failures), cheat.failures
+    return coord
+
+
+def test_the_reference_coordinator_verifies_jobs_on_a_third_node_and_tallies_the_cheat(fixtures_dir, tmp_path):
+    real = fixtures_dir / "gemma4-tiny"
+    coord = spot_checked(tmp_path, "m", real, cheat_fixtures.noisy(real, tmp_path / "noisy", 0.01), _job, 4)
     assert not coord.bad_results
     # The verdicts came signed by the verifier, as every result.
     verdicts = [coord.outcomes[j][0].job_done for j in coord.outcomes if j.startswith("verify-")]

@@ -221,15 +221,9 @@ def test_the_reference_coordinator_spot_checks_image_jobs_on_a_third_node_and_ta
     """Through the real wire: image jobs (plain and sealed) from an honest node and from one serving the VLM's
     weights 1% off under its name and hash, each checked by a verify job (the original request, its image bytes
     included) on a third node. The honest node's pass, the cheat's fail at token 0."""
-    import contextlib
-
-    from coordinator_client.identity import Identity
     from coordinator_client.pb import provider_pb2 as pb
-    from coordinator_client.reference_coordinator import ReferenceCoordinator
-    from tests.helpers import until
-    from tools.harness.nodes import harness
+    from tests.test_verification_wire import spot_checked
 
-    ids = {name: Identity.load_or_create(tmp_path / name).node_id for name in ("honest", "cheat", "verifier")}
     files = [image(64, 64, 9)[0], image(120, 80, 10)[0]]
 
     def request(job_id: str, i: int) -> pb.JobRequest:
@@ -240,33 +234,4 @@ def test_the_reference_coordinator_spot_checks_image_jobs_on_a_third_node_and_ta
                              speculation=pb.SPECULATION_POLICY_OFF,
                              chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", parts=parts)]))
 
-    async def main():
-        coord = ReferenceCoordinator(heartbeat_interval_ms=200, verify_fraction=1.0, verify_seed=0)
-        await coord.start()
-        coord.spot_checks.verifiers = {ids["verifier"]}
-        async with contextlib.AsyncExitStack() as stack:
-            nodes = {}
-            for name, path in (("honest", "gemma4-vlm"), ("cheat", "noisy-vlm"), ("verifier", "gemma4-vlm")):
-                _, nodes[name], _ = await stack.enter_async_context(
-                    harness({"vlm": vlm / path}, tmp_path / name, coordinator=coord, commitments="on"))
-            await until(lambda: len(coord.sessions) == 3, "three sessions")
-            await nodes["honest"].preload("vlm")
-            await nodes["cheat"].preload("vlm")
-            nodes["cheat"].model_hash = nodes["honest"].model_hash  # its wrong claim: the honest weights' hash
-            sent = []
-            for name in ("honest", "cheat"):
-                for i in range(3):
-                    job_id = f"{name}-{i}"
-                    (coord.dispatch_sealed if i == 2 else coord.dispatch)(coord.sessions[ids[name]], request(job_id, i))
-                    sent.append(job_id)
-            for job_id in sent:
-                assert (await coord.outcome(job_id)).WhichOneof("frame") == "job_done", job_id
-            await until(lambda: not coord.spot_checks.pending and sum(
-                t.checked + t.errors for t in coord.spot_checks.tally.values()) == len(sent), "every verdict", 300)
-            return coord
-
-    coord = run(main())
-    honest, cheat = coord.spot_checks.tally[ids["honest"]], coord.spot_checks.tally[ids["cheat"]]
-    assert (honest.checked, honest.passed, honest.failed, honest.errors) == (3, 3, 0, 0), honest
-    assert (cheat.checked, cheat.failed, cheat.errors) == (3, 3, 0), cheat
-    assert all(f["first_failure"] == 0 for f in cheat.failures), cheat.failures
+    spot_checked(tmp_path, "vlm", vlm / "gemma4-vlm", vlm / "noisy-vlm", request, 3)
