@@ -23,7 +23,7 @@ _CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "mode
             ".k_norm.weight")
 
 
-def qwen3_5_config(ids: dict[str, int], vocab: int = 384, hidden: int = 64) -> dict:
+def qwen3_5_config(ids: dict[str, int], vocab: int = 384, hidden: int = 64, **sizes) -> dict:
     text = {"model_type": "qwen3_5_text", "hidden_size": hidden, "intermediate_size": 128, "num_hidden_layers": 4,
             "full_attention_interval": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
@@ -32,18 +32,20 @@ def qwen3_5_config(ids: dict[str, int], vocab: int = 384, hidden: int = 64) -> d
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                 "mrope_section": [2, 1, 1]},
             "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "eos_token_id": ids["<|im_end|>"]}
+    text |= sizes
     return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
             "tie_word_embeddings": False, "eos_token_id": ids["<|im_end|>"]}
 
 
-def make_qwen3_5_mtp_tiny(out: Path, seed: int = 11, train: bool = True) -> None:
+def make_qwen3_5_mtp_tiny(out: Path, seed: int = 11, train: bool = True, **sizes) -> None:
+    """The fixture; `sizes` override its text config (tools/bench/memory_ledger.py builds a heavier one)."""
     from mlx_lm.models import qwen3_5
 
     from .qwen3_5_mtp import Qwen35MTPHead
 
     out.mkdir(parents=True, exist_ok=True)
     ids = build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
-    config = qwen3_5_config(ids)
+    config = qwen3_5_config(ids, **sizes)
     mx.random.seed(seed)
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
     head = Qwen35MTPHead(model.language_model.args, 1)

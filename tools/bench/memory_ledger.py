@@ -30,6 +30,16 @@ its heads are 32 wide), the ledger booking each row at the quantized size:
 - q: quantized KV: phase a's 8 ~800-token prompts at once, and phase b's 15 short decoding with a ~1,500-token
   prompt joining them (rows joining and leaving a quantized batch, its prefix cache keeping quantized rows).
 
+then, on a fifth node serving a hybrid Qwen3.5 (Gated DeltaNet and full attention, fp32) that carries its own MTP
+head, with speculation on (k = 3), the ledger booking the head's weights and activations beside the target and each
+row's head K/V:
+
+- m: speculating with the target's own head: 8 ~200-token prompts at once, then 8 short decoding with a
+  ~600-token prompt joining them (every job drafted and verified in the speculating batch); it prints the
+  node's drafted, accepted and target forward counters to show the rounds ran. `--m-speculation off` runs the
+  same phase plain, to tell the head's part from the hybrid target's. (MLX's CPU build steps the Gated DeltaNet
+  one position at a time: this model reads ~10 prompt tokens a second here, so the phase is kept small.)
+
 For each phase it prints the sample with the most MLX memory active (`memory.mlx_active_bytes`) beside the ledger
 at that sample (`memory.reserved_bytes` = models + jobs' KV + prefix caches, with its parts), the same at idle,
 and a verdict for the target: active <= ledger x 1.10 + 16 MiB at every sample. Images are decoded and prepared
@@ -39,7 +49,7 @@ after a warm-up image) stays within ledger x 1.10 + 64 MiB at every sample. End-
 biased away (logit_bias -100) so every job runs to its max_tokens (not in phase e: neither agent API takes a
 logit_bias). Phase e is judged as a-c. The exit code is 0 whatever the verdict.
 
-    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcdeq]
+    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcdeqm] [--m-speculation on|off]
 """
 
 from __future__ import annotations
@@ -101,7 +111,8 @@ class Sampler(threading.Thread):
                     h = c.get(self.srv.url + "/health").json()
                     rss = max(rss, self.proc.memory_info().rss)
                     self.samples.append({"t": t, "phase": self.label, "memory": h.get("memory", {}), "rss": rss,
-                                         "busy": h.get("active_jobs", 0) + h.get("queued_jobs", 0)})
+                                         "busy": h.get("active_jobs", 0) + h.get("queued_jobs", 0),
+                                         "counters": h.get("counters", {})})
                 except (httpx.HTTPError, ValueError, psutil.Error):
                     pass
                 self.stopping.wait(max(0.0, 0.05 - (time.perf_counter() - t)))
@@ -315,6 +326,18 @@ def phase_q(load: Load, rng: random.Random) -> None:
     phase_b(load, rng)
 
 
+def phase_m(load: Load, rng: random.Random) -> None:
+    for _ in range(8):
+        load.start(load.prompt(200, rng), 32)
+    load.join(time.monotonic() + PHASE_TIMEOUT)
+    firsts = [threading.Event() for _ in range(8)]
+    for ev in firsts:
+        load.start(load.prompt(rng.randint(16, 48), rng), 64, first=ev)
+    for ev in firsts:
+        ev.wait(120)
+    load.start(load.prompt(600, rng), 16)
+
+
 def print_turns(turns: list[dict]) -> None:
     print("  agent      turn   prompt   cached  from cache  seconds")
     for t in sorted(turns, key=lambda t: (t["agent"], t["turn"])):
@@ -328,6 +351,8 @@ TEXT_PHASES = [("a", "8 x ~800-token prompts at once", phase_a),
 IMAGE_PHASES = [("d", "images: 2 x 1 high-detail, 2 x 4 default, 1 x 16 tiny at low, 2 text jobs", phase_d)]
 AGENT_PHASES = [("e", f"2 agents at once (messages, responses), {AGENT_TURNS} turns each of a ~10k-token prompt",
                  phase_e)]
+SPEC_PHASES = [("m", ("its own MTP head: 8 x ~200-token prompts, then 8 short decoding and a ~600-token prompt "
+                      "joining"), phase_m)]
 QUANT_PHASES = [("q", "kv_bits 4: 8 x ~800-token prompts, 15 short decoding and a ~1,500-token prompt joining",
                  phase_q)]
 
@@ -355,17 +380,33 @@ def build_vlm(out: Path) -> tuple[Path, list[int]]:
     return out, list(eos) if isinstance(eos, list) else [eos]
 
 
+def build_hybrid(out: Path) -> tuple[Path, list[int]]:
+    """The fixture factory's Qwen3.5 with its MTP head, at a size where the books show: 8 layers, 6 of them Gated
+    DeltaNet with 256 KiB of recurrent state each per row, 2 of full attention (4 KiB of KV per token), a 4k
+    context; its head untrained (memory does not depend on what it drafts). No end-of-sequence bias: a logit bias
+    would keep a job off the speculating path."""
+    from provider.models.fixtures_mtp import make_qwen3_5_mtp_tiny
+
+    make_qwen3_5_mtp_tiny(out, train=False, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                          full_attention_interval=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                          linear_num_value_heads=16, linear_num_key_heads=4, linear_key_head_dim=64,
+                          linear_value_head_dim=64, max_position_embeddings=4096,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                           "mrope_section": [4, 2, 2]})
+    return out, []
+
+
 def rss_bound(s: dict, outside: float) -> float:
     return s["memory"]["reserved_bytes"] * 1.10 + RSS_SLACK + outside
 
 
 def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.Random, warm: list[dict] | None,
-          results: list[dict], samples: list[dict], kv_bits: int = 0) -> None:
+          results: list[dict], samples: list[dict], kv_bits: int = 0, speculation: str = "off") -> None:
     """One node on `model`, warmed up, then each phase and its idle period, with their verdicts printed."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    env = {"PROVIDER_MEMORY_BUDGET_GB": "12", "PROVIDER_PREFIX_CACHE_GB": "1", "PROVIDER_SPECULATION": "off",
+    env = {"PROVIDER_MEMORY_BUDGET_GB": "12", "PROVIDER_PREFIX_CACHE_GB": "1", "PROVIDER_SPECULATION": speculation,
            "PROVIDER_MAX_CONCURRENT_JOBS": "32", "PROVIDER_KV_BITS": str(kv_bits)}
     home.mkdir()
     srv = LocalServer(model, home, env=env)
@@ -422,6 +463,10 @@ def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.
             print(describe("idle", rest))
             if load.turns:
                 print_turns(load.turns)
+            if speculation != "off":
+                c = sampler.latest().get("counters", {})
+                print(f"  speculation: {c.get('spec_drafted', 0)} drafted, {c.get('spec_accepted', 0)} accepted, "
+                      f"{c.get('spec_target_forwards', 0)} target forwards (the node's totals)")
             peak_rss = max(busy, key=lambda s: s["rss"] - s["memory"]["reserved_bytes"], default=None)
             if peak_rss is not None:
                 print(f"  RSS   {peak_rss['rss'] / MiB:8.1f} MiB at its furthest past the ledger "
@@ -445,7 +490,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write every /health sample and the verdicts as JSON")
-    ap.add_argument("--phases", default="abcdeq", help="the phases to run (default: all)")
+    ap.add_argument("--phases", default="abcdeqm", help="the phases to run (default: all)")
+    ap.add_argument("--m-speculation", choices=("on", "off"), default="on", help="phase m's speculation policy")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     results: list[dict] = []
@@ -473,6 +519,13 @@ def main() -> int:
             model, no_eos = build_model(Path(tmp) / "llama-kv-heavy-q")
             print(f"model {model.name}: the same Llama, KV quantized to 4 bits (1.5 KiB KV/token); /health every 50 ms")
             serve(model, no_eos, Path(tmp) / "home-q", quantized, rng, None, results, samples, kv_bits=4)
+        speculating = [p for p in SPEC_PHASES if p[0] in args.phases]
+        if speculating:
+            model, no_eos = build_hybrid(Path(tmp) / "qwen3_5-mtp")
+            print(f"model {model.name}: hybrid Qwen3.5, 8 layers (6 Gated DeltaNet), fp32, with its MTP head; "
+                  f"speculation {args.m_speculation}, k = 3; /health every 50 ms")
+            serve(model, no_eos, Path(tmp) / "home-m", speculating, rng, None, results, samples,
+                  speculation=args.m_speculation)
     if args.out:
         args.out.write_text(json.dumps({"seed": args.seed, "phases": results, "samples": samples}, indent=1))
     verdicts = ", ".join(f"{r['phase']} {r['verdict']}" for r in results)
