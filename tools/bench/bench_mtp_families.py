@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mlx.core as mx
 
 from provider import logs
-from provider.jobs import Done, Job, SamplingParams, Tokens
+from provider.jobs import Job, SamplingParams
+from tools.bench.bench_spec_batch import one_job
 from tools.harness.nodes import make_node
 
 NAME = "mtp-bench"
@@ -72,14 +73,8 @@ def node_runs(path: Path, ps: list[list[int]], n: int, k: int) -> tuple[list[lis
     node = make_node({NAME: path}, max_concurrent_jobs=1, speculation="on", speculation_k=k)
 
     async def one(i: int, p: list[int]) -> tuple[list[int], dict]:
-        ids, spec = [], {}
         job = Job(f"k{k}-{i}", NAME, SamplingParams(max_tokens=n, temperature=0.0), prompt_ids=tuple(p))
-        async with node.run(job) as stream:
-            async for ev in stream:
-                if isinstance(ev, Tokens):
-                    ids += ev.token_ids
-                elif isinstance(ev, Done):
-                    spec = ev.telemetry.speculation.as_dict()
+        ids, spec = await one_job(node, job)
         assert spec.get("mode") == "mtp" and spec.get("reason") == "ok", spec
         return ids, spec
 

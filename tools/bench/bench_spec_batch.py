@@ -32,7 +32,8 @@ TOPICS = ["the sea", "a cache", "the moon", "a robot", "bread", "a river", "the 
           "winter", "a library", "the wind", "a train", "music", "a mountain", "the market", "a clock"]
 
 
-async def _one(node, job: Job) -> tuple[list[int], dict]:
+async def one_job(node, job: Job) -> tuple[list[int], dict]:
+    """A job's token ids and its speculation telemetry."""
     ids, spec = [], {}
     async with node.run(job) as stream:
         async for ev in stream:
@@ -47,7 +48,7 @@ async def _wave(node, c: int, mode: str, params: SamplingParams, tag: str):
     jobs = [Job(f"{tag}-{mode}-{i}", "demo", params, prompt=f"Once upon a time, {TOPICS[i % len(TOPICS)]}",
                 speculation=mode) for i in range(c)]
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(_one(node, j) for j in jobs))
+    results = await asyncio.gather(*(one_job(node, j) for j in jobs))
     wall = time.perf_counter() - t0
     return sum(len(ids) for ids, _ in results) / wall, results
 
