@@ -254,6 +254,8 @@ def proof_to_pb(proof: Proof | None) -> pb.Proof | None:
     out = pb.Proof(commitment=proof.commitment or b"", sampler=PROOF_SAMPLER_TO_PB[proof.sampler])
     if proof.seed is not None:
         out.seed = proof.seed
+    if proof.end_token is not None:
+        out.end_token = proof.end_token
     return out
 
 
@@ -262,7 +264,8 @@ def proof_from_pb(proof: pb.Proof) -> Proof:
     if proof.sampler not in PROOF_SAMPLER_FROM_PB:
         raise JobError(Cause.INVALID_REQUEST, "the proof names no sampler this node knows", "proof")
     return Proof(proof.commitment or None, PROOF_SAMPLER_FROM_PB[proof.sampler],
-                 proof.seed if proof.HasField("seed") else None)
+                 proof.seed if proof.HasField("seed") else None,
+                 proof.end_token if proof.HasField("end_token") else None)
 
 
 def done_frame(ev: Done) -> pb.ProviderFrame:

@@ -285,6 +285,10 @@ class Proof:
     commitment: bytes | None
     sampler: str  # GREEDY, REPLAYABLE (seeded Gumbel draws, `seed`) or SPECULATIVE (not replayable)
     seed: int | None = None
+    # The end id the model chose after the output, when it ended on one (not a stop string, not max_tokens): the
+    # commitment covers its row too, and a verifier judges it as the output's last token, so an output cut short
+    # with a made-up end is caught. None: the output did not end on an end token.
+    end_token: int | None = None
 
 
 GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER = "greedy", "replayable", "speculative"
@@ -299,11 +303,15 @@ class Claim:
     proof: Proof
 
     def __post_init__(self) -> None:
-        if not isinstance(self.output, tuple) or not 0 < len(self.output) <= 1 << 20:
-            raise _invalid("verify.output_ids", "must be a non-empty array of token ids")
+        p = self.proof
+        if p.end_token is not None:  # the wire's uint32; whether it is an end id is the verifier's to judge
+            check_int("verify.proof.end_token", p.end_token, 0, (1 << 32) - 1)
+        # An output may be empty only when it ended on an end token: that token is then what is checked.
+        least = 0 if p.end_token is not None else 1
+        if not isinstance(self.output, tuple) or not least <= len(self.output) <= 1 << 20:
+            raise _invalid("verify.output_ids", "must be a non-empty array of token ids (or end on an end token)")
         for t in self.output:
             check_int("verify.output_ids", t, 0)
-        p = self.proof
         if p.sampler not in (GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER):
             raise _invalid("verify.proof.sampler", "must name how the tokens were drawn")
         if p.sampler == REPLAYABLE_SAMPLER and p.seed is None:

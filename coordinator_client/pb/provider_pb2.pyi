@@ -757,14 +757,16 @@ class Completion(_message.Message):
     def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., seal_salt: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ..., sealed_proof: _Optional[bytes] = ..., proof_sha256: _Optional[bytes] = ...) -> None: ...
 
 class Proof(_message.Message):
-    __slots__ = ("commitment", "sampler", "seed")
+    __slots__ = ("commitment", "sampler", "seed", "end_token")
     COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_FIELD_NUMBER: _ClassVar[int]
     commitment: bytes
     sampler: ProofSampler
     seed: int
-    def __init__(self, commitment: _Optional[bytes] = ..., sampler: _Optional[_Union[ProofSampler, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    end_token: int
+    def __init__(self, commitment: _Optional[bytes] = ..., sampler: _Optional[_Union[ProofSampler, str]] = ..., seed: _Optional[int] = ..., end_token: _Optional[int] = ...) -> None: ...
 
 class JobDone(_message.Message):
     __slots__ = ("job_id", "finish_reason", "usage", "telemetry", "completion", "model_sha256", "signature", "signature_layout", "request_sha256", "verdict")

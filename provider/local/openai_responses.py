@@ -50,7 +50,7 @@ def proof_of(done: Done, ids: list[int]) -> dict[str, Any]:
     if p is None:
         return {}
     return {"proof": {"commitment": base64.b64encode(p.commitment or b"").decode(), "sampler": p.sampler,
-                      "seed": p.seed, "output_ids": list(ids)}}
+                      "seed": p.seed, "end_token": p.end_token, "output_ids": list(ids)}}
 
 
 def chat_response(job_id: str, model: str, choices: list[ChoiceResult], created: int, n: int,
