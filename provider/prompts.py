@@ -179,7 +179,8 @@ class PromptPreparer:
                 "tokenizer knows tokens its weights do not; remove that text", where)
         if job.verify is not None:  # its claim is read, not generated: inside the vocabulary and the context
             check_vocabulary("verify.output_ids", job.verify.output, m.vocab_size)
-            sampling = replace(sampling, max_tokens=len(job.verify.output))
+            # Booked to the claim's end: its output, and the end token the proof claims (an output may be only that).
+            sampling = replace(sampling, max_tokens=len(job.verify.output) + (job.verify.proof.end_token is not None))
             if len(ids) + len(job.verify.output) > m.context_length:
                 raise JobError(Cause.CONTEXT_LENGTH_EXCEEDED, f"the claim is {len(ids) + len(job.verify.output)} "
                                f"tokens but {job.model} has a context of {m.context_length}", "verify.output_ids")

@@ -60,7 +60,8 @@ def verdicts(model: Path, made) -> list:
     async def main():
         out = []
         for i, (prompt, sampling, ids, proof) in enumerate(made):
-            claim = Claim(tuple(ids), Proof(base64.b64decode(proof["commitment"]), proof["sampler"], proof["seed"]))
+            made_by = Proof(base64.b64decode(proof["commitment"]), proof["sampler"], proof["seed"], proof["end_token"])
+            claim = Claim(tuple(ids), made_by)
             job = Job(id=f"v{i}", model="m", prompt_ids=tuple(prompt),
                       sampling=SamplingParams(max_tokens=MAX_TOKENS, **sampling), verify=claim)
             _, _, end, _ = await collect(node, job)

@@ -322,11 +322,12 @@ def test_a_local_node_that_commits_returns_proofs_that_provider_verify_accepts(f
     finally:
         server.stop()
     assert whole == streamed and whole["sampler"] == "replayable" and whole["seed"] == 3
+    ended = {"endToken": whole["end_token"]} if whole["end_token"] is not None else {}  # it ended on EOS
     claim = {"model": "gemma4-tiny", "chat": {"messages": messages}, "maxTokens": 20,
              "sampling": {"temperature": 0.7, "seed": "3"},
              "verify": {"outputIds": whole["output_ids"],
                         "proof": {"commitment": whole["commitment"], "sampler": "PROOF_SAMPLER_REPLAYABLE",
-                                  "seed": "3"}}}
+                                  "seed": "3"} | ended}}
     (tmp_path / "claim.json").write_text(json.dumps(claim))
     r = subprocess.run([sys.executable, "-m", "provider", "verify", str(tmp_path / "claim.json"), "--model", str(model)],
                        capture_output=True, text=True, timeout=300)

@@ -77,7 +77,7 @@ def _forged(node, job: Job, ids, proof: Proof) -> Proof:
     builder = CommitmentBuilder(node.models.acquire(job.model).hidden_tap.hidden_size)
     node.models.release(job.model)
     builder.add(indices, bits)
-    return dataclasses.replace(proof, commitment=builder.finish(len(ids)))
+    return dataclasses.replace(proof, commitment=builder.finish(len(indices)))  # the output's rows, its end's too
 
 
 def _masks_and_logits(node, job: Job, ids) -> tuple[np.ndarray, np.ndarray]:

@@ -46,6 +46,7 @@ class JobOutput:
         self.max_tokens = max_tokens
         self.completion_tokens = 0
         self.emitted_ids: list[int] = []
+        self.end_token: int | None = None  # the end id that ended it, unemitted: its proof commits to it too
         self.spec_off_reason = spec_off_reason
         self.spec_choice = spec_choice  # auto's numbers when it judged speculation not profitable
         self.spec_stats = None  # a speculating job's SpecTelemetry
@@ -72,6 +73,8 @@ class JobOutput:
             self.t_first = now
         self.t_last = now
         if token in self._eos:  # not content; its logprob still goes out (as vLLM's), with no text and no id
+            if not self.finished:
+                self.end_token = token
             tail = [self._emit("", (), (), (logprob,))] if logprob is not None else []
             return tail + self.finish(FinishReason.STOP)
         self.completion_tokens += 1
@@ -112,7 +115,13 @@ class JobOutput:
             return None
         sampler = (GREEDY_SAMPLER if self.seed is None else REPLAYABLE_SAMPLER if self.replayable
                    else SPECULATIVE_SAMPLER)
-        return Proof(self.commitment.finish(len(self.emitted_ids)), sampler, self.seed)
+        n, end = len(self.emitted_ids), self.end_token
+        # The end token's row is the one after the last emitted token's (rows come in production order, a
+        # speculative round's included). Were it missing, the output is still committed to, its end unclaimed.
+        data = self.commitment.finish(n + 1) if end is not None else None
+        if data is None:
+            data, end = self.commitment.finish(n), None
+        return Proof(data, sampler, self.seed, end)
 
     def _chunk(self, text: str, ids: tuple[int, ...], logprobs: tuple = ()) -> Tokens:
         calls = ()

@@ -47,9 +47,10 @@ class Tolerance:
     """How far an honest node's numbers may fall from the verifier's (measured: docs/verification.md).
     rel_tol: a committed value within this relative error of the verifier's counts as matched; min_overlap: a
     chunk fails below this share of matched points; max_mean_err: or when its matched points are off by more
-    than this on average (weights 1% off move most values by less than rel_tol, but all of them); tie: a token this many nats short of the expected one is
-    a near-tie the two forwards broke apart, not a failure, at most max_ties of them; floor: a speculative
-    token less likely than this (nats) under the declared distribution fails."""
+    than this on average (weights 1% off move most values by less than rel_tol, but all of them); tie: a token
+    this many nats short of the expected one is a near-tie the two forwards broke apart, not a failure, at most
+    max_ties of them; floor: a speculative token less likely than this (nats) under the declared distribution
+    fails."""
 
     rel_tol: float = 0.02
     min_overlap: float = 0.9
@@ -92,10 +93,16 @@ class ClaimReader:
 
     def __init__(self, lm, claim: Claim, grammar=None, *, cache: list | None = None, read: int = 0):
         self.lm, self.claim = lm, claim
-        self._grammar = None if grammar is None else \
-            GrammarReplay(RowGrammar.of(grammar, lm.logits_width, end_ids(lm.tokenizer, claim.sampling)))
+        ends = end_ids(lm.tokenizer, claim.sampling)
+        self._grammar = None if grammar is None else GrammarReplay(RowGrammar.of(grammar, lm.logits_width, ends))
         self._tap = install(lm.model)
-        self._sequence = list(claim.prompt) + list(claim.output)
+        # The tokens judged: the output, then the end token the proof says the model chose after it, read and
+        # judged like any token (its row is the commitment's next). One that is not an end id of this job is
+        # never read (it may be any uint32): the verdict fails at its position.
+        end = claim.proof.end_token
+        self._bad_end = end is not None and end not in ends
+        self.tokens = tuple(claim.output) + ((end,) if end is not None and not self._bad_end else ())
+        self._sequence = list(claim.prompt) + list(self.tokens)
         self._first = len(claim.prompt) - 1  # the position whose forward gives output token 0
         most = max(1, SCORE_SCRATCH_BYTES // max(1, lm.logits_width * SCORE_BYTES_PER_LOGIT))
         if not 0 <= read <= max(0, self._first):
@@ -111,7 +118,7 @@ class ClaimReader:
 
     @property
     def done(self) -> bool:
-        return self.reader.done or not self.claim.output
+        return self.reader.done or not self.tokens or self._bad_end  # a bad end fails it, whatever is read
 
     def step(self, tokens: int) -> None:
         if self._grammar is not None:  # its walk runs on the engine thread beside the batches: a few positions a pass
@@ -133,7 +140,7 @@ class ClaimReader:
         logits = logits[lo - start:]
         j0, j1 = lo - self._first, end - self._first  # output positions of this chunk
         c = self.claim
-        tokens = list(c.output[j0:j1])
+        tokens = list(self.tokens[j0:j1])
         masks = None if self._grammar is None else self._grammar.masks(tokens, j0)
         logprobs = processed(logits, c.sampling, self._sequence, lo + 1, masks)
         gaps = token_gaps(logprobs, tokens, list(range(j0, j1)), c.sampling, c.proof.sampler, c.proof.seed,
@@ -147,10 +154,14 @@ class ClaimReader:
         return np.concatenate(self._indices), np.concatenate(self._bits)
 
     def verdict(self, tolerance: Tolerance = Tolerance()) -> Verdict:
-        n = len(self.claim.output)
+        n = len(self.tokens)
         gaps = np.concatenate(self._gaps).astype(float) if self._gaps else np.zeros(0)
         chunks: list[ChunkMatch] = []
         commitment = self.claim.proof.commitment
+        if self._bad_end:
+            j = len(self.claim.output)
+            return Verdict(False, f"output token {j} ({self.claim.proof.end_token}) is claimed to end the output but"
+                           " is not one of this job's end ids", j, n + 1, gaps=list(gaps))
         if commitment is None:
             return Verdict(False, "no commitment", 0, n, gaps=list(gaps))
         try:
@@ -169,9 +180,9 @@ class ClaimReader:
 
 def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str, tolerance: Tolerance,
           grammar: tuple[int, str] | None = None) -> Verdict:
-    """The verdict from the numbers alone: the first chunk under min_overlap or over max_mean_err, the first token past its tie (or
-    for a speculative draw, below the floor), the token where the claim left its grammar (`grammar`: its
-    position and why), too many near-ties."""
+    """The verdict from the numbers alone: the first chunk under min_overlap or over max_mean_err, the first
+    token past its tie (or for a speculative draw, below the floor), the token where the claim left its grammar
+    (`grammar`: its position and why), too many near-ties."""
     plausible_only = sampler == SPECULATIVE_SAMPLER
     limit = tolerance.floor if plausible_only else tolerance.tie
     bad_tokens = [j for j, g in enumerate(gaps) if not (g <= limit)]
