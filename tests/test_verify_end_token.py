@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from coordinator_client.convert import job_from_request, proof_from_pb, proof_to_pb
+from coordinator_client.outcomes import proof_digest
 from coordinator_client.pb import provider_pb2 as pb
 from provider.jobs import Claim as JobClaim
 from provider.jobs import Done, Job, Proof, SamplingParams
@@ -162,6 +163,9 @@ def test_the_end_token_crosses_the_wire_both_ways():
     assert proof_from_pb(proof_to_pb(proof)) == proof
     assert not proof_to_pb(dataclasses.replace(proof, end_token=None)).HasField("end_token")
     assert proof_from_pb(proof_to_pb(dataclasses.replace(proof, end_token=None))).end_token is None
+    # The signed result covers it: proof_sha256 is over the serialized proof, end token included.
+    digests = {proof_digest(proof_to_pb(dataclasses.replace(proof, end_token=e))) for e in (None, 2, 5)}
+    assert len(digests) == 3
     # An empty output that ended on its end token is a claim a verify job takes.
     req = pb.JobRequest(job_id="v", model="m", max_tokens=4, prompt_ids=pb.PromptTokens(ids=[1, 2]),
                         verify=pb.VerifyInput(proof=proof_to_pb(proof)))
