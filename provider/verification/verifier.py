@@ -85,7 +85,8 @@ class Verdict:
 
 
 class ClaimReader:
-    """Reads a claim's prompt + output (all but the last output token) through `lm`'s model, a chunk a step.
+    """Reads a claim's prompt + output (all but the last token; an output that ended on an end token, per its
+    proof, ends with that token, judged like the others) through `lm`'s model, a chunk a step.
     `grammar`: the job's output rules compiled for this model (prompts.CompiledGrammar, from the job itself,
     never from the claim), when generating it would have masked its tokens. `cache` and `read`: caches already
     holding the first `read` prompt tokens (a prompt with images, read by the engine's vision prefill as the
