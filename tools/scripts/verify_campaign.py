@@ -15,7 +15,8 @@ real weights over the whole output: the strongest forgery, answered by the token
 in >= 99.9% of its jobs, and where it starts (the first token that is not the real model's, or the first chunk
 whose hidden states are another model's; never before, and past it only by near-ties).
 
-    python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--group 200] [--tokens 48] [--seed 39]
+    python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--group 200] [--kinds K,...] [--tokens 48]
+        [--seed 39]
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=39)
     ap.add_argument("--group", type=int, default=200, help="honest jobs per split through a node group of two")
+    ap.add_argument("--kinds", default="", help="only these cheats (comma-separated names as printed)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
@@ -203,7 +205,8 @@ def main() -> int:
                 if not verdict.passed:
                     report["honest_failures"].append({"path": path, "job": job.id, **verdict.summary()})
         # Cheats.
-        kinds = [*bad, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice"]
+        kinds = [k for k in [*bad, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice"]
+                 if not args.kinds or k in args.kinds.split(",")]
         for kind in kinds:
             caught = at_start = 0
             for n in range(0, args.cheats, 16):
@@ -225,7 +228,7 @@ def main() -> int:
           f"{ {p: v for (p, ok), v in report['honest'].items() if ok} }")
     print(json.dumps({"honest_jobs": honest_total, "false_rejections": false, "cheats": report["cheats"],
                       "honest_failures": report["honest_failures"][:20], "seconds": round(time.perf_counter() - t0)}))
-    worst = min(c["caught"] / c["jobs"] for c in report["cheats"].values())
+    worst = min((c["caught"] / c["jobs"] for c in report["cheats"].values()), default=1.0)
     return 0 if false == 0 and worst >= 0.999 else 1
 
 
