@@ -24,7 +24,7 @@ import copy
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (KVCache, LRUPromptCache, QuantizedKVCache, RotatingKVCache,
+from mlx_lm.models.cache import (ArraysCache, KVCache, LRUPromptCache, QuantizedKVCache, RotatingKVCache,
                                  can_trim_prompt_cache, trim_prompt_cache)
 
 from .. import logs
@@ -259,9 +259,13 @@ def owned(cache: list[Any]) -> None:
     """Make each layer's K/V arrays own exactly their bytes, evaluated now. What a batch hands back for a row is
     a lazy slice of the batch's buffers, and a slice (evaluated or not) keeps the whole buffer alive (rows x
     the longest row) while counting only itself; a KVCache also holds capacity past its offset. Copied and
-    trimmed, an entry holds what `nbytes` says, and the batch's buffers go when the batch lets them go."""
+    trimmed, an entry holds what `nbytes` says, and the batch's buffers go when the batch lets them go. A hybrid's
+    recurrent layer (ArraysCache: conv window, state) is a row of its batch's arrays the same way: copied too
+    (mx.contiguous copies a view into a buffer of its own), its `nbytes` then its size, whatever the length."""
     for c in cache:
-        if isinstance(c, (KVCache, QuantizedKVCache)) and c.keys is not None:  # quantized: a triple of arrays each
+        if isinstance(c, ArraysCache):
+            c.cache = [None if a is None else mx.contiguous(a) for a in c.cache]
+        elif isinstance(c, (KVCache, QuantizedKVCache)) and c.keys is not None:  # quantized: a triple of arrays each
             c.keys, c.values = (tuple(mx.contiguous(a[..., : c.offset, :]) for a in x) if isinstance(x, tuple)
                                 else mx.contiguous(x[..., : c.offset, :]) for x in (c.keys, c.values))
         else:
