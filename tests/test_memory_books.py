@@ -277,3 +277,90 @@ def test_queued_image_jobs_hold_their_files_not_their_pixels(vlm):
     before; now less than one image's."""
     m = run_isolated(_queued_image_jobs_held, str(vlm))
     assert m["held"] < m["one_image"], {k: v / MiB for k, v in m.items()}
+
+
+# A hybrid Qwen3.5 whose Gated DeltaNet state dominates: 6 of 8 layers recurrent, each 16 value heads x 128 x 128
+# in float32 (1 MiB a row), and 2 full-attention layers of 2 KiB of K/V a token: a row is ~6 MiB at any length.
+HYBRID = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, full_attention_interval=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=16,
+              linear_num_key_heads=4, linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> Path:
+    from provider.models.fixtures_mtp import make_qwen3_5_mtp_tiny
+
+    out = tmp_path_factory.mktemp("hybrid") / "qwen3_5-stateful"
+    make_qwen3_5_mtp_tiny(out, train=False, **HYBRID)
+    return out
+
+
+def test_a_hybrid_row_is_booked_as_the_caches_mlx_lm_makes_for_it(hybrid):
+    """Its K/V per token for the full-attention layers only, and each recurrent layer's conv window and state
+    once per row (the old estimate booked every layer's K/V per token and no state: 4x the K/V, and a 20-token
+    row at 5 % of what it holds)."""
+    from mlx_lm import load
+
+    from provider.models.checkpoint import read_config
+    from provider.models.footprint import kv_shape_of
+
+    model, _ = load(str(hybrid))
+    caches = model.make_cache()
+    mx.eval(model(mx.array([list(range(3, 23))]), cache=caches))
+    kv = kv_shape_of(hybrid, read_config(hybrid))
+    attention = [c for c in caches if hasattr(c, "keys")]
+    capacity = attention[0].keys.shape[2]  # mlx-lm's KVCache holds whole steps of 256 positions
+    assert kv.bytes_per_token_full * capacity == sum(c.nbytes for c in attention)
+    assert kv.bytes_per_row == sum(c.nbytes for c in caches if not hasattr(c, "keys")) > 0
+    assert kv.bytes_for(capacity) == sum(c.nbytes for c in caches)
+
+
+def _hybrid_books(model: str) -> dict:
+    """Eight hybrid jobs at once, each ending at its own step (a row's prefix entry is taken as it leaves), MLX
+    sampled against the books all along, then idle: what MLX holds beside the weights and the prefix entries."""
+    base = _active()
+    node = make_node({"h": Path(model)}, max_concurrent_jobs=8, prefix_cache_gb=1.0, speculation="off")
+    over: list = []
+
+    async def sample(stop: asyncio.Event):
+        while not stop.is_set():
+            mem, held = node.status().memory, _active() - base
+            if not _within(held, mem.reserved_bytes):
+                over.append((round(held / MiB, 1), round(mem.reserved_bytes / MiB, 1)))
+            await asyncio.sleep(0.02)
+
+    async def main():
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample(stop))
+        ends = await asyncio.gather(*(collect(node, Job(f"h{i}", "h", greedy(2 + 3 * i), prompt=_prompt(i, 12)))
+                                      for i in range(8)))
+        stop.set()
+        await sampler
+        assert all(isinstance(end, Done) for _, _, end, _ in ends)
+        st = node.status()
+        out = {"held": _active() - base, "weights": st.models[0].measured_weight_bytes, "over": over,
+               "prefix": st.memory.prefix_cache_bytes, "jobs_kv": st.memory.jobs_kv_bytes,
+               "entries": _entries(node)}
+        await node.stop()
+        return out
+
+    return run(main())
+
+
+def _entries(node) -> list[int]:
+    """The booked bytes of each of the hybrid model's prefix entries (mlx-lm's LRUPromptCache's entries)."""
+    lru = node.engine.prefix_cache("h")._lru
+    return [lru._trie.get(m, tokens).nbytes for order in lru._lru._lrus.values() for m, tokens in order]
+
+
+def test_a_hybrid_batch_and_its_prefix_entries_hold_what_the_books_say(hybrid):
+    m = run_isolated(_hybrid_books, str(hybrid))
+    assert m["jobs_kv"] == 0 and len(m["entries"]) >= 8
+    # Each entry holds its row's recurrent state (6 layers of a float32 state and a 3-position conv window of
+    # q, k and v) and its tokens' K/V: ~6 MiB whatever its length.
+    state = 6 * 4 * (16 * 128 * 128 + 3 * (2 * 4 * 128 + 16 * 128))
+    assert all(state <= e < state + 300 * 2 * 2048 for e in m["entries"]), (state, m["entries"])
+    # Busy, every sample within the ledger's target; idle, MLX holds the weights and the entries, and no more
+    # (an entry whose state is a row of its batch's arrays keeps the whole batch's: here ~4x the entries).
+    assert not m["over"], m["over"]
+    assert _within(m["held"], m["weights"] + m["prefix"]), {k: v / MiB for k, v in m.items() if isinstance(v, int)}

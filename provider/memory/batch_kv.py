@@ -11,7 +11,8 @@ The layouts are mlx-lm's:
   rows into one padded copy for the forward (rows x the longest), which lives as long as the round;
 - a draft model keeps the same two per row, in its own (smaller) KV shape; an MTP assistant reads the
   target's K/V and keeps none.
-A sliding-window layer holds at most its window, whatever the length.
+A sliding-window layer holds at most its window, whatever the length; a hybrid's recurrent layer (Gated
+DeltaNet) holds one state per row, whatever the length (KVShape.bytes_per_row, inside bytes_for).
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ def plain_batch_bytes(finals: list[int], kv: KVShape) -> int:
 
 def spec_batch_bytes(finals: list[int], kv: KVShape, draft: KVShape | None = None) -> int:
     """Speculating rows: each row's own caches, and the merged copy a round makes of all of them (one row
-    needs no merge); the same again in the draft model's shape when a draft model drafts."""
+    needs no merge); the same again in the draft model's shape when a draft model drafts. A hybrid's recurrent
+    layers are not updated in place as K/V is: the verify writes each row's state anew while the state before it
+    is kept to rewind rejected drafts (engine.recurrent.Rewind), so a round holds one more state per row (measured
+    in memory_ledger's phase m: 9 rows' 14.8 MiB of state, all of MLX's excess over the books without it)."""
     if not finals:
         return 0
     total = 0
     for shape in (kv, draft):
         if shape is None:
             continue
-        total += sum(shape.bytes_for(held(f)) for f in finals)
+        total += sum(shape.bytes_for(held(f)) for f in finals) + len(finals) * shape.bytes_per_row
         if len(finals) > 1:
             total += len(finals) * shape.bytes_for(held(max(finals)))
     return total

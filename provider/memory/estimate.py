@@ -68,15 +68,17 @@ class KVShape:
     bytes_per_token_full: int  # grows with every token
     bytes_per_token_sliding: int  # grows until the window, then stays
     sliding_window: int | None
+    bytes_per_row: int = 0  # a hybrid model's recurrent layers' state: the same at any length (recurrent_row_bytes)
 
     def bytes_for(self, tokens: int) -> int:
+        """What one row of `tokens` holds (a row holds its recurrent state from its first token)."""
         window = tokens if self.sliding_window is None else min(tokens, self.sliding_window)
-        return self.bytes_per_token_full * tokens + self.bytes_per_token_sliding * window
+        return self.bytes_per_token_full * tokens + self.bytes_per_token_sliding * window + self.bytes_per_row
 
     def per_rank(self, ranks: int) -> "KVShape":
         """One rank's share in a node group: each holds its KV heads' (tensor) or its layers' (pipeline)."""
         return KVShape(-(-self.bytes_per_token_full // ranks), -(-self.bytes_per_token_sliding // ranks),
-                       self.sliding_window)
+                       self.sliding_window, -(-self.bytes_per_row // ranks))
 
 
 @dataclass(frozen=True)
@@ -145,25 +147,54 @@ def sliding_layer_quant(config: dict, quant: KVQuant | None) -> KVQuant | None:
 def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -> KVShape:
     """K and V bytes per token, per non-shared layer; sliding layers separately (they stop at the window). With
     `quant`, each layer's KV as the quantized cache stores it: full-attention layers by full_layer_quant,
-    sliding-window layers by sliding_layer_quant."""
+    sliding-window layers by sliding_layer_quant. A hybrid's recurrent layers hold no K/V but a state per row
+    (bytes_per_row), in full precision whatever `quant` says."""
     tc = text_config(config)
     layers = tc.get("num_hidden_layers", 0)
     heads = tc.get("num_attention_heads", 1)
     kv_heads = tc.get("num_key_value_heads") or heads
     head_dim = sliding_head_dim(config)
-    types = tc.get("layer_types") or ["full_attention"] * layers
     shared = tc.get("num_kv_shared_layers") or 0
+    types = layer_kinds(tc)[: layers - shared]
+    recurrent = types.count(LINEAR)
     window = tc.get("sliding_window")
     full_quant, sliding_quant = full_layer_quant(config, quant), sliding_layer_quant(config, quant)
     full = sliding = 0
-    for kind in types[: layers - shared]:
+    for kind in types:
+        if kind == LINEAR:  # no K/V: a state per row instead
+            continue
         if kind == "sliding_attention" and window:
             sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, sliding_quant)
         else:  # Gemma 4's full layers have their own head size and KV head count
             h = tc.get("num_global_key_value_heads") or kv_heads
             full += (1 if tc.get("attention_k_eq_v") else 2) * _kv_bytes(h * full_head_dim(config), dtype_bytes,
                                                                          full_quant)
-    return KVShape(full, sliding, window if sliding else None)
+    return KVShape(full, sliding, window if sliding else None, recurrent * recurrent_row_bytes(tc, dtype_bytes))
+
+
+LINEAR = "linear_attention"
+
+
+def layer_kinds(tc: dict) -> list[str]:
+    """Each layer's kind as mlx-lm builds it. A Gated DeltaNet hybrid (Qwen3.5, Qwen3-Next: its config has
+    `full_attention_interval` or `linear_num_value_heads`) by the interval: layer i is full attention when
+    (i + 1) % interval is 0 (4 when absent), whatever `layer_types` says; others by `layer_types`, or all full."""
+    layers = tc.get("num_hidden_layers", 0)
+    if "full_attention_interval" in tc or (tc.get("linear_num_value_heads") and not tc.get("layer_types")):
+        every = tc.get("full_attention_interval") or 4
+        return ["full_attention" if (i + 1) % every == 0 else LINEAR for i in range(layers)]
+    return list(tc.get("layer_types") or ["full_attention"] * layers)
+
+
+def recurrent_row_bytes(tc: dict, dtype_bytes: int) -> int:
+    """One row's state in one Gated DeltaNet layer (mlx-lm's qwen3_5 / qwen3_next, an ArraysCache of two): the
+    conv window, (kernel - 1) x conv_dim in the activations' float type (conv_dim: q, k and v, 2 x key heads x
+    key dim + value heads x value dim), and the recurrence's state, value heads x value dim x key dim in float32
+    (gated_delta_update makes it float32 and keeps its dtype). Constant in the row's length."""
+    hk, dk = tc.get("linear_num_key_heads", 0), tc.get("linear_key_head_dim", 0)
+    hv, dv = tc.get("linear_num_value_heads", 0), tc.get("linear_value_head_dim", 0)
+    conv = (tc.get("linear_conv_kernel_dim", 4) - 1) * (2 * hk * dk + hv * dv) * dtype_bytes
+    return conv + hv * dv * dk * 4
 
 
 def _kv_bytes(elements: int, dtype_bytes: int, quant: KVQuant | None) -> int:
