@@ -96,6 +96,7 @@ class GrammarReplay:
         out = np.ones((len(tokens), g.width), dtype=bool)
         for i, t in enumerate(tokens):
             j = first + i
+            # The mask first: computing it can itself stop the matcher (a bound), at this position, as it did the row's.
             allowed = g.allowed() if self.failure is None and g.error is None else None
             if self.failure is None and g.error is not None:
                 self._stopped(j)
