@@ -2,8 +2,8 @@
 
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
-- HeadDrafter: an MTP head shipped inside the target's checkpoint (Qwen3.5 / Qwen3-Next), with a KV cache of its
-  own per row, fed the target's final-norm hidden states.
+- HeadDrafter: an MTP head shipped inside the target's checkpoint (models.mtp_heads), with a KV cache of its own
+  per row, fed the target's final-norm hidden states.
 
 Both draft every row of a round together, each row drawing from its own logits by its own choice (greedy
 or sampled, with its own key), and return each row's draft distributions for the verify step.
@@ -15,9 +15,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..models.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
+from ..models.gemma4_target import Target
+from ..models.mtp_heads import OwnHead
 from ..types import SpecMode
 from .spec_rounds import SpecRow, merged, rollback, split
-from ..models.gemma4_target import Target
 
 
 def _draw(rows: list[SpecRow], logits: mx.array, qs: list[list]) -> mx.array:
@@ -111,7 +112,7 @@ class MTPDrafter:
 
 
 class HeadDrafter:
-    """A native MTP head (models.qwen3_5_mtp): the pair (token t+1, target hidden at t) at position t, its own K/V.
+    """A native MTP head (models.mtp_heads): the pair (token t+1, target hidden at t) at position t, its own K/V.
 
     A row's head cache holds every pair the head has read for good; `pending` the pairs it reads at the start of
     the next round, ending with (last, the hidden that produced last). A round reads them all in its first step
@@ -127,7 +128,7 @@ class HeadDrafter:
         self.head, self.target = head, target
         lm = target.lm
         self.embed = lm.model.embed_tokens
-        self.lm_head = getattr(lm, "lm_head", None) or self.embed.as_linear
+        self.lm_head = head.lm_head or getattr(lm, "lm_head", None) or self.embed.as_linear
         # Each row's index in the current round's verify, by identity: the rows themselves are not held, or the
         # last round's rows (their caches, the target's and the head's) outlived their jobs until the next round.
         self._index: dict[int, int] = {}
@@ -176,7 +177,7 @@ class HeadDrafter:
         h = mx.take_along_axis(h, mx.array(widths)[:, None, None] - 1, axis=1)  # each row's last real pair
         drafted, qs = [], [[] for _ in rows]
         for step in range(k):
-            token = _draw(rows, self.lm_head(h)[:, -1, :], qs)
+            token = _draw(rows, self.lm_head(self.head.readout(h))[:, -1, :], qs)
             drafted.append(token)
             if step < k - 1:
                 h = self.head(self.embed(token), h, cache)
@@ -196,9 +197,7 @@ class HeadDrafter:
 
 def drafter_for(lm):
     """The drafter of a loaded pair (`models.loader.LoadedModel`); per-row state lives on the rows."""
-    from ..models.qwen3_5_mtp import Qwen35MTPHead
-
-    if isinstance(lm.drafter, Qwen35MTPHead):
+    if isinstance(lm.drafter, OwnHead):
         return HeadDrafter(lm.drafter, Target(lm.model))
     if lm.drafter_mode == SpecMode.MTP:
         return MTPDrafter(lm.drafter, Target(lm.model))

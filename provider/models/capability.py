@@ -13,8 +13,6 @@ ASSISTANT_TYPES = {"gemma4_assistant"}
 OWN_HEAD, ASSISTANT, DRAFT_MODEL = "own_mtp_head", "mtp_assistant", "draft_model"  # Capabilities.speculates_with
 GEMMA4_TYPES = {"gemma4", "gemma4_text"}
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
-# Families whose in-checkpoint MTP head the node drafts with (models.qwen3_5_mtp); the rest are detected and reported.
-NATIVE_HEAD_FAMILIES = {"qwen3_5"}
 
 
 @dataclass(frozen=True)
@@ -75,9 +73,10 @@ def has_mtp_tensors(names: list[str], config: dict) -> bool:
 
 
 def native_head_family(config: dict) -> bool:
-    """A family whose MTP head the node loads as a drafter (dense Qwen3.5: a MoE head's experts are not mapped yet)."""
-    tc = text_config(config)
-    return config.get("model_type") in NATIVE_HEAD_FAMILIES and not tc.get("num_experts")
+    """A family whose MTP head the node loads as a drafter (models.mtp_heads); the rest are detected and reported."""
+    from .mtp_heads import head_module
+
+    return head_module(config) is not None
 
 
 def images_refused(config: dict) -> str | None:

@@ -10,6 +10,7 @@ from ..memory import estimate
 from ..types import SpecMode
 from .capability import images_refused, native_head_family
 from .checkpoint import context_length, open_checkpoint
+from .mtp_heads import head_module
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_
     """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
     prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
     if mode is SpecMode.MTP and native_head_family(config):  # the head inside the target's checkpoint
-        head = {n: t for n, t in open_checkpoint(path).tensors.items() if n.startswith("mtp.")}
+        tensors = open_checkpoint(path).tensors
+        head = {n: tensors[n] for n in head_module(config).head_tensors(tensors)}
         weights = sum(estimate.DTYPE_BYTES.get(dtype, 4) * math.prod(shape) for dtype, shape in head.values())
         return weights + estimate.activation_bytes(config, prefill_step)  # it reads prompt chunks with the target
     weights = estimate.weight_bytes(config, open_checkpoint(path).tensors)
@@ -53,11 +55,10 @@ def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_
 
 
 def head_kv_shape(path: Path, config: dict) -> estimate.KVShape:
-    """Per-token KV of a native MTP head: its full-attention layers, each row's own (models.qwen3_5_mtp)."""
-    tc = estimate.text_config(config)
-    layers = int(tc.get("mtp_num_hidden_layers") or 0)
-    kv = (tc.get("num_key_value_heads") or tc.get("num_attention_heads", 1)) * estimate.full_head_dim(config)
-    return estimate.KVShape(2 * layers * kv * _dominant_float_bytes(open_checkpoint(path).tensors), 0, None)
+    """Per-token KV of a native MTP head: its attention layers, each row's own (models.mtp_heads)."""
+    module = head_module(config)
+    elements = module.depth(config) * module.kv_elements(config)
+    return estimate.KVShape(elements * _dominant_float_bytes(open_checkpoint(path).tensors), 0, None)
 
 
 def kv_shape_of(path: Path, config: dict, kv_quant: estimate.KVQuant | None = None) -> estimate.KVShape:

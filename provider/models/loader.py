@@ -138,9 +138,9 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
         return lm, active_delta
     try:
         if drafting.mode is SpecMode.MTP and drafter_path == path:  # the head inside the target's checkpoint
-            from .qwen3_5_mtp import load_head
+            from .mtp_heads import head_module
 
-            lm.drafter = load_head(path, lm.model)
+            lm.drafter = head_module(lm.config).load_head(path, lm.model)
         elif drafting.mode is SpecMode.MTP:
             from .gemma4_assistant import load_assistant
 

@@ -24,6 +24,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from .mtp_heads import OwnHead
+
 FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # their heads share this layout (mlx-vlm: one drafter)
 PREFIX = "mtp."
 DEPTH_KEY = "mtp_num_hidden_layers"
@@ -37,7 +39,7 @@ def text_args(model):
     return getattr(model, "language_model", model).args
 
 
-class Qwen35MTPHead(nn.Module):
+class Qwen35MTPHead(OwnHead):
     def __init__(self, args, depth: int):
         super().__init__()
         from mlx_lm.models.qwen3_5 import DecoderLayer
@@ -63,6 +65,18 @@ class Qwen35MTPHead(nn.Module):
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask=mask, cache=c)
         return self.norm(x)
+
+
+def serves(config: dict) -> bool:
+    """Dense Qwen3.5 only: a MoE head's experts are not mapped yet."""
+    tc = config.get("text_config") or config
+    return config.get("model_type") == "qwen3_5" and not tc.get("num_experts")
+
+
+def kv_elements(config: dict) -> int:
+    tc = config.get("text_config") or config
+    head_dim = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
+    return 2 * (tc.get("num_key_value_heads") or tc["num_attention_heads"]) * head_dim
 
 
 def depth(config: dict) -> int:

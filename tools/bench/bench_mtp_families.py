@@ -1,6 +1,7 @@
 """A target's own MTP head through the node's engine beside mlx-vlm's own speculative generation (issue 42).
 
     python tools/bench/bench_mtp_families.py                  # the Qwen3.5 fixture, k = 1..4, 24 tokens a prompt
+    python tools/bench/bench_mtp_families.py --fixture NAME   # another family's fixture (the factory's name)
     python tools/bench/bench_mtp_families.py --model DIR --k 2,3 --tokens 64 --prompts 8
 
 The same checkpoint (by default the fixture factory's `qwen3_5-mtp-tiny`, its head distilled briefly, built into a
@@ -119,7 +120,8 @@ def vlm_runs(path: Path, ps: list[list[int]], n: int, k: int) -> tuple[list[list
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, help="a checkpoint with its MTP head (default: the fixture, built now)")
+    ap.add_argument("--model", type=Path, help="a checkpoint with its MTP head (default: --fixture, built now)")
+    ap.add_argument("--fixture", default="qwen3_5-mtp-tiny", help="the fixture factory's name of a target with a head")
     ap.add_argument("--k", default="1,2,3,4")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--prompts", type=int, default=8)
@@ -129,10 +131,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:
-            from provider.models.fixtures_mtp import make_qwen3_5_mtp_tiny
+            from provider.models.fixtures import FIXTURES
 
-            path = Path(tmp) / "qwen3_5-mtp-tiny"
-            make_qwen3_5_mtp_tiny(path)
+            FIXTURES[args.fixture](Path(tmp))
+            path = Path(tmp) / args.fixture
         ps = prompts(path, args.prompts, args.tokens)
         truth = plain(path, ps, args.tokens)
         print(f"{path.name}: {len(ps)} prompts, {args.tokens} tokens each, greedy; tokens per target forward")

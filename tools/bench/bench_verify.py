@@ -7,7 +7,7 @@ a round's completion tokens over its wall time (the jobs of a round run together
 medians. Verification reads each committed output back through the model (provider.verification's
 ClaimReader, 256-token chunks), timed against that job's own time from arrival to its end.
 
-    python tools/bench/bench_verify.py [--tokens 256] [--rounds 3] [--skip-100m]
+    python tools/bench/bench_verify.py [--tokens 256] [--rounds 3] [--skip-100m | --skip-bundled]
 """
 
 from __future__ import annotations
@@ -103,10 +103,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-100m", action="store_true")
+    ap.add_argument("--skip-bundled", action="store_true")
     args = ap.parse_args()
     load = os.getloadavg()
     print(f"{os.cpu_count()} cores; load average {load[0]:.2f} at start", flush=True)
-    results = [bench("bundled", default_pair()[0], args)]
+    results = [] if args.skip_bundled else [bench("bundled", default_pair()[0], args)]
     if not args.skip_100m:
         with tempfile.TemporaryDirectory() as tmp:
             fixtures.make_llama_100m(Path(tmp) / "llama-100m")
