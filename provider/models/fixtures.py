@@ -347,6 +347,10 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "gemma4-tools": lambda d: make_gemma4_tools(d / "gemma4-tools"),
     "qwen3_5-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp", fromlist=["_"]).make_qwen3_5_mtp_tiny(
         d / "qwen3_5-mtp-tiny"),
+    "nemotron_h-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_nemotron", fromlist=["_"])
+    .make_nemotron_h_mtp_tiny(d / "nemotron_h-mtp-tiny"),
+    "glm4_moe_lite-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"])
+    .make_glm4_moe_lite_mtp_tiny(d / "glm4_moe_lite-mtp-tiny"),
 }
 
 
