@@ -1,0 +1,150 @@
+"""The nextn (MTP) layer GLM-4.7-Flash checkpoints ship as `model.layers.<num_hidden_layers>.*` (which mlx-lm's
+sanitize drops), loaded here as a drafter from the target's own files.
+
+One head step, as SGLang's nextn model and mlx-vlm's GLM nextn drafters (glm_moe_dsa_mtp, glm5_next_mtp) run it:
+
+    x = eh_proj(concat[enorm(embed(token)), hnorm(h)])     # embed: the layer's own embed_tokens
+    x = decoder layer(x)     # MLA attention with a latent cache of its own, MoE with a shared expert
+    h_next = shared_head.norm(x);  logits = shared_head.head(h_next)     # the layer's own, untied LM head
+
+where the pair (token t+1, h_t) sits at position t: h_t is the target's final-norm hidden at t, or for draft steps
+after the first the head's own h_next (after shared_head.norm, as mlx-vlm's GLM drafters and SGLang feed it back;
+vLLM feeds the state before that norm). mlx-vlm 0.7.10 ships GLM-4.7-Flash's splitter and config only, no runtime
+drafter: this follows its split (the layer's own embed_tokens and shared_head.head kept) and its GLM siblings' step.
+The decoder layer is mlx-lm's own, and the weights go through mlx-lm's glm4_moe_lite sanitize (experts stacked,
+MLA's kv_b_proj split), so the text-only install needs nothing beyond mlx-lm.
+
+One nextn layer only (GLM-4.7-Flash's): deeper stacks chain a layer per draft step, which HeadDrafter does not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from .mtp_heads import OwnHead
+
+FAMILIES = {"glm4_moe_lite"}
+DEPTH_KEY = "num_nextn_predict_layers"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_NEXTN = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.")
+_KEEP_FP32 = "e_score_correction_bias"  # noaux_tc routing's correction bias stays float32 (mlx-lm's cast_predicate)
+
+
+def _config(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+class SharedHead(nn.Module):
+    def __init__(self, hidden: int, vocab: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+
+class Glm4MoeLiteMTPHead(OwnHead):
+    def __init__(self, args):
+        super().__init__()
+        from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteDecoderLayer
+
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.embed_tokens = nn.Embedding(args.vocab_size, hidden)
+        self.enorm = nn.RMSNorm(hidden, eps=eps)
+        self.hnorm = nn.RMSNorm(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = Glm4MoeLiteDecoderLayer(args, args.num_hidden_layers)  # past first_k_dense_replace: MoE
+        self.shared_head = SharedHead(hidden, args.vocab_size, eps)
+
+    @property
+    def lm_head(self):
+        return self.shared_head.head
+
+    def make_cache(self) -> list:
+        return [KVCache()]  # MLA: keys hold the normed latent, values the rotated k_pe (one "head" each)
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
+        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden after
+        shared_head.norm [B, L, H], the pairs' latents appended to `cache` (None: causal over the L pairs alone)."""
+        c = cache[0] if cache else None
+        x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
+        x = self.block(x, create_attention_mask(x, c, return_array=True), c)  # MLA masks its scores: an array
+        return self.shared_head.norm(x)
+
+
+def serves(config: dict) -> bool:
+    return _config(config).get("model_type", config.get("model_type")) in FAMILIES and depth(config) == 1
+
+
+def depth(config: dict) -> int:
+    return int(_config(config).get(DEPTH_KEY) or 0)
+
+
+def kv_elements(config: dict) -> int:
+    """What mlx-lm's MLA attention caches a token: the normed KV latent (kv_lora_rank) as keys and the rotated
+    positional key (qk_rope_head_dim) as values, shared by all heads, not per-head K and V."""
+    tc = _config(config)
+    return int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"])
+
+
+def _prefix(config: dict) -> str:
+    return f"model.layers.{int(_config(config)['num_hidden_layers'])}."
+
+
+def head_tensors(names) -> list[str]:
+    """The nextn layers' tensors: every tensor of a layer that has the nextn projection `eh_proj` (config-free, as
+    footprint calls it; the layer index is num_hidden_layers in the published checkpoints)."""
+    names = list(names)
+    nextn = {m.group(1) for n in names if (m := _NEXTN.match(n))}
+    return [n for n in names if (m := _LAYER.match(n)) and m.group(1) in nextn]
+
+
+def _hf_to_head(weights: dict[str, mx.array], args) -> dict[str, mx.array]:
+    """The nextn layer's tensors (renamed to layer 0) through mlx-lm's own glm4_moe_lite sanitize, which stacks
+    the experts into switch_mlp and splits MLA's kv_b_proj into embed_q / unembed_out; then the head's names."""
+    from dataclasses import replace
+
+    from mlx_lm.models.glm4_moe_lite import Model
+
+    ctx = SimpleNamespace(args=replace(args, num_hidden_layers=1))  # the sanitize reads only self.args
+    out = {}
+    for name, value in Model.sanitize(ctx, {"model.layers.0." + k: v for k, v in weights.items()}).items():
+        name = name[len("model.layers.0."):]
+        top = name.split(".")[0] in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
+        out[name if top else "block." + name] = value
+    return out
+
+
+def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> Glm4MoeLiteMTPHead:
+    """The head from the target's own checkpoint (only its nextn layer's tensors are read), in the target's
+    dtype (the router's correction bias kept float32)."""
+    config = json.loads((path / "config.json").read_text())
+    args = getattr(model, "language_model", model).args
+    head = Glm4MoeLiteMTPHead(args)
+    prefix = _prefix(config)
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        for name, value in mx.load(str(f)).items():
+            if name.startswith(prefix):
+                weights[name[len(prefix):]] = value
+    weights = _hf_to_head(weights, args)
+    dtype = dtype or _target_dtype(model)
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and _KEEP_FP32 not in k else v
+               for k, v in weights.items()}
+    head.load_weights(list(weights.items()), strict=True)
+    mx.eval(head.parameters())
+    # One step on this (loading) thread: MLX ties unevaluated arrays (RoPE tables) to the thread that made them.
+    h = mx.zeros((1, 1, args.hidden_size), dtype=dtype)
+    mx.eval(head(h, h, head.make_cache()))
+    return head
+
+
+def _target_dtype(model) -> mx.Dtype:
+    embed = getattr(model, "language_model", model).model.embed_tokens
+    return getattr(embed, "scales", embed.weight).dtype  # a quantized embedding's scales carry its float type
