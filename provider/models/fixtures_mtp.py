@@ -2,8 +2,9 @@
 
 `qwen3_5-mtp-tiny`: a Qwen3.5 (hybrid: Gated DeltaNet and full-attention layers) written as Hugging Face publishes
 it (`model.language_model.*`, `lm_head.weight`, conv1d [C, 1, K], zero-centred norms) with `mtp.*` head weights
-and `text_config.mtp_num_hidden_layers`, the tensors mlx-lm's sanitize drops. Random, seeded weights: the head
-is untrained, so it rarely agrees with its target, which leaves every acceptance path to the tests.
+and `text_config.mtp_num_hidden_layers`, the tensors mlx-lm's sanitize drops. Random, seeded weights, the head
+distilled briefly on its target (`train_head`). `write_with_head` writes any family of the layout (the MoE ones:
+fixtures_mtp_moe).
 """
 
 from __future__ import annotations
@@ -41,14 +42,31 @@ def make_qwen3_5_mtp_tiny(out: Path, seed: int = 11, train: bool = True, **sizes
     """The fixture; `sizes` override its text config (tools/bench/memory_ledger.py builds a heavier one)."""
     from mlx_lm.models import qwen3_5
 
-    from .qwen3_5_mtp import Qwen35MTPHead
+    write_with_head(out, qwen3_5_config(chatml_tokenizer(out), **sizes), qwen3_5, seed, train)
 
+
+def chatml_tokenizer(out: Path) -> dict[str, int]:
     out.mkdir(parents=True, exist_ok=True)
-    ids = build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
-    config = qwen3_5_config(ids, **sizes)
+    return build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
+
+
+def write_with_head(out: Path, config: dict, family, seed: int, train: bool, fused_experts: bool = False) -> None:
+    """A random target of mlx-lm's `family` module and its head, written in the published layout (the target's
+    MoE experts fused into gate_up as Qwen3.5-MoE's, or one tensor per expert); the head distilled if `train`."""
+    from .qwen3_5_mtp import Qwen35MTPHead, depth, text_args
+
     mx.random.seed(seed)
-    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
-    head = Qwen35MTPHead(model.language_model.args, 1)
+    model = family.Model(family.ModelArgs.from_dict(config))
+    head = Qwen35MTPHead(text_args(model), depth(config))
+    weights = published_target(model, fused_experts) | published_head(head)
+    _save(out, config, weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+    if train:
+        train_head(out)
+
+
+def published_target(model, fused_experts: bool = False) -> dict[str, mx.array]:
+    """The target's tensors as Hugging Face publishes them (what mlx-lm's sanitize converts back)."""
     weights = {}
     for name, value in tree_flatten(model.parameters()):
         if "embed" in name:
@@ -60,14 +78,31 @@ def make_qwen3_5_mtp_tiny(out: Path, seed: int = 11, train: bool = True, **sizes
         name = name.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head",
                                                                                       "lm_head")
         weights[name] = value
+    for base in sorted({n.split(".switch_mlp.")[0] for n in weights if ".switch_mlp." in n}):
+        gate, up, down = (weights.pop(f"{base}.switch_mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
+        if fused_experts:  # [E, 2I, H], gate rows first (as mlx-lm's qwen3_5_moe splits it), and [E, H, I]
+            weights |= {f"{base}.experts.gate_up_proj": mx.concatenate([gate, up], axis=-2),
+                        f"{base}.experts.down_proj": down}
+        else:
+            weights |= {f"{base}.experts.{e}.{p}_proj.weight": w[e] for p, w in (("gate", gate), ("up", up),
+                                                                                ("down", down))
+                        for e in range(w.shape[0])}
+    return weights
+
+
+def published_head(head) -> dict[str, mx.array]:
+    """The head's tensors as the published checkpoints ship them: `mtp.*`, every norm zero-centred, and a MoE
+    layer's experts one tensor per expert (`experts.{e}.{gate,up,down}_proj.weight`, not SwitchGLU's stack)."""
+    out = {}
     for name, value in tree_flatten(head.parameters()):
         if value.ndim == 1:
             value = value - 1.0  # every head norm is zero-centred in the published layout
-        weights["mtp." + name] = value
-    _save(out, config, weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    if train:
-        train_head(out)
+        if ".switch_mlp." in name:
+            base, proj = name.split(".switch_mlp.")
+            out |= {f"mtp.{base}.experts.{e}.{proj}": value[e] for e in range(value.shape[0])}
+        else:
+            out["mtp." + name] = value
+    return out
 
 
 TRAIN_TOKENS = 24  # greedy tokens per training sequence
@@ -100,7 +135,7 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
     tokens = mx.array(seqs)
     model(tokens)
     hidden = mx.stop_gradient(tap.last)
-    lm = model.language_model
+    lm = getattr(model, "language_model", model)  # Qwen3-Next's model is its text model
     embed = lm.model.embed_tokens(tokens[:, 1:-1])
 
     def loss_fn(h):
@@ -114,8 +149,6 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
         opt.update(head, grads)
         mx.eval(head.parameters(), opt.state)
     accuracy = (lm.lm_head(head(embed, hidden[:, :-2], None)).argmax(-1) == tokens[:, 2:]).mean().item()
-    weights = dict(mx.load(str(out / "model.safetensors")))
-    for name, value in tree_flatten(head.parameters()):
-        weights["mtp." + name] = value - 1.0 if value.ndim == 1 else value
+    weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
     return accuracy

@@ -8,9 +8,12 @@ One head step, as vLLM's Qwen3NextMTP and mlx-vlm's qwen3_5_mtp drafter run it:
     h_next = norm(x);  logits = the target's LM head(h_next)
 
 where the pair (token t+1, h_t) sits at position t: h_t is the target's final-norm hidden state at t, or for
-draft steps after the first the head's own h_next. The layers are mlx-lm's Qwen3.5 decoder layer with every
-layer full attention (as mlx-vlm builds them), so the text-only install needs nothing beyond mlx-lm: mlx-vlm's
-drafter class imports its own model zoo, and its weight conversion is the small `_hf_layout` below.
+draft steps after the first the head's own h_next. The layers are the family's own mlx-lm decoder layer with every
+layer full attention (as mlx-vlm builds them): Qwen3.5's, which is a MoE layer (experts and a shared expert) when
+the config has experts (Qwen3.5-MoE), and Qwen3-Next's. So the text-only install needs nothing beyond mlx-lm:
+mlx-vlm's drafter class imports its own model zoo. The head's weights are converted as mlx-lm converts its
+target's: zero-centred norms by `_hf_layout`, and a MoE layer's experts (one tensor per expert, as the published
+heads ship them, or Qwen3.5-MoE's fused gate_up) stacked into SwitchGLU's by mlx-lm's own sanitize (`_experts`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
@@ -39,17 +43,24 @@ def text_args(model):
     return getattr(model, "language_model", model).args
 
 
+def decoder_layer(args):
+    """The family's mlx-lm decoder layer class, from its target's text arguments."""
+    from mlx_lm.models import qwen3_5, qwen3_next
+
+    return qwen3_next.Qwen3NextDecoderLayer if isinstance(args, qwen3_next.ModelArgs) else qwen3_5.DecoderLayer
+
+
 class Qwen35MTPHead(OwnHead):
     def __init__(self, args, depth: int):
         super().__init__()
-        from mlx_lm.models.qwen3_5 import DecoderLayer
-
         hidden, eps = args.hidden_size, args.rms_norm_eps
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
         one = replace(args, num_hidden_layers=depth, full_attention_interval=1)  # layer 0: full attention
-        self.layers = [DecoderLayer(one, 0) for _ in range(depth)]
+        # Index 0 for every layer, as mlx-vlm builds them (vLLM numbers them, the same for the one-layer heads
+        # published): a Qwen3-Next layer is MoE by its index (decoder_sparse_step, mlp_only_layers).
+        self.layers = [decoder_layer(args)(one, 0) for _ in range(depth)]
         self.norm = nn.RMSNorm(hidden, eps=eps)
 
     def make_cache(self) -> list:
@@ -68,9 +79,8 @@ class Qwen35MTPHead(OwnHead):
 
 
 def serves(config: dict) -> bool:
-    """Dense Qwen3.5 only: a MoE head's experts are not mapped yet."""
-    tc = config.get("text_config") or config
-    return config.get("model_type") == "qwen3_5" and not tc.get("num_experts")
+    """Every family of the layout: dense Qwen3.5, and the MoE heads of Qwen3.5-MoE and Qwen3-Next."""
+    return config.get("model_type") in FAMILIES
 
 
 def kv_elements(config: dict) -> int:
@@ -109,6 +119,7 @@ def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> Qwen35MTPHead
                 if centred and value.ndim == 1 and name.endswith(_CENTRED_NORMS):
                     value = value + 1.0
                 weights[name] = value
+    weights = _experts(model, weights)
     dtype = dtype or _target_dtype(model)
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     head.load_weights(list(weights.items()), strict=True)
@@ -117,6 +128,29 @@ def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> Qwen35MTPHead
     h = mx.zeros((1, 1, head.fc.weight.shape[0]), dtype=dtype)
     mx.eval(head(h, h, head.make_cache()))
     return head
+
+
+def _experts(model, weights: dict) -> dict:
+    """A MoE head layer's experts in SwitchGLU's layout (`mlp.switch_mlp.*`), converted by mlx-lm's own sanitize
+    of the target: the head's `layers.i.mlp.experts.*` named as the target's layer i, converted, named back.
+    Qwen3.5-MoE's sanitize splits a fused `experts.gate_up_proj` (its target layers' layout); one tensor per
+    expert (`experts.{e}.{gate,up,down}_proj.weight`: Qwen3-Next's layers, and both families' published heads)
+    is stacked by Qwen3-Next's sanitize, which reads only the experts' count from its model. Anything else (a
+    head converted already, a dense head) passes unchanged; a layout neither knows fails the strict load."""
+    from mlx_lm.models import qwen3_5_moe, qwen3_next
+
+    experts = {k: weights.pop(k) for k in list(weights) if ".mlp.experts." in k}
+    if not experts:
+        return weights
+    if any(k.endswith(".experts.gate_up_proj") for k in experts) and isinstance(model, qwen3_5_moe.Model):
+        named = model.sanitize({"model.language_model." + k: v for k, v in experts.items()})
+        prefix = "language_model.model."
+    else:
+        args = text_args(model)
+        stand_in = SimpleNamespace(args=SimpleNamespace(num_experts=args.num_experts, tie_word_embeddings=False))
+        named = qwen3_next.Model.sanitize(stand_in, {"model." + k: v for k, v in experts.items()})
+        prefix = "model."
+    return weights | {k.removeprefix(prefix): v for k, v in named.items()}
 
 
 def _target_dtype(model) -> mx.Dtype:
