@@ -127,7 +127,8 @@ class HeadDrafter:
     def __init__(self, head, target: Target):
         self.head, self.target = head, target
         lm = target.lm
-        self.embed = lm.model.embed_tokens
+        own = getattr(head, "embed_tokens", None)  # a head that ships its own embedding (GLM's nextn layer) uses it
+        self.embed = lm.model.embed_tokens if own is None else own
         self.lm_head = head.lm_head or getattr(lm, "lm_head", None) or self.embed.as_linear
         # Each row's index in the current round's verify, by identity: the rows themselves are not held, or the
         # last round's rows (their caches, the target's and the head's) outlived their jobs until the next round.
