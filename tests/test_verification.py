@@ -288,7 +288,10 @@ def test_a_verify_job_is_booked_cancelled_and_ended_once_like_any_job(fixtures_d
             async for ev in stream:
                 events.append(ev)
         held.clear()
-        again = await collect(node, Job(id="v2", model="m", prompt_ids=PROMPTS[3], sampling=GREEDY, verify=claim))
+        # The original request's speculation="on" travels in a spot check's copy of it: this verifier has no
+        # drafter, and a verify job makes no tokens, so it is not refused for that.
+        again = await collect(node, Job(id="v2", model="m", prompt_ids=PROMPTS[3], sampling=GREEDY, verify=claim,
+                                        speculation="on"))
         bad = await collect(node, Job(id="v3", model="m", prompt_ids=PROMPTS[3], sampling=GREEDY,
                                       verify=Claimed((10**6,), proof)))
         return events, again, bad

@@ -13,6 +13,8 @@ from .acceptance import GREEDY, SPECULATIVE_SAMPLING
 
 
 def job_plan(job: Job, lm: LoadedModel, config: speculation.SpeculationConfig, sharing: int) -> speculation.SpecPlan:
+    if job.verify is not None:  # it reads a claim and makes no tokens: what the request asked of decoding is moot
+        return speculation.SpecPlan(SpecMode.OFF, SpecReason.POLICY_OFF)
     policy = speculation.effective_policy(config.policy, job.speculation)
     profile = lm.spec_profile
     scheme = GREEDY if job.sampling.greedy else SPECULATIVE_SAMPLING

@@ -3,8 +3,10 @@
 Honest: jobs across the engine's paths, made on producer nodes that commit (the fixture gemma4-tiny alone and
 in batches of 16 with mixed lengths and sampling, prefix hits, prefill chunks 64 and 2048; the bundled MTP pair
 and the llama draft pair speculating; logprob jobs; a quarter of them structured output, under a JSON schema's
-grammar, which the verifier replays; a node group of two split by projections and one split by layers), each
-verified on a separate verifier node holding the real weights. Expected: 0 false rejections.
+grammar, which the verifier replays; a node group of two split by projections and one split by layers; image jobs
+on the tiny Gemma 4 VLM, one or two images of random sizes, plain and MTP, a third behind a shared system prompt,
+checked by verify jobs carrying the images), each verified on a separate verifier node holding the real weights.
+Expected: 0 false rejections.
 
 Cheats, each claimed as the real model's work and verified the same way: other weights (1% noise, on gemma4-tiny
 and on llama-tiny, where most values move by less than rel_tol), the real
@@ -15,8 +17,8 @@ real weights over the whole output: the strongest forgery, answered by the token
 in >= 99.9% of its jobs, and where it starts (the first token that is not the real model's, or the first chunk
 whose hidden states are another model's; never before, and past it only by near-ties).
 
-    python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--group 200] [--kinds K,...] [--tokens 48]
-        [--seed 39]
+    python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--group 200] [--images 200]
+        [--kinds K,...] [--tokens 48] [--seed 39]
 """
 
 from __future__ import annotations
@@ -130,6 +132,66 @@ def group_outcomes(root: Path, path: str, family: str, split: str, rng: random.R
             f.stop()
 
 
+def image_outcomes(root: Path, rng: random.Random, args) -> list[tuple[str, bool, dict]]:
+    """Honest image jobs made by a committing VLM node (its assistant speculating on half of them), each checked
+    by a verify job (the request with its images, the claimed ids, the proof) on another node: (path, passed,
+    verdict)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from provider.content import IMAGE_PART, ImageInput
+    from provider.jobs import Claim as ClaimOf
+    from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+    from provider.types import SpecMode
+
+    make_gemma4_vlm(root / "vlm")
+    make_gemma4_vlm_assistant(root / "vlm-assistant", root / "vlm")
+    producer = make_node({"vlm": root / "vlm"}, commitments="on", speculation_k=3, max_concurrent_jobs=8,
+                         manager_kw={"drafters": {"vlm": root / "vlm-assistant"}})
+    verifier = make_node({"vlm": root / "vlm"}, speculation="off")
+    system = {"role": "system", "content": "You describe pictures for a catalogue, briefly and plainly. " * 3}
+
+    def picture() -> ImageInput:
+        w, h = rng.randint(24, 220), rng.randint(24, 220)
+        pixels = np.random.default_rng(rng.randrange(1 << 31)).integers(0, 255, (h, w, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, rng.choice(["PNG", "JPEG"]))
+        return ImageInput(buf.getvalue())
+
+    def job(i: int) -> Job:
+        n = rng.choice([1, 1, 2])
+        content = [dict(IMAGE_PART) for _ in range(n)] + [{"type": "text", "text": messages(rng)[0]["content"]}]
+        rng.shuffle(content)
+        msgs = ((system,) if rng.random() < 0.33 else ()) + ({"role": "user", "content": content},)
+        return Job(id=f"img{i}", model="vlm", messages=msgs, images=tuple(picture() for _ in range(n)),
+                   sampling=dataclasses.replace(sampling_for(rng, args.tokens), logprobs=None),
+                   speculation=rng.choice(["on", "off"]))
+
+    async def main() -> list[tuple[str, bool, dict]]:
+        out = []
+        for start in range(0, args.images, 8):
+            jobs = [job(start + i) for i in range(min(8, args.images - start))]
+            for j, ids, end in await produce(producer, "vlm", jobs):
+                assert isinstance(end, Done) and end.proof is not None, (j.id, end)
+                check = dataclasses.replace(j, id=f"verify-{j.id}", verify=ClaimOf(tuple(ids), end.proof))
+                _, _, verdict = (await produce(verifier, "vlm", [check]))[0]
+                path = "images_mtp" if end.telemetry.speculation.mode is SpecMode.MTP else "images"
+                passed = isinstance(verdict, Done) and verdict.verdict is not None and verdict.verdict.passed
+                out.append((path, passed, {"job": j.id, "end": repr(verdict)[:300]}))
+        return out
+
+    async def run_and_stop():
+        try:
+            return await main()
+        finally:
+            await producer.stop()
+            await verifier.stop()
+
+    return asyncio.run(run_and_stop())
+
+
 def forged(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> Proof:
     """A commitment to `ids` computed with the real weights (what a forger holding them can make for any output)."""
     indices, bits = read(verifier, model, job, ids, proof).entries()
@@ -146,6 +208,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=39)
     ap.add_argument("--group", type=int, default=200, help="honest jobs per split through a node group of two")
+    ap.add_argument("--images", type=int, default=200, help="honest image jobs, checked by verify jobs")
     ap.add_argument("--kinds", default="", help="only these cheats (comma-separated names as printed)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -204,6 +267,10 @@ def main() -> int:
                 report["honest"][(path, verdict.passed)] += 1
                 if not verdict.passed:
                     report["honest_failures"].append({"path": path, "job": job.id, **verdict.summary()})
+        for path, passed, detail in image_outcomes(root, rng, args) if args.images else ():
+            report["honest"][(path, passed)] += 1
+            if not passed:
+                report["honest_failures"].append({"path": path, **detail})
         # Cheats.
         kinds = [k for k in [*bad, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice"]
                  if not args.kinds or k in args.kinds.split(",")]
