@@ -72,6 +72,9 @@ def make_glm4_moe_lite_mtp_tiny(out: Path, seed: int = 21) -> None:
                nextn + "eh_proj.weight": mx.random.normal((hidden, 2 * hidden)) * (2 * hidden) ** -0.5,
                nextn + "shared_head.norm.weight": 1.0 + 0.1 * mx.random.normal((hidden,)),
                nextn + "shared_head.head.weight": mx.random.normal((vocab, hidden)) * hidden ** -0.5}
-    weights = _hf_names(params, config)
+    # Values a bfloat16 checkpoint holds (as the published one), stored as float32 for MLX's CPU (its expert
+    # matmul takes float32 only): mlx-vlm's split casts the head to bfloat16, losslessly then.
+    weights = {k: v if "e_score_correction_bias" in k else v.astype(mx.bfloat16).astype(mx.float32)
+               for k, v in _hf_names(params, config).items()}
     _save(out, config, weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
