@@ -56,19 +56,25 @@ class HiddenTap:
 
 def _text_model(model):
     lm = getattr(model, "language_model", model)
-    return getattr(lm, "model", None)
+    inner = getattr(lm, "model", None)
+    return getattr(lm, "backbone", None) if inner is None else inner  # Nemotron-H's text model is its backbone
+
+
+def _final_norm(inner):
+    norm = getattr(inner, "norm", None)
+    return getattr(inner, "norm_f", None) if norm is None else norm  # Nemotron-H's is `norm_f`
 
 
 def installed(model) -> HiddenTap | None:
     """The model's tap if `install` put one on it."""
-    return getattr(type(getattr(_text_model(model), "norm", None)), "hidden_tap", None)
+    return getattr(type(_final_norm(_text_model(model))), "hidden_tap", None)
 
 
 def install(model) -> HiddenTap | None:
-    """The model's tap, installed once; None when its text model has no final norm named `norm` (a family
-    whose commitments this node cannot make)."""
+    """The model's tap, installed once; None when its text model has no final norm (`norm`, or Nemotron-H's
+    `norm_f`): a family whose commitments this node cannot make."""
     inner = _text_model(model)
-    norm = getattr(inner, "norm", None)
+    norm = _final_norm(inner)
     if norm is None or not callable(norm):
         return None
     existing = getattr(type(norm), "hidden_tap", None)
