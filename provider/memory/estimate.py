@@ -75,7 +75,7 @@ class KVShape:
         window = tokens if self.sliding_window is None else min(tokens, self.sliding_window)
         return self.bytes_per_token_full * tokens + self.bytes_per_token_sliding * window + self.bytes_per_row
 
-    def per_rank(self, ranks: int) -> "KVShape":
+    def per_rank(self, ranks: int) -> KVShape:
         """One rank's share in a node group: each holds its KV heads' (tensor) or its layers' (pipeline)."""
         return KVShape(-(-self.bytes_per_token_full // ranks), -(-self.bytes_per_token_sliding // ranks),
                        self.sliding_window, -(-self.bytes_per_row // ranks))
@@ -150,18 +150,18 @@ def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -
     sliding-window layers by sliding_layer_quant. A hybrid's recurrent layers hold no K/V but a state per row
     (bytes_per_row), in full precision whatever `quant` says."""
     tc = text_config(config)
-    layers = tc.get("num_hidden_layers", 0)
     heads = tc.get("num_attention_heads", 1)
     kv_heads = tc.get("num_key_value_heads") or heads
     head_dim = sliding_head_dim(config)
     shared = tc.get("num_kv_shared_layers") or 0
-    types = layer_kinds(tc)[: layers - shared]
+    types = layer_kinds(tc)
+    types = types[: (tc.get("num_hidden_layers") or len(types)) - shared]
     recurrent = types.count(LINEAR)
     window = tc.get("sliding_window")
     full_quant, sliding_quant = full_layer_quant(config, quant), sliding_layer_quant(config, quant)
     full = sliding = 0
     for kind in types:
-        if kind == LINEAR:  # no K/V: a state per row instead
+        if kind in (LINEAR, NO_CACHE):  # no K/V (a recurrent layer: a state per row instead)
             continue
         if kind == "sliding_attention" and window:
             sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, sliding_quant)
@@ -173,12 +173,32 @@ def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -
 
 
 LINEAR = "linear_attention"
+NO_CACHE = "no_cache"  # Nemotron-H's MLP and MoE blocks: layers of their own that hold nothing per token or row
+# Nemotron-H's blocks, by the characters of `hybrid_override_pattern` or the names of its block list (mlx-lm's map)
+_BLOCKS = {"*": "full_attention", "M": LINEAR, "-": NO_CACHE, "E": NO_CACHE}
+_BLOCK_CHARS = {"full_attention": "*", "attention": "*", "linear_attention": "M", "mamba": "M", "conv": "M",
+                "moe": "E", "mlp": "-"}
+
+
+def _block_pattern(tc: dict) -> list[str] | None:
+    """A Nemotron-H config's blocks as mlx-lm builds them (None: not a Mamba2 hybrid)."""
+    if not tc.get("mamba_num_heads"):
+        return None
+    chars = tc.get("hybrid_override_pattern")
+    if chars is None:
+        chars = [_BLOCK_CHARS.get(t, "*") for t in tc.get("layers_block_type") or tc.get("layer_types") or []]
+    return [_BLOCKS.get(c, "full_attention") for c in chars]
 
 
 def layer_kinds(tc: dict) -> list[str]:
     """Each layer's kind as mlx-lm builds it. A Gated DeltaNet hybrid (Qwen3.5, Qwen3-Next: its config has
     `full_attention_interval` or `linear_num_value_heads`) by the interval: layer i is full attention when
-    (i + 1) % interval is 0 (4 when absent), whatever `layer_types` says; others by `layer_types`, or all full."""
+    (i + 1) % interval is 0 (4 when absent), whatever `layer_types` says; a Mamba2 hybrid (Nemotron-H) by its
+    block pattern, one layer per block (only its Mamba2 and attention blocks hold a cache); others by
+    `layer_types`, or all full."""
+    blocks = _block_pattern(tc)
+    if blocks is not None:
+        return blocks
     layers = tc.get("num_hidden_layers", 0)
     if "full_attention_interval" in tc or (tc.get("linear_num_value_heads") and not tc.get("layer_types")):
         every = tc.get("full_attention_interval") or 4
@@ -190,7 +210,14 @@ def recurrent_row_bytes(tc: dict, dtype_bytes: int) -> int:
     """One row's state in one Gated DeltaNet layer (mlx-lm's qwen3_5 / qwen3_next, an ArraysCache of two): the
     conv window, (kernel - 1) x conv_dim in the activations' float type (conv_dim: q, k and v, 2 x key heads x
     key dim + value heads x value dim), and the recurrence's state, value heads x value dim x key dim in float32
-    (gated_delta_update makes it float32 and keeps its dtype). Constant in the row's length."""
+    (gated_delta_update makes it float32 and keeps its dtype). Constant in the row's length. A Mamba2 layer
+    (Nemotron-H): the conv window over x, B and C (heads x head dim + 2 x groups x state size) and the SSM state,
+    heads x head dim x state size in float32 (mlx-lm's ssm computes it from float32 time steps)."""
+    if tc.get("mamba_num_heads"):
+        inner = tc["mamba_num_heads"] * tc.get("mamba_head_dim", 0)
+        state = tc.get("ssm_state_size", 0)
+        conv = (tc.get("conv_kernel", 4) - 1) * (inner + 2 * tc.get("n_groups", 1) * state) * dtype_bytes
+        return conv + inner * state * 4
     hk, dk = tc.get("linear_num_key_heads", 0), tc.get("linear_key_head_dim", 0)
     hv, dv = tc.get("linear_num_value_heads", 0), tc.get("linear_value_head_dim", 0)
     conv = (tc.get("linear_conv_kernel_dim", 4) - 1) * (2 * hk * dk + hv * dv) * dtype_bytes
