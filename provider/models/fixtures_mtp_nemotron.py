@@ -4,8 +4,10 @@
 `hybrid_override_pattern`, written as NVIDIA's checkpoints are (`backbone.*`, `lm_head.weight`, conv1d [C, 1, K],
 experts one tensor each: `mixer.experts.{e}.up_proj` / `down_proj`), with `mtp.*` head weights of the head's own
 pattern (`mtp_hybrid_override_pattern`, attention then MoE; `enorm` / `hnorm` / `eh_proj` on its first block,
-`final_layernorm` on its last) and `num_nextn_predict_layers` = 1. Random, seeded weights (untrained head: its
-drafts are seldom accepted, so nearly every round rolls the Mamba2 layers back).
+`final_layernorm` on its last) and `num_nextn_predict_layers` = 1. Random, seeded weights, the head then distilled
+briefly on its target's greedy continuations of `fixtures_mtp.train_prompts` (as the Qwen3.5 fixture's): on those
+its drafts are often accepted, elsewhere seldom, so rounds accept every number of drafts from 0 to k and the
+Mamba2 layers are rolled back from every point of a round.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
-from .fixtures_mtp import HF_METADATA
+from .fixtures_mtp import HF_METADATA, TRAIN_TOKENS, train_prompts
 
 PATTERN, HEAD_PATTERN = "M*ME-M", "*E"
 _STACKED = re.compile(r"^(.*\.mixer)\.switch_mlp\.(fc1|fc2)\.weight$")
@@ -59,7 +61,7 @@ def _randomised(name: str, value: mx.array) -> mx.array:
     return value
 
 
-def make_nemotron_h_mtp_tiny(out: Path, seed: int = 13, **sizes) -> None:
+def make_nemotron_h_mtp_tiny(out: Path, seed: int = 13, train: bool = True, **sizes) -> None:
     from mlx_lm.models import nemotron_h
 
     from .nemotron_h_mtp import NemotronHMTPHead
@@ -77,3 +79,47 @@ def make_nemotron_h_mtp_tiny(out: Path, seed: int = 13, **sizes) -> None:
             weights |= {prefix + k: v for k, v in _published(name, _randomised(name, value)).items()}
     _save(out, config, weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+    if train:
+        train_head(out)
+
+
+def _write_head(out: Path, head) -> None:
+    weights = {k: v for k, v in mx.load(str(out / "model.safetensors")).items() if not k.startswith("mtp.")}
+    for name, value in tree_flatten(head.parameters()):
+        weights |= {"mtp." + k: v for k, v in _published(name, value).items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+
+
+def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
+    """Distil the head on its target's own greedy continuations (the pair (token t+1, target hidden at t) learns
+    token t+2 through the target's frozen LM head) and write it back in the published layout; its accuracy."""
+    import mlx.optimizers as optim
+    from mlx import nn
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from ..verification.hidden_tap import install
+    from .nemotron_h_mtp import load_head
+
+    model, _ = load(str(out))
+    tap = install(model)
+    head = load_head(out, model)
+    prompts = train_prompts(seed)
+    seqs = [p + [t for (t, _), _ in zip(generate_step(mx.array(p), model), range(TRAIN_TOKENS))] for p in prompts]
+    tokens = mx.array(seqs)
+    model(tokens)
+    hidden = mx.stop_gradient(tap.last)
+    embed = model.backbone.embeddings(tokens[:, 1:-1])
+
+    def loss_fn(h):
+        return nn.losses.cross_entropy(model.lm_head(h(embed, hidden[:, :-2], None)), tokens[:, 2:]).mean()
+
+    opt = optim.Adam(learning_rate=3e-3)
+    step = nn.value_and_grad(head, loss_fn)
+    for _ in range(steps):
+        _, grads = step(head)
+        opt.update(head, grads)
+        mx.eval(head.parameters(), opt.state)
+    accuracy = (model.lm_head(head(embed, hidden[:, :-2], None)).argmax(-1) == tokens[:, 2:]).mean().item()
+    _write_head(out, head)
+    return accuracy

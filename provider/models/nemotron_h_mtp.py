@@ -112,6 +112,9 @@ def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> NemotronHMTPH
                for k, v in weights.items()}
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
+    # The head embeds with the target's table (drafters.HeadDrafter reads `embed_tokens`): held outside the module
+    # tree, so it is neither the head's parameter nor booked twice.
+    object.__setattr__(head, "embed_tokens", model.backbone.embeddings)
     # One step on this (loading) thread: MLX ties unevaluated arrays to the thread that made them.
     h = mx.zeros((1, 1, args.hidden_size), dtype=dtype)
     mx.eval(head(h, h, head.make_cache()))

@@ -1,0 +1,270 @@
+"""Speculation with the MTP head a Nemotron-H checkpoint ships (issue 42), through the real engine.
+
+The fixture is a tiny Nemotron-H (Mamba2, attention, MoE and MLP blocks by `hybrid_override_pattern`) in Hugging
+Face's layout with `mtp.*` head weights of the head's own pattern (attention then MoE), its head distilled briefly
+on its target's continuations of `fixtures_mtp.train_prompts`: rounds accept every number of drafts from 0 to k,
+so the Mamba2 layers are rolled back (provider.engine.recurrent) from every point. Greedy output must equal plain
+mlx-lm decoding."""
+
+import asyncio
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.models.cache import ArraysCache
+
+from provider.engine import recurrent
+from provider.jobs import Job, SamplingParams
+from provider.memory import estimate
+from provider.models import capability
+from provider.models.fixtures_mtp import train_prompts
+from provider.models.footprint import drafter_footprint, head_kv_shape, kv_shape_of
+from provider.models.nemotron_h_mtp import load_head, serves
+from provider.types import SpecMode
+from provider.verification.hidden_tap import install
+from tests.helpers import collect, greedy, make_node, run
+from tests.test_mtp_families import _sampled, plain
+from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
+
+NAME = "nemotron_h-mtp-tiny"
+
+
+@pytest.fixture(scope="module")
+def target(fixtures_dir):
+    return fixtures_dir / NAME
+
+
+def prompts(target) -> list[list[int]]:
+    """Four prompts the head was distilled on, four held out of 1 to 90 tokens."""
+    _, tok = load(str(target))
+    text = tok.encode("The provider node serves language models to a network of clients. " * 6)
+    return train_prompts()[:4] + [text[:1], text[3:10], text[5:40], text[:90]]
+
+
+def test_capability_is_read_from_config_and_head_tensors_and_a_broken_head_is_refused(target, tmp_path):
+    config = capability.read_config(target)
+    caps = capability.with_drafter(capability.detect(target, config), target, None, config)
+    assert caps.native_mtp_heads and caps.native_mtp_declared == 1
+    assert (caps.mtp_capable, caps.drafter_reason, caps.speculates_with) == (True, "ok", "own_mtp_head")
+    # A head with Mamba2 blocks is not one this node (or mlx-vlm) loads.
+    assert not serves(config | {"mtp_hybrid_override_pattern": "M*"}) and not serves(config | {
+        "num_nextn_predict_layers": 0})
+    weights = dict(mx.load(str(target / "model.safetensors")))
+    stripped = tmp_path / "stripped"
+    shutil.copytree(target, stripped)
+    mx.save_safetensors(str(stripped / "model.safetensors"), {k: v for k, v in weights.items()
+                                                              if not k.startswith("mtp.")})
+    caps = capability.with_drafter(capability.detect(stripped, config), stripped, None, config)
+    assert not caps.native_mtp_heads and not caps.mtp_capable and caps.drafter_reason == "not_mtp_capable"
+    # Hostile heads (a tensor missing, one misshaped) fail their load with an error the loader turns into
+    # "no drafter", and the target still decodes.
+    model, _ = load(str(target))
+    for name, broken in (("missing", {k: v for k, v in weights.items() if k != "mtp.layers.0.eh_proj.weight"}),
+                         ("misshaped", weights | {"mtp.layers.0.eh_proj.weight": mx.zeros((64, 64))})):
+        bad = tmp_path / name
+        shutil.copytree(target, bad)
+        mx.save_safetensors(str(bad / "model.safetensors"), broken)
+        with pytest.raises(ValueError):
+            load_head(bad, model)
+    node = make_node({NAME: bad}, speculation="auto")
+    ids, _, done, _ = run(_one(node, Job("h", NAME, greedy(4), prompt_ids=tuple(train_prompts()[0]))))
+    assert len(ids) == 4 and done.telemetry.speculation.mode.value == "off"
+
+
+async def _one(node, job):
+    out = await collect(node, job)
+    await node.stop()
+    return out
+
+
+def test_the_footprint_books_the_head_and_the_estimate_reads_the_block_pattern(target):
+    """The head is booked once, as the drafter (its tensors, activations and its attention block's K/V), never
+    inside the target; the target's per-row books are what mlx-lm's caches hold: K/V for its attention block
+    only, one Mamba2 state per Mamba2 block (conv window + float32 SSM state), nothing for MLP / MoE blocks."""
+    from provider.models.checkpoint import open_checkpoint
+
+    config = capability.read_config(target)
+    model, _ = load(str(target))
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert estimate.weight_bytes(config, open_checkpoint(target).tensors) == held
+    head = load_head(target, model)
+    head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    on_disk = sum(v.nbytes for v in mx.load(str(target / "model.safetensors")).values())
+    assert held + head_bytes == on_disk
+    assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
+        estimate.activation_bytes(config, 512)
+    assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4  # one attention block, fp32
+
+    caches = model.make_cache()
+    model(mx.array([list(range(256))]), cache=caches)  # 256: the K/V buffer's own step, so none is spare
+    mx.eval([c.state for c in caches])
+    shape = kv_shape_of(target, config)
+    state = sum(c.nbytes for c in caches if isinstance(c, ArraysCache))
+    assert (shape.bytes_per_row, shape.bytes_for(256)) == (state, sum(c.nbytes for c in caches))
+    # A config without num_hidden_layers (transformers derives it from the blocks) books the same.
+    assert kv_shape_of(target, {k: v for k, v in config.items() if k != "num_hidden_layers"}) == shape
+    named = config | {"hybrid_override_pattern": None,
+                      "layers_block_type": ["mamba", "attention", "mamba", "moe", "mlp", "mamba"]}
+    assert kv_shape_of(target, named) == shape
+
+
+def _mamba_states(caches):
+    return [c.cache for c in caches if isinstance(c, ArraysCache)]
+
+
+def test_a_rewound_mamba2_state_is_the_state_plain_decoding_reaches(target):
+    """After a verify of k + 1 positions, a row keeping n + 1 of them gets each Mamba2 layer's state (conv window
+    and SSM state) bit for bit as its mixer reaches it a position at a time, as plain decoding runs it, from the
+    state before the verify over the same inputs; a full acceptance keeps the verify's own, equal the same way.
+    mlx-lm's chunked scan over the width at once does not (why the round steps the SSM: ~1e-8 apart); and the
+    whole model's rewound caches are within 1e-6 of plain decoding's over the kept tokens (the attention and
+    projections' width-k+1 rounding, as for any target)."""
+    model, _ = load(str(target))
+    recurrent.install(model)
+    prompt, drafts = train_prompts()[0], mx.array([[5, 77, 140, 9]])
+    base = {id(m): type(m).__mro__[1] for _, m in recurrent._mixers(model)}
+
+    def read():
+        caches = model.make_cache()
+        model(mx.array([prompt]), cache=caches)
+        mx.eval([c.state for c in caches])
+        return caches
+
+    for kept in (1, 2, 4):
+        caches = read()
+        rewind = recurrent.begin(model, caches)
+        model(drafts, cache=caches)
+        rewind.done()
+        rewind.row(caches, 0, kept, 4)
+        mx.eval(recurrent.evaluated(caches))
+        stepped, chunked = read(), read()
+        for (layer, mixer), inputs in zip(recurrent._mixers(model), rewind.inputs):
+            own = base[id(mixer)]
+            for j in range(kept):
+                own.__call__(mixer, inputs[:, j:j + 1], None, stepped[layer])
+            own.__call__(mixer, inputs[:, :kept], None, chunked[layer])
+            for a, b in zip(caches[layer].cache, stepped[layer].cache):
+                assert mx.array_equal(a, b).item(), (kept, layer)
+        if kept > 1:
+            assert any(not mx.array_equal(a[1], b[1]).item()
+                       for a, b in zip(_mamba_states(caches), _mamba_states(chunked)))
+        plain_caches = read()
+        for j in range(kept):
+            model(drafts[:, j:j + 1], cache=plain_caches)
+        worst = max(mx.abs(a - b).max().item() for x, y in zip(_mamba_states(caches), _mamba_states(plain_caches))
+                    for a, b in zip(x, y))
+        assert worst < 1e-6, worst
+
+
+def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target, monkeypatch):
+    """Alone, then 8 together (mixed prompt lengths, rows ending at their own steps), then the first prompt again
+    extended (its prefix served from the prefix cache's copy of the recurrent state): each job's tokens are plain mlx-lm
+    decoding's, up to the end token. Rounds accept 0 to k - 1 drafts (the Mamba2 rollback keeping 1 to k of k + 1
+    positions, each seen) and all k."""
+    rewound = []
+    row = recurrent.Rewind.row
+
+    def seen(self, caches, i, kept, width):
+        rewound.append(kept)
+        return row(self, caches, i, kept, width)
+
+    monkeypatch.setattr(recurrent.Rewind, "row", seen)
+    n = 24
+    ps = prompts(target)
+    _, tok = load(str(target))
+
+    def truth(p):
+        out = plain(target, p, n)
+        return out[:out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out
+
+    want = [truth(p) for p in ps]
+    longer = ps[7] + want[7] + [5, 6]  # past the entry job 7 left (its prompt and output): a prefix hit
+    node = make_node({NAME: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3)
+
+    async def main():
+        alone = [await collect(node, Job(f"a{i}", NAME, greedy(n), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
+        together = await asyncio.gather(*(collect(node, Job(f"t{i}", NAME, greedy(n), prompt_ids=tuple(p)))
+                                          for i, p in enumerate(ps)))
+        again = await collect(node, Job("again", NAME, greedy(n), prompt_ids=tuple(longer)))
+        await node.stop()
+        return alone, together, again
+
+    alone, together, again = run(main())
+    for kind, results in (("alone", alone), ("together", together)):
+        for i, (ids, _, done, _) in enumerate(results):
+            spec = done.telemetry.speculation
+            assert (spec.mode.value, spec.reason) == ("mtp", "ok"), (kind, i, spec)
+            assert ids == want[i], f"{kind} job {i} ({len(ps[i])} prompt tokens)"
+    trained = [r[2].telemetry.speculation for r in alone[:4]]
+    assert 0.5 < sum(s.accepted for s in trained) / sum(s.rounds for s in trained) < 2.5  # some, not all, k = 3
+    assert set(rewound) == {1, 2, 3, 4}  # kept n + 1 of k + 1 = 4: every number of drafts accepted, 0 to k
+    assert together[0][2].telemetry.speculation.mean_batch > 2
+    assert again[0] == truth(longer) and again[2].usage.cached_prompt_tokens >= len(ps[7])
+
+
+def test_the_head_computes_what_mlx_vlms_nemotron_h_mtp_drafter_computes_on_the_same_weights(target):
+    """The head as loaded here against mlx-vlm's NemotronHMTPDraftModel from its own `load_drafter(path,
+    kind="mtp")` of the same checkpoint: the same parameters, and on the prompt's pairs then four draft steps the
+    same hidden state and draft tokens bit for bit, and the same K/V."""
+    pytest.importorskip("mlx_vlm.speculative.drafters.nemotron_h_mtp")
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    theirs, kind = load_drafter(str(target), kind="mtp")
+    assert kind == "mtp"
+    model, _ = load(str(target))
+    tap = install(model)
+    ours = load_head(target, model)
+    mine, other = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
+    assert mine.keys() == other.keys()
+    assert [k for k in mine if not mx.array_equal(mine[k], other[k]).item()] == []
+
+    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:20]])
+    model(ids)
+    hidden, bonus = tap.last, 77
+    theirs.validate_target_compatibility = lambda target: None  # it checks for mlx-vlm's own target class
+    theirs.reset(model)
+    theirs.prefill_from_target_hidden(ids, hidden, bonus, None, greedy=True)
+    embed = model.backbone.embeddings
+    cache = ours.make_cache()
+    h = ours(embed(mx.concatenate([ids[:, 1:], mx.array([[bonus]])], axis=1)), hidden, cache)[:, -1:]
+    assert mx.array_equal(h, theirs._seed_hidden).item()
+    drafted = []
+    for step in range(4):
+        token = model.lm_head(h).argmax(-1)
+        drafted.append(token.item())
+        if step < 3:
+            h = ours(embed(token), h, cache)
+    assert theirs.draft_block(bonus, hidden[:, -1:], None, 5, None, greedy=True).tolist() == [drafted]
+    for a, b in zip(cache, theirs._cache):
+        assert a.offset == b.offset
+        assert mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]).item()
+        assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :]).item()
+
+
+def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
+    """test_mtp_families' distribution test with this head: the first 6 tokens at T = 0.15 with top_p and top_k,
+    k = 3, 800 samples a side, a chi-square per position; the biased control (every draft accepted) is caught."""
+    model, _ = load(str(target))
+    install(model)
+    head = load_head(target, model)
+    prompt = train_prompts()[0]
+    params = SamplingParams(max_tokens=6, temperature=0.15, top_p=0.95, top_k=32, seed=3)
+    reference = plain_samples(model, prompt, params, 800, 6)
+    spec, stats = _sampled(model, head, prompt, params, 800, 3)
+    assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats
+    rows = compare(reference, spec, 6)
+    assert all(r["p"] >= 1e-3 for r in rows), rows
+    biased, _ = _sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
+    assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3
+
+
+def test_the_config_is_what_mlx_lm_and_mlx_vlm_read(target):
+    config = json.loads((target / "config.json").read_text())
+    assert config["hybrid_override_pattern"] == "M*ME-M" and config["mtp_hybrid_override_pattern"] == "*E"
+    names = set(mx.load(str(target / "model.safetensors")))
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.1.final_layernorm.weight", "mtp.layers.1.mixer.experts.3.up_proj.weight",
+            "backbone.layers.3.mixer.experts.0.down_proj.weight", "backbone.layers.0.mixer.conv1d.weight"} <= names
