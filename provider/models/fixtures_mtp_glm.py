@@ -1,4 +1,5 @@
-"""Fixture factory: a tiny GLM-4.7-Flash (`glm4_moe_lite`) with its nextn (MTP) layer, in the published layout.
+"""Fixture factory: a tiny GLM-4.7-Flash (`glm4_moe_lite`) with its nextn (MTP) layer, in the published layout
+(and a DeepSeek-V3 in the same layout).
 
 `glm4_moe_lite-mtp-tiny`: written as Hugging Face publishes GLM-4.7-Flash: `model.*` and `lm_head.weight`, MLA's
 fused `kv_b_proj`, experts one tensor per expert (`mlp.experts.<e>.{gate,up,down}_proj`), the router's
@@ -48,16 +49,17 @@ def _hf_names(params: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
     return out
 
 
-def make_glm4_moe_lite_mtp_tiny(out: Path, seed: int = 21) -> None:
-    from mlx_lm.models import glm4_moe_lite
+def make_glm4_moe_lite_mtp_tiny(out: Path, seed: int = 21, **overrides) -> None:
+    import importlib
 
     out.mkdir(parents=True, exist_ok=True)
     ids = build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
-    config = glm_config(ids)
+    config = glm_config(ids) | overrides
+    family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     n, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     mx.random.seed(seed)
     # One layer more than the target: the last is the nextn layer's decoder block (a MoE layer, as published).
-    model = glm4_moe_lite.Model(glm4_moe_lite.ModelArgs.from_dict(config | {"num_hidden_layers": n + 1}))
+    model = family.Model(family.ModelArgs.from_dict(config | {"num_hidden_layers": n + 1}))
     params = dict(tree_flatten(model.parameters()))
     for name in list(params):
         if name.endswith("mlp.gate.weight"):  # mlx-lm initialises routers to zeros: every expert tied
@@ -78,3 +80,11 @@ def make_glm4_moe_lite_mtp_tiny(out: Path, seed: int = 21) -> None:
                for k, v in _hf_names(params, config).items()}
     _save(out, config, weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+
+
+def make_deepseek_v3_mtp_tiny(out: Path) -> None:
+    """`deepseek_v3-mtp-tiny`: the same layout under DeepSeek-V3's model type, its nextn layer at model.layers.61 as
+    published (mlx-lm's deepseek_v3 sanitize drops that layer by its number): 61 dense target layers, tiny, and the
+    nextn layer a MoE one; bfloat16 values, not the published fp8 blocks."""
+    make_glm4_moe_lite_mtp_tiny(out, seed=22, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                                num_hidden_layers=61, first_k_dense_replace=61, intermediate_size=64)

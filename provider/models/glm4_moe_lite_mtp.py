@@ -14,11 +14,17 @@ drafter: this follows its split (the layer's own embed_tokens and shared_head.he
 The decoder layer is mlx-lm's own, and the weights go through mlx-lm's glm4_moe_lite sanitize (experts stacked,
 MLA's kv_b_proj split), so the text-only install needs nothing beyond mlx-lm.
 
-One nextn layer only (GLM-4.7-Flash's): deeper stacks chain a layer per draft step, which HeadDrafter does not.
+DeepSeek-V3 (`deepseek_v3`) ships its nextn layer in the same layout (`model.layers.61.*`) on the same MLA + MoE
+layer: it is served the same way on mlx-lm's DeepseekV3DecoderLayer and its sanitize (which also dequantizes the
+published fp8 blocks). mlx-vlm has no drafter for it to compare with.
+
+One nextn layer only (GLM-4.7-Flash's, DeepSeek-V3's): deeper stacks chain a layer per draft step, which
+HeadDrafter does not.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from pathlib import Path
@@ -31,11 +37,16 @@ from mlx_lm.models.cache import KVCache
 
 from .mtp_heads import OwnHead
 
-FAMILIES = {"glm4_moe_lite"}
+FAMILIES = {"glm4_moe_lite", "deepseek_v3"}
+_DECODER_LAYER = {"glm4_moe_lite": "Glm4MoeLiteDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer"}
 DEPTH_KEY = "num_nextn_predict_layers"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _NEXTN = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.")
 _KEEP_FP32 = "e_score_correction_bias"  # noaux_tc routing's correction bias stays float32 (mlx-lm's cast_predicate)
+
+
+def _family(args):
+    return importlib.import_module(f"mlx_lm.models.{args.model_type}")
 
 
 def _config(config: dict) -> dict:
@@ -52,14 +63,13 @@ class SharedHead(nn.Module):
 class Glm4MoeLiteMTPHead(OwnHead):
     def __init__(self, args):
         super().__init__()
-        from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteDecoderLayer
-
+        decoder_layer = getattr(_family(args), _DECODER_LAYER[args.model_type])
         hidden, eps = args.hidden_size, args.rms_norm_eps
         self.embed_tokens = nn.Embedding(args.vocab_size, hidden)
         self.enorm = nn.RMSNorm(hidden, eps=eps)
         self.hnorm = nn.RMSNorm(hidden, eps=eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = Glm4MoeLiteDecoderLayer(args, args.num_hidden_layers)  # past first_k_dense_replace: MoE
+        self.block = decoder_layer(args, args.num_hidden_layers)  # past first_k_dense_replace: a MoE layer
         self.shared_head = SharedHead(hidden, args.vocab_size, eps)
 
     @property
@@ -106,15 +116,13 @@ def head_tensors(names) -> list[str]:
 
 
 def _hf_to_head(weights: dict[str, mx.array], args) -> dict[str, mx.array]:
-    """The nextn layer's tensors (renamed to layer 0) through mlx-lm's own glm4_moe_lite sanitize, which stacks
+    """The nextn layer's tensors (renamed to layer 0) through mlx-lm's own sanitize of the family, which stacks
     the experts into switch_mlp and splits MLA's kv_b_proj into embed_q / unembed_out; then the head's names."""
     from dataclasses import replace
 
-    from mlx_lm.models.glm4_moe_lite import Model
-
     ctx = SimpleNamespace(args=replace(args, num_hidden_layers=1))  # the sanitize reads only self.args
     out = {}
-    for name, value in Model.sanitize(ctx, {"model.layers.0." + k: v for k, v in weights.items()}).items():
+    for name, value in _family(args).Model.sanitize(ctx, {"model.layers.0." + k: v for k, v in weights.items()}).items():
         name = name[len("model.layers.0."):]
         top = name.split(".")[0] in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
         out[name if top else "block." + name] = value
