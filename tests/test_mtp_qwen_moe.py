@@ -1,0 +1,220 @@
+"""Speculation with the MTP heads of Qwen3.5's MoE relatives (issue 42): Qwen3.5-MoE and Qwen3-Next, whose `mtp.*`
+head's decoder layer carries a MoE MLP (experts and a gated shared expert), through the real engine.
+
+The fixtures (fixtures_mtp_moe) are tiny hybrid targets (Gated DeltaNet and full attention, MoE MLPs) in the
+published layout, the head's experts one tensor per expert, and each head distilled briefly on its target's greedy
+continuations of `fixtures_mtp.train_prompts`. What tests/test_mtp_families.py checks for dense Qwen3.5, here for
+both families: greedy output equals plain decoding, the head is mlx-vlm's on the same weights, sampling is exact."""
+
+import asyncio
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+
+from provider.engine import recurrent
+from provider.jobs import Job, SamplingParams
+from provider.memory import estimate
+from provider.models import capability
+from provider.models.fixtures_mtp import HF_METADATA, train_prompts
+from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.models.qwen3_5_mtp import load_head
+from provider.types import SpecMode
+from provider.verification.hidden_tap import install
+from tests.helpers import collect, greedy, make_node, run
+from tests.test_mtp_families import _sampled, plain, prompts
+from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
+
+NAMES = ("qwen3_5_moe-mtp-tiny", "qwen3_next-mtp-tiny")
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def target(request, fixtures_dir):
+    return fixtures_dir / request.param
+
+
+def _tensors(path) -> dict:
+    return dict(mx.load(str(path / "model.safetensors")))
+
+
+def test_capability_and_books_from_config_and_head_tensors(target, tmp_path):
+    """The head is found from the config's `mtp_num_hidden_layers` and its `mtp.*` tensors (the key alone is not a
+    head); the target's weight estimate is what mlx-lm holds (the head's experts are not the target's), the
+    drafter's footprint books the head's bytes as loaded (its experts stacked) and its own K/V per token as the
+    head's cache holds it."""
+    config = capability.read_config(target)
+    caps = capability.with_drafter(capability.detect(target, config), target, None, config)
+    assert (caps.native_mtp_heads, caps.native_mtp_declared, caps.mtp_capable) == (True, 1, True)
+    assert (caps.drafter_reason, caps.speculates_with) == ("ok", capability.OWN_HEAD)
+    stripped = tmp_path / "stripped"
+    shutil.copytree(target, stripped)
+    mx.save_safetensors(str(stripped / "model.safetensors"),
+                        {k: v for k, v in _tensors(target).items() if not k.startswith("mtp.")}, metadata=HF_METADATA)
+    caps = capability.with_drafter(capability.detect(stripped, config), stripped, None, config)
+    assert not caps.native_mtp_heads and not caps.mtp_capable and caps.drafter_reason == "not_mtp_capable"
+
+    from provider.models.checkpoint import open_checkpoint
+
+    model, _ = load(str(target))
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert estimate.weight_bytes(config, open_checkpoint(target).tensors) == held
+    head = load_head(target, model)
+    head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    assert held + head_bytes == sum(v.nbytes for v in _tensors(target).values())
+    assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
+        estimate.activation_bytes(config, 512)
+    cache = head.make_cache()
+    h = mx.zeros((1, 7, head.fc.weight.shape[0]))
+    mx.eval(head(h, h, cache))
+    per_token = sum(c.keys[..., :c.offset, :].nbytes + c.values[..., :c.offset, :].nbytes for c in cache) // 7
+    assert head_kv_shape(target, config).bytes_per_token_full == per_token == 2 * 2 * 16 * 4
+
+
+def test_the_hybrid_rollback_finds_the_targets_gated_deltanet_mixers(target):
+    """recurrent.py rewinds the target's recurrent layers after a verify: it finds every Gated DeltaNet mixer
+    (`linear_attn`, Qwen3-Next's own class too), and a row keeping 2 of 5 verified positions gets the state plain
+    decoding of those 2 reaches."""
+    model, _ = load(str(target))
+    linear = [i for i, layer in enumerate(model.layers) if layer.is_linear]
+    assert [i for i, _ in recurrent._mixers(model)] == linear and len(linear) == 2
+    assert recurrent.install(model)
+    prompt, verify = mx.array([train_prompts()[0]]), mx.array([[5, 17, 99, 3, 250]])
+    caches, ref = model.make_cache(), model.make_cache()
+    model(prompt, cache=caches)
+    rewind = recurrent.begin(model, caches)
+    model(verify, cache=caches)
+    rewind.done()
+    rewind.row(caches, 0, 2, 5)
+    model(prompt, cache=ref)
+    model(verify[:, :2], cache=ref)
+    for i in linear:
+        for a, b in zip(caches[i].cache, ref[i].cache):
+            assert mx.array_equal(a, b).item(), i
+
+
+def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
+    name, n, ps = target.name, 24, prompts(target)
+    truth = [plain(target, p, n) for p in ps]
+    node = make_node({name: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3)
+
+    async def main():
+        alone = [await collect(node, Job(f"a{i}", name, greedy(n), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
+        together = await asyncio.gather(*(collect(node, Job(f"t{i}", name, greedy(n), prompt_ids=tuple(p)))
+                                          for i, p in enumerate(ps)))
+        await node.stop()
+        return alone, together
+
+    alone, together = run(main())
+    accepted = set()
+    for kind, results in (("alone", alone), ("together", together)):
+        for i, (ids, _, done, _) in enumerate(results):
+            spec = done.telemetry.speculation
+            assert (spec.mode.value, spec.reason) == ("mtp", "ok"), (kind, i, spec)
+            assert ids == truth[i], f"{kind} job {i} ({len(ps[i])} prompt tokens)"
+            accepted.add(spec.accepted)
+    trained = [r[2].telemetry.speculation for r in alone[:4]]
+    assert sum(s.accepted for s in trained) / sum(s.rounds for s in trained) > 0.5  # real acceptance
+    assert together[0][2].telemetry.speculation.mean_batch > 2
+    assert len(accepted) > 2
+
+
+def test_the_head_computes_what_mlx_vlms_drafter_computes_on_the_same_weights(target):
+    """Ours (mlx-lm's layers, mlx-lm's sanitize of the experts) against mlx-vlm's Qwen3_5MTPDraftModel as its
+    `load_drafter(kind="mtp")` loads the same checkpoint (its own split and expert stacking, its Qwen3.5-MoE layer
+    for both families): the same parameters, and on the prompt's pairs then four draft steps the same hidden state
+    and draft tokens, and the same K/V (K within 1e-6: mlx-lm rotates with mx.fast.rope, mlx-vlm its own M-RoPE)."""
+    pytest.importorskip("mlx_vlm.speculative.drafters.qwen3_5_mtp")
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    theirs, kind = load_drafter(str(target), kind="mtp")
+    assert kind == "mtp" and type(theirs).__name__ == "Qwen3_5MTPDraftModel"
+    model, _ = load(str(target))
+    tap = install(model)
+    ours = load_head(target, model)
+    mine, other = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
+    assert mine.keys() == other.keys() and any(".switch_mlp." in k for k in mine)
+    assert [k for k in mine if not mx.array_equal(mine[k], other[k]).item()] == []
+
+    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:20]])
+    model(ids)
+    hidden, bonus = tap.last, 77
+    theirs.reset(model)
+    theirs.prefill_from_target_hidden(ids, hidden, bonus, None, greedy=True)
+    lm = getattr(model, "language_model", model)
+    cache = ours.make_cache()
+    h = ours(lm.model.embed_tokens(mx.concatenate([ids[:, 1:], mx.array([[bonus]])], axis=1)), hidden, cache)[:, -1:]
+    assert mx.allclose(h, theirs._seed_hidden, rtol=1e-5, atol=1e-5).item()
+    drafted = []
+    for step in range(4):
+        token = lm.lm_head(h).argmax(-1)
+        drafted.append(token.item())
+        if step < 3:
+            h = ours(lm.model.embed_tokens(token), h, cache)
+    assert theirs.draft_block(bonus, hidden[:, -1:], None, 5, None, greedy=True).tolist() == [drafted]
+    for a, b in zip(cache, theirs._cache):
+        assert a.offset == b.offset
+        assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], rtol=1e-6, atol=1e-6).item()
+        assert mx.allclose(a.values[..., :a.offset, :], b.values[..., :b.offset, :], rtol=1e-6, atol=1e-6).item()
+
+
+def test_experts_fused_or_per_expert_load_the_same_head_and_a_broken_one_is_refused(target, tmp_path):
+    """A head's experts shipped fused (`experts.gate_up_proj` / `experts.down_proj`, the Qwen3.5-MoE target's own
+    layout, converted by its sanitize) load the same parameters as one tensor per expert; a head missing an
+    expert, or with one misshaped, fails its load (which the node's loader turns into no drafter)."""
+    model, _ = load(str(target))
+    want = dict(tree_flatten(load_head(target, model).parameters()))
+    tensors = _tensors(target)
+    head_experts = sorted({k.split(".experts.")[0] for k in tensors if k.startswith("mtp.") and ".experts." in k})
+    if target.name.startswith("qwen3_5_moe"):
+        fused = dict(tensors)
+        for base in head_experts:
+            gate, up, down = ([fused.pop(f"{base}.experts.{e}.{p}_proj.weight") for e in range(4)]
+                              for p in ("gate", "up", "down"))
+            fused[f"{base}.experts.gate_up_proj"] = mx.concatenate([mx.stack(gate), mx.stack(up)], axis=-2)
+            fused[f"{base}.experts.down_proj"] = mx.stack(down)
+        shutil.copytree(target, tmp_path / "fused")
+        mx.save_safetensors(str(tmp_path / "fused" / "model.safetensors"), fused, metadata=HF_METADATA)
+        got = dict(tree_flatten(load_head(tmp_path / "fused", model).parameters()))
+        assert got.keys() == want.keys()
+        assert [k for k in got if not mx.array_equal(got[k], want[k]).item()] == []
+    expert = f"{head_experts[0]}.experts.3.up_proj.weight"
+    for case, broken in (("missing", {k: v for k, v in tensors.items() if k != expert}),
+                         ("misshaped", tensors | {expert: tensors[expert][:, :-1]})):
+        shutil.copytree(target, tmp_path / case)
+        mx.save_safetensors(str(tmp_path / case / "model.safetensors"), broken, metadata=HF_METADATA)
+        with pytest.raises((KeyError, ValueError)):
+            load_head(tmp_path / case, model)
+
+
+def test_sampled_rounds_with_the_moe_head_are_distributed_as_plain_sampling(fixtures_dir):
+    """test_spec_sampling's distribution test with Qwen3.5-MoE's head (as test_mtp_families runs it for dense
+    Qwen3.5): the first 6 tokens at T = 0.15 with top_p and top_k, k = 3, 800 samples a side, a chi-square per
+    position; and the biased control (every draft accepted) is told apart."""
+    target = fixtures_dir / NAMES[0]
+    model, _ = load(str(target))
+    install(model)
+    head = load_head(target, model)
+    prompt = train_prompts()[1]  # the head's drafts accepted ~11% of the time there ([0]: ~5%)
+    params = SamplingParams(max_tokens=6, temperature=0.15, top_p=0.95, top_k=32, seed=3)
+    reference = plain_samples(model, prompt, params, 800, 6)
+    spec, stats = _sampled(model, head, prompt, params, 800, 3)
+    assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats  # both branches, many times
+    rows = compare(reference, spec, 6)
+    assert all(r["p"] >= 1e-3 for r in rows), rows
+    biased, _ = _sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
+    assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3
+
+
+def test_the_node_lists_both_as_speculating_with_their_own_head(fixtures_dir):
+    from coordinator_client.registration import model_infos
+
+    node = make_node({n: fixtures_dir / n for n in NAMES})
+    caps = {i.id: i.capabilities for i in model_infos(node.status())}
+    run(node.stop())
+    for name in NAMES:
+        assert (caps[name].mtp_capable, caps[name].native_mtp_heads, caps[name].speculates_with) == \
+            (True, True, "own_mtp_head"), name
+    assert json.loads((fixtures_dir / NAMES[1] / "config.json").read_text())["model_type"] == "qwen3_next"
