@@ -268,3 +268,29 @@ def test_the_config_is_what_mlx_lm_and_mlx_vlm_read(target):
     assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
             "mtp.layers.1.final_layernorm.weight", "mtp.layers.1.mixer.experts.3.up_proj.weight",
             "backbone.layers.3.mixer.experts.0.down_proj.weight", "backbone.layers.0.mixer.conv1d.weight"} <= names
+
+
+@pytest.fixture(scope="module")
+def stateful(tmp_path_factory):
+    """A Nemotron-H whose Mamba2 state dominates: 3 Mamba2 blocks of 32 heads x 64 x 128 float32 (1 MiB each a
+    row), one attention block of 256 bytes of K/V a token."""
+    from provider.models.fixtures_mtp_nemotron import make_nemotron_h_mtp_tiny
+
+    out = tmp_path_factory.mktemp("stateful") / "nemotron_h-stateful"
+    make_nemotron_h_mtp_tiny(out, train=False, mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128)
+    return out
+
+
+def test_a_nemotron_batch_and_its_prefix_entries_hold_what_the_books_say(stateful):
+    """test_memory_books' hybrid check on Nemotron-H: 8 jobs at once ending at their own steps, MLX within the
+    ledger all along, and idle only the weights and the prefix entries, each its row's own Mamba2 state (conv
+    window and SSM state copied out of the batch's arrays) and its tokens' K/V."""
+    from tests.test_memory_books import _hybrid_books, _within
+    from tools.harness.isolated import run_isolated
+
+    m = run_isolated(_hybrid_books, str(stateful))
+    assert m["jobs_kv"] == 0 and len(m["entries"]) >= 8
+    state = 3 * 4 * (32 * 64 * 128 + 3 * (32 * 64 + 2 * 2 * 128))
+    assert all(state <= e < state + 300 * 256 for e in m["entries"]), (state, m["entries"])
+    assert not m["over"], m["over"]
+    assert _within(m["held"], m["weights"] + m["prefix"]), {k: v for k, v in m.items() if isinstance(v, int)}
