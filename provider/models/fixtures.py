@@ -347,10 +347,8 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "gemma4-tools": lambda d: make_gemma4_tools(d / "gemma4-tools"),
     "qwen3_5-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp", fromlist=["_"]).make_qwen3_5_mtp_tiny(
         d / "qwen3_5-mtp-tiny"),
-    "qwen3_5_moe-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_moe", fromlist=["_"])
-    .make_qwen3_5_moe_mtp_tiny(d / "qwen3_5_moe-mtp-tiny"),
-    "qwen3_next-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_moe", fromlist=["_"])
-    .make_qwen3_next_mtp_tiny(d / "qwen3_next-mtp-tiny"),
+    "qwen3_5_moe-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_moe", fromlist=["_"]).qwen3_5_moe(d),
+    "qwen3_next-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_moe", fromlist=["_"]).qwen3_next(d),
     "nemotron_h-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_nemotron", fromlist=["_"])
     .make_nemotron_h_mtp_tiny(d / "nemotron_h-mtp-tiny"),
     "glm4_moe_lite-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"])
