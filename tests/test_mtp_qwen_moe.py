@@ -183,7 +183,8 @@ def test_experts_fused_or_per_expert_load_the_same_head_and_a_broken_one_is_refu
         assert [k for k in got if not mx.array_equal(got[k], want[k]).item()] == []
     expert = f"{head_experts[0]}.experts.3.up_proj.weight"
     for case, broken in (("missing", {k: v for k, v in tensors.items() if k != expert}),
-                         ("misshaped", tensors | {expert: tensors[expert][:, :-1]})):
+                         ("misshaped", tensors | {expert: tensors[expert][:, :-1]}),
+                         ("misshaped fc", tensors | {"mtp.fc.weight": tensors["mtp.fc.weight"][:, :-1]})):
         shutil.copytree(target, tmp_path / case)
         mx.save_safetensors(str(tmp_path / case / "model.safetensors"), broken, metadata=HF_METADATA)
         with pytest.raises((KeyError, ValueError)):
