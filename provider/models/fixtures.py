@@ -351,10 +351,8 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "qwen3_next-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_moe", fromlist=["_"]).qwen3_next(d),
     "nemotron_h-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_nemotron", fromlist=["_"])
     .make_nemotron_h_mtp_tiny(d / "nemotron_h-mtp-tiny"),
-    "glm4_moe_lite-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"])
-    .make_glm4_moe_lite_mtp_tiny(d / "glm4_moe_lite-mtp-tiny"),
-    "deepseek_v3-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"])
-    .make_deepseek_v3_mtp_tiny(d / "deepseek_v3-mtp-tiny"),
+    "glm4_moe_lite-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"]).glm(d),
+    "deepseek_v3-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"]).deepseek(d),
 }
 
 
