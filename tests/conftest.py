@@ -15,6 +15,15 @@ def fixtures_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def head_fixture(tmp_path_factory):
+    """head_fixture(name): a target with its own MTP head (fixtures_mtp.HEAD_FIXTURES), built when first asked."""
+    from provider.models.fixtures_mtp import build_head_fixture
+
+    root = tmp_path_factory.mktemp("heads")
+    return lambda name: build_head_fixture(name, root)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_xdg(tmp_path, monkeypatch):
     """Keep tokens, keys and caches of every test out of the real home directory."""

@@ -32,8 +32,8 @@ NAME = "qwen3_5-mtp-tiny"
 
 
 @pytest.fixture(scope="module")
-def target(fixtures_dir):
-    return fixtures_dir / NAME
+def target(head_fixture):
+    return head_fixture(NAME)
 
 
 def prompts(target) -> list[list[int]]:
@@ -284,7 +284,8 @@ def test_registration_says_which_models_speculate_and_with_what(fixtures_dir, ta
     import sys
 
     models = tmp_path / "cache" / "provider" / "models"
-    for name in (NAME, "gemma4-tiny", "gemma4-tiny-assistant", "qwen3-tiny"):
+    shutil.copytree(target, models / NAME)
+    for name in ("gemma4-tiny", "gemma4-tiny-assistant", "qwen3-tiny"):
         shutil.copytree(fixtures_dir / name, models / name)
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
            "XDG_STATE_HOME": str(tmp_path / "state"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}

@@ -29,8 +29,8 @@ NEXTN = "model.layers.3."  # num_hidden_layers = 3
 
 
 @pytest.fixture(scope="module")
-def target(fixtures_dir):
-    return fixtures_dir / NAME
+def target(head_fixture):
+    return head_fixture(NAME)
 
 
 def _rewritten(target, out, change):
@@ -109,10 +109,10 @@ def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(tar
     _greedy_alone_and_together(target, NAME)
 
 
-def test_deepseek_v3_greedy_with_its_nextn_head_equals_plain_decoding_alone_and_eight_together(fixtures_dir):
+def test_deepseek_v3_greedy_with_its_nextn_head_equals_plain_decoding_alone_and_eight_together(head_fixture):
     """DeepSeek-V3's nextn layer, the same layout on mlx-lm's deepseek_v3 classes (no mlx-vlm drafter to compare
     with: greedy equality only)."""
-    _greedy_alone_and_together(fixtures_dir / "deepseek_v3-mtp-tiny", "deepseek_v3-mtp-tiny")
+    _greedy_alone_and_together(head_fixture("deepseek_v3-mtp-tiny"), "deepseek_v3-mtp-tiny")
 
 
 def _greedy_alone_and_together(target, name: str) -> None:

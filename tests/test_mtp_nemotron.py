@@ -33,8 +33,8 @@ NAME = "nemotron_h-mtp-tiny"
 
 
 @pytest.fixture(scope="module")
-def target(fixtures_dir):
-    return fixtures_dir / NAME
+def target(head_fixture):
+    return head_fixture(NAME)
 
 
 def prompts(target) -> list[list[int]]:

@@ -32,8 +32,8 @@ NAMES = ("qwen3_5_moe-mtp-tiny", "qwen3_next-mtp-tiny")
 
 
 @pytest.fixture(scope="module", params=NAMES)
-def target(request, fixtures_dir):
-    return fixtures_dir / request.param
+def target(request, head_fixture):
+    return head_fixture(request.param)
 
 
 def _tensors(path) -> dict:
@@ -191,11 +191,11 @@ def test_experts_fused_or_per_expert_load_the_same_head_and_a_broken_one_is_refu
             load_head(tmp_path / case, model)
 
 
-def test_sampled_rounds_with_the_moe_head_are_distributed_as_plain_sampling(fixtures_dir):
+def test_sampled_rounds_with_the_moe_head_are_distributed_as_plain_sampling(head_fixture):
     """test_spec_sampling's distribution test with Qwen3.5-MoE's head (as test_mtp_families runs it for dense
     Qwen3.5): the first 6 tokens at T = 0.15 with top_p and top_k, k = 3, 800 samples a side, a chi-square per
     position; and the biased control (every draft accepted) is told apart."""
-    target = fixtures_dir / NAMES[0]
+    target = head_fixture(NAMES[0])
     model, _ = load(str(target))
     install(model)
     head = load_head(target, model)
@@ -210,13 +210,13 @@ def test_sampled_rounds_with_the_moe_head_are_distributed_as_plain_sampling(fixt
     assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3
 
 
-def test_the_node_lists_both_as_speculating_with_their_own_head(fixtures_dir):
+def test_the_node_lists_both_as_speculating_with_their_own_head(head_fixture):
     from coordinator_client.registration import model_infos
 
-    node = make_node({n: fixtures_dir / n for n in NAMES})
+    node = make_node({n: head_fixture(n) for n in NAMES})
     caps = {i.id: i.capabilities for i in model_infos(node.status())}
     run(node.stop())
     for name in NAMES:
         assert (caps[name].mtp_capable, caps[name].native_mtp_heads, caps[name].speculates_with) == \
             (True, True, "own_mtp_head"), name
-    assert json.loads((fixtures_dir / NAMES[1] / "config.json").read_text())["model_type"] == "qwen3_next"
+    assert json.loads((head_fixture(NAMES[1]) / "config.json").read_text())["model_type"] == "qwen3_next"

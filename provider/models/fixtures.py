@@ -345,14 +345,6 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "qwen2-tiny": lambda d: make_qwen2_tiny(d / "qwen2-tiny"),
     "llama-kv-heavy": lambda d: make_llama_kv_heavy(d / "llama-kv-heavy"),
     "gemma4-tools": lambda d: make_gemma4_tools(d / "gemma4-tools"),
-    "qwen3_5-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp", fromlist=["_"]).make_qwen3_5_mtp_tiny(
-        d / "qwen3_5-mtp-tiny"),
-    "qwen3_5_moe-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_moe", fromlist=["_"]).qwen3_5_moe(d),
-    "qwen3_next-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_moe", fromlist=["_"]).qwen3_next(d),
-    "nemotron_h-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_nemotron", fromlist=["_"])
-    .make_nemotron_h_mtp_tiny(d / "nemotron_h-mtp-tiny"),
-    "glm4_moe_lite-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"]).glm(d),
-    "deepseek_v3-mtp-tiny": lambda d: __import__("provider.models.fixtures_mtp_glm", fromlist=["_"]).deepseek(d),
 }
 
 

@@ -9,6 +9,7 @@ fixtures_mtp_moe).
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -152,3 +153,25 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
     weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
     return accuracy
+
+
+# The targets that carry their own MTP head, by the fixture factory's name (module:function, imported when built:
+# those modules import this one). Built on demand (tests: conftest's `head_fixture`; bench_mtp_families --fixture),
+# not by fixtures.write_all: most heads are distilled for seconds, which no test of anything else should pay.
+HEAD_FIXTURES = {
+    "qwen3_5-mtp-tiny": "fixtures_mtp:make_qwen3_5_mtp_tiny",
+    "qwen3_5_moe-mtp-tiny": "fixtures_mtp_moe:make_qwen3_5_moe_mtp_tiny",
+    "qwen3_next-mtp-tiny": "fixtures_mtp_moe:make_qwen3_next_mtp_tiny",
+    "nemotron_h-mtp-tiny": "fixtures_mtp_nemotron:make_nemotron_h_mtp_tiny",
+    "glm4_moe_lite-mtp-tiny": "fixtures_mtp_glm:make_glm4_moe_lite_mtp_tiny",
+    "deepseek_v3-mtp-tiny": "fixtures_mtp_glm:make_deepseek_v3_mtp_tiny",
+}
+
+
+def build_head_fixture(name: str, root: Path) -> Path:
+    """The fixture `name` (HEAD_FIXTURES) at `root / name`, built unless it is there."""
+    out = root / name
+    if not (out / "config.json").exists():
+        module, function = HEAD_FIXTURES[name].split(":")
+        getattr(importlib.import_module(f"{__package__}.{module}"), function)(out)
+    return out

@@ -88,12 +88,3 @@ def make_deepseek_v3_mtp_tiny(out: Path) -> None:
     nextn layer a MoE one; bfloat16 values, not the published fp8 blocks."""
     make_glm4_moe_lite_mtp_tiny(out, seed=22, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                                 num_hidden_layers=61, first_k_dense_replace=61, intermediate_size=64)
-
-
-def glm(root: Path) -> None:
-    """fixtures.FIXTURES's entries (a line each there: that module stays within its size)."""
-    make_glm4_moe_lite_mtp_tiny(root / "glm4_moe_lite-mtp-tiny")
-
-
-def deepseek(root: Path) -> None:
-    make_deepseek_v3_mtp_tiny(root / "deepseek_v3-mtp-tiny")

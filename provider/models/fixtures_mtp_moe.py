@@ -49,12 +49,3 @@ def make_qwen3_next_mtp_tiny(out: Path, seed: int = 31, train: bool = True) -> N
     from mlx_lm.models import qwen3_next
 
     write_with_head(out, qwen3_next_config(chatml_tokenizer(out)), qwen3_next, seed, train)
-
-
-def qwen3_5_moe(root: Path) -> None:
-    """fixtures.FIXTURES's entry (a line there: that module stays within its size)."""
-    make_qwen3_5_moe_mtp_tiny(root / "qwen3_5_moe-mtp-tiny")
-
-
-def qwen3_next(root: Path) -> None:
-    make_qwen3_next_mtp_tiny(root / "qwen3_next-mtp-tiny")

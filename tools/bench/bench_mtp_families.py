@@ -121,7 +121,8 @@ def vlm_runs(path: Path, ps: list[list[int]], n: int, k: int) -> tuple[list[list
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a checkpoint with its MTP head (default: --fixture, built now)")
-    ap.add_argument("--fixture", default="qwen3_5-mtp-tiny", help="the fixture factory's name of a target with a head")
+    ap.add_argument("--fixture", default="qwen3_5-mtp-tiny",
+                    help="a target with its own head, by name (fixtures_mtp.HEAD_FIXTURES)")
     ap.add_argument("--k", default="1,2,3,4")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--prompts", type=int, default=8)
@@ -131,10 +132,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:
-            from provider.models.fixtures import FIXTURES
+            from provider.models.fixtures_mtp import build_head_fixture
 
-            FIXTURES[args.fixture](Path(tmp))
-            path = Path(tmp) / args.fixture
+            path = build_head_fixture(args.fixture, Path(tmp))
         ps = prompts(path, args.prompts, args.tokens)
         truth = plain(path, ps, args.tokens)
         print(f"{path.name}: {len(ps)} prompts, {args.tokens} tokens each, greedy; tokens per target forward")
