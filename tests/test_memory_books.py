@@ -364,3 +364,39 @@ def test_a_hybrid_batch_and_its_prefix_entries_hold_what_the_books_say(hybrid):
     # (an entry whose state is a row of its batch's arrays keeps the whole batch's: here ~4x the entries).
     assert not m["over"], m["over"]
     assert _within(m["held"], m["weights"] + m["prefix"]), {k: v / MiB for k, v in m.items() if isinstance(v, int)}
+
+
+def _hybrid_read_peaks(model: str) -> list[tuple[int, int, int, int]]:
+    """(rows, tokens, MLX's peak over one forward reading `tokens` of each row after a first chunk, what the node
+    books for that read: its footprint's act_shape)."""
+    from mlx_lm import load
+
+    from provider.models.checkpoint import read_config
+    from provider.models.footprint import estimate_footprint
+
+    lm, _ = load(model)
+    act = estimate_footprint(Path(model), read_config(Path(model)), kv_tokens=256, prefill_step=160).act_shape
+    out = []
+    for rows, tokens in ((1, 100), (2, 50)):
+        cache = lm.make_cache()
+        mx.eval(lm(mx.full((rows, 16), 5), cache=cache), [c.state for c in cache])
+        x = mx.random.randint(3, 300, (rows, tokens))
+        mx.eval(x)
+        base = _active()
+        mx.reset_peak_memory()
+        mx.eval(lm(x, cache=cache), [c.state for c in cache])
+        out.append((rows, tokens, mx.get_peak_memory() - base, act.prefill_bytes(rows, tokens, 16 + tokens)))
+        del cache
+    return out
+
+
+def test_a_hybrid_prompt_read_holds_what_its_booking_says(hybrid):
+    """On a CPU mlx-lm steps the Gated DeltaNet a position at a time and a chunk's read holds a layer's state per
+    token read (here 1 MiB: ~1.1 GiB for 1,000 tokens), which the books once left out (0.6 MiB booked for a read
+    holding 119)."""
+    from provider.memory.estimate import stepped_recurrence
+
+    if not stepped_recurrence(128):
+        pytest.skip("MLX runs the Gated DeltaNet kernel here: nothing stepped")
+    for rows, tokens, peak, booked in run_isolated(_hybrid_read_peaks, str(hybrid)):
+        assert peak <= booked <= peak * 1.25 + 4 * MiB, (rows, tokens, peak / MiB, booked / MiB)

@@ -241,7 +241,9 @@ class ActivationShape:
         return rows * (chunk * self.per_token + chunk * max(kv_len, chunk) * self.per_score + self.per_row)
 
 
-def activation_shape(config: dict, dtype_bytes: int = 4) -> ActivationShape:
+def activation_shape(config: dict, dtype_bytes: int = 4, stepped: bool | None = None) -> ActivationShape:
+    """A forward's scratch; with a Gated DeltaNet's stepped recurrence (stepped_scan_bytes) when MLX steps it
+    (`stepped`; None: as mlx-lm will on this machine, stepped_recurrence)."""
     tc = text_config(config)
     hidden = tc.get("hidden_size", 0)
     inter = tc.get("intermediate_size", 4 * hidden)
@@ -249,14 +251,44 @@ def activation_shape(config: dict, dtype_bytes: int = 4) -> ActivationShape:
         inter *= 2
     heads = tc.get("num_attention_heads", 1)
     vocab = tc.get("vocab_size") or config.get("vocab_size", 0)
+    scan_token, scan_row = stepped_scan_bytes(tc, stepped)
     # Scores and their softmax are both alive in attention (float32, every head): two per (query, key) pair.
-    return ActivationShape(dtype_bytes * (6 * hidden + 3 * inter), dtype_bytes * 2 * heads, dtype_bytes * 2 * vocab)
+    return ActivationShape(dtype_bytes * (6 * hidden + 3 * inter) + scan_token, dtype_bytes * 2 * heads,
+                           dtype_bytes * 2 * vocab + scan_row)
 
 
-def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4) -> int:
+def stepped_scan_bytes(tc: dict, stepped: bool | None = None) -> tuple[int, int]:
+    """(per token read, per row): what a Gated DeltaNet layer holds while mlx-lm steps its recurrence one position
+    at a time (gated_delta_ops: on a CPU, or a key dim the Metal kernel does not take). Each step's state
+    (value heads x value dim x key dim, float32) stays alive until the evaluation reaches the step's output
+    (y = sum(state x q)), which MLX's depth-first order puts after the whole chain of states; so a chunk's read
+    holds a layer's state per position, and a few head-sized vectors (q, k repeated to the value heads, v, y,
+    the delta). Measured (mx.get_peak_memory over one forward, this CPU): memory_ledger's phase m model
+    (16 x 64 x 64) 17, 32, 62 MiB for 50, 100, 200 tokens of one row, 130 MiB for 4 rows of 100, against 18,
+    34, 66 and 135 MiB booked with the rest of activation_shape; tests/test_memory_books.py's (16 x 128 x 128)
+    64, 119, 227 MiB for 50, 100, 200 tokens against 66, 120, 229. A Metal kernel holds none of it."""
+    hv, dk, dv = (tc.get(k, 0) for k in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
+    if not hv or tc.get("mamba_num_heads") or LINEAR not in layer_kinds(tc):
+        return 0, 0
+    if not (stepped if stepped is not None else stepped_recurrence(dk)):
+        return 0, 0
+    state = hv * dv * dk * 4
+    return state + 10 * hv * max(dk, dv) * 4, 12 * state  # the per-row part: measured, 9 to 11 states a row
+
+
+def stepped_recurrence(key_dim: int) -> bool:
+    """Whether mlx-lm's gated_delta_update steps the recurrence (gated_delta_ops) here rather than run its Metal
+    kernel: its own test."""
+    import mlx.core as mx
+
+    metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
+    return not metal or mx.default_device() != mx.gpu or key_dim < 32 or key_dim % 32 != 0
+
+
+def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4, stepped: bool | None = None) -> int:
     """Peak scratch of one prefill chunk of one row: hidden states, MLP intermediates, attention scores, last
-    logits."""
-    return activation_shape(config, dtype_bytes).prefill_bytes(1, prefill_step, prefill_step)
+    logits, a stepped recurrence's states."""
+    return activation_shape(config, dtype_bytes, stepped).prefill_bytes(1, prefill_step, prefill_step)
 
 
 def vision_scratch_bytes(config: dict, soft_tokens: int, dtype_bytes: int = 4) -> int:
