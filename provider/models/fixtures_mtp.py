@@ -117,16 +117,30 @@ def train_prompts(seed: int = 12) -> list[list[int]]:
 
 
 def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
-    """Distil the fixture's head briefly on its target's own greedy continuations (the pair (token t+1, target
-    hidden at t) learns token t+2, through the target's frozen LM head), so that its drafts are accepted often
-    but not always, and write it back in the published layout. Returns the head's training accuracy."""
+    """Distil the fixture's head briefly on its target's own greedy continuations, so that its drafts are accepted
+    often but not always, and write it back in the published layout. Returns the head's training accuracy."""
+    from .qwen3_5_mtp import load_head
+
+    def parts(model):
+        lm = getattr(model, "language_model", model)  # Qwen3-Next's model is its text model
+        return lm.model.embed_tokens, lm.lm_head
+
+    head, accuracy = distil_head(out, load_head, parts, steps, seed)
+    weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+    return accuracy
+
+
+def distil_head(out: Path, load_head, parts, steps: int, seed: int):
+    """The head of the checkpoint at `out` (`load_head(out, model)`) distilled on its target's greedy continuations
+    of `train_prompts(seed)`: the pair (token t+1, target hidden at t) learns token t+2 through the target's frozen
+    LM head. `parts(model)` gives the family's (embed_tokens, lm_head). Returns the head and its accuracy."""
     import mlx.optimizers as optim
     from mlx import nn
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
     from ..verification.hidden_tap import install
-    from .qwen3_5_mtp import load_head
 
     model, _ = load(str(out))
     tap = install(model)
@@ -136,12 +150,11 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
     tokens = mx.array(seqs)
     model(tokens)
     hidden = mx.stop_gradient(tap.last)
-    lm = getattr(model, "language_model", model)  # Qwen3-Next's model is its text model
-    embed = lm.model.embed_tokens(tokens[:, 1:-1])
+    embed_tokens, lm_head = parts(model)
+    embed = embed_tokens(tokens[:, 1:-1])
 
     def loss_fn(h):
-        logits = lm.lm_head(h(embed, hidden[:, :-2], None))
-        return nn.losses.cross_entropy(logits, tokens[:, 2:]).mean()
+        return nn.losses.cross_entropy(lm_head(h(embed, hidden[:, :-2], None)), tokens[:, 2:]).mean()
 
     opt = optim.Adam(learning_rate=3e-3)
     step = nn.value_and_grad(head, loss_fn)
@@ -149,10 +162,7 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
         _, grads = step(head)
         opt.update(head, grads)
         mx.eval(head.parameters(), opt.state)
-    accuracy = (lm.lm_head(head(embed, hidden[:, :-2], None)).argmax(-1) == tokens[:, 2:]).mean().item()
-    weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    return accuracy
+    return head, (lm_head(head(embed, hidden[:, :-2], None)).argmax(-1) == tokens[:, 2:]).mean().item()
 
 
 # The targets that carry their own MTP head, by the fixture factory's name (module:function, imported when built:

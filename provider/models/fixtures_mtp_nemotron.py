@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
-from .fixtures_mtp import HF_METADATA, TRAIN_TOKENS, train_prompts
+from .fixtures_mtp import HF_METADATA, distil_head
 
 PATTERN, HEAD_PATTERN = "M*ME-M", "*E"
 _STACKED = re.compile(r"^(.*\.mixer)\.switch_mlp\.(fc1|fc2)\.weight$")
@@ -91,35 +91,11 @@ def _write_head(out: Path, head) -> None:
 
 
 def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
-    """Distil the head on its target's own greedy continuations (the pair (token t+1, target hidden at t) learns
-    token t+2 through the target's frozen LM head) and write it back in the published layout; its accuracy."""
-    import mlx.optimizers as optim
-    from mlx import nn
-    from mlx_lm import load
-    from mlx_lm.generate import generate_step
-
-    from ..verification.hidden_tap import install
+    """Distil the head on its target's own greedy continuations (fixtures_mtp.distil_head) and write it back in the
+    published layout; its accuracy."""
     from .nemotron_h_mtp import load_head
 
-    model, _ = load(str(out))
-    tap = install(model)
-    head = load_head(out, model)
-    prompts = train_prompts(seed)
-    seqs = [p + [t for (t, _), _ in zip(generate_step(mx.array(p), model), range(TRAIN_TOKENS))] for p in prompts]
-    tokens = mx.array(seqs)
-    model(tokens)
-    hidden = mx.stop_gradient(tap.last)
-    embed = model.backbone.embeddings(tokens[:, 1:-1])
-
-    def loss_fn(h):
-        return nn.losses.cross_entropy(model.lm_head(h(embed, hidden[:, :-2], None)), tokens[:, 2:]).mean()
-
-    opt = optim.Adam(learning_rate=3e-3)
-    step = nn.value_and_grad(head, loss_fn)
-    for _ in range(steps):
-        _, grads = step(head)
-        opt.update(head, grads)
-        mx.eval(head.parameters(), opt.state)
-    accuracy = (model.lm_head(head(embed, hidden[:, :-2], None)).argmax(-1) == tokens[:, 2:]).mean().item()
+    head, accuracy = distil_head(out, load_head, lambda model: (model.backbone.embeddings, model.lm_head), steps,
+                                 seed)
     _write_head(out, head)
     return accuracy
