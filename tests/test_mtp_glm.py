@@ -5,7 +5,6 @@ layer as `model.layers.<num_hidden_layers>.*`, built by the fixture factory; its
 are seldom accepted (the Qwen3.5 fixture covers real acceptance), and sampled rounds at T = 0.7 accept ~9% of drafts
 and resample the rest. Greedy output must equal plain decoding; sampled output must be distributed as plain sampling."""
 
-import asyncio
 import json
 import shutil
 
@@ -16,13 +15,12 @@ from mlx_lm import load
 
 from provider.jobs import Job, SamplingParams
 from provider.models import capability
+from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.glm4_moe_lite_mtp import load_head
 from provider.types import SpecMode
-from provider.verification.hidden_tap import install
+from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
-from tests.test_mtp_families import _sampled, plain, prompts
-from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
 
 NAME = "glm4_moe_lite-mtp-tiny"
 NEXTN = "model.layers.3."  # num_hidden_layers = 3
@@ -43,14 +41,11 @@ def _rewritten(target, out, change):
 
 def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path):
     config = capability.read_config(target)
-    caps = capability.with_drafter(capability.detect(target, config), target, None, config)
-    assert caps.native_mtp_heads and caps.native_mtp_declared == 1
-    assert (caps.mtp_capable, caps.drafter_reason) == (True, "ok")
+    mtp_checks.head_found(target, config)
     # The key without the tensors (what mlx-community conversions ship: sanitize dropped them) is not a head.
     stripped = _rewritten(target, tmp_path / "stripped",
                           lambda w: {k: v for k, v in w.items() if not k.startswith(NEXTN)})
-    caps = capability.with_drafter(capability.detect(stripped, config), stripped, None, config)
-    assert not caps.native_mtp_heads and not caps.mtp_capable and caps.drafter_reason == "not_mtp_capable"
+    mtp_checks.no_head_found(stripped, config)
     assert json.loads((stripped / "config.json").read_text())["num_nextn_predict_layers"] == 1
     # Booked as the nextn layer's tensors (its own embedding and LM head among them) plus activations, and its
     # per-token cache as MLA holds it: the normed latent (kv_lora_rank 32) and the rotated k_pe (8), fp32.
@@ -85,7 +80,7 @@ def test_a_misshaped_head_is_refused_at_load_and_the_target_still_served(target,
     model, _ = load(str(bad))
     with pytest.raises(ValueError):
         load_head(bad, model)
-    ps = prompts(target)[4:6]
+    ps = mtp_checks.prompts(target)[4:6]
     node = make_node({NAME: bad}, speculation="auto", speculation_k=3)
 
     async def main():
@@ -96,7 +91,7 @@ def test_a_misshaped_head_is_refused_at_load_and_the_target_still_served(target,
     for p, (ids, _, done, _) in zip(ps, run(main())):
         spec = done.telemetry.speculation
         assert spec.mode.value == "off" and spec.reason == "no_drafter", spec
-        assert ids == until_eos(bad, plain(bad, p, 8))
+        assert ids == until_eos(bad, mtp_checks.plain(bad, p, 8))
 
 
 def until_eos(path, tokens: list[int]) -> list[int]:
@@ -116,25 +111,9 @@ def test_deepseek_v3_greedy_with_its_nextn_head_equals_plain_decoding_alone_and_
 
 
 def _greedy_alone_and_together(target, name: str) -> None:
-    n = 16
-    ps = prompts(target)  # 1 to 90 tokens
-    truth = [until_eos(target, plain(target, p, n)) for p in ps]
-    node = make_node({name: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3)
-
-    async def main():
-        alone = [await collect(node, Job(f"a{i}", name, greedy(n), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
-        together = await asyncio.gather(*(collect(node, Job(f"t{i}", name, greedy(n), prompt_ids=tuple(p)))
-                                          for i, p in enumerate(ps)))
-        await node.stop()
-        return alone, together
-
-    alone, together = run(main())
-    for kind, results in (("alone", alone), ("together", together)):
-        for i, (ids, _, done, _) in enumerate(results):
-            spec = done.telemetry.speculation
-            assert (spec.mode.value, spec.reason) == ("mtp", "ok"), (kind, i, spec)
-            assert spec.rounds > 0
-            assert ids == truth[i], f"{kind} job {i} ({len(ps[i])} prompt tokens)"
+    n, ps = 16, mtp_checks.prompts(target)  # 1 to 90 tokens
+    want = [until_eos(target, mtp_checks.plain(target, p, n)) for p in ps]
+    _, together, _ = mtp_checks.greedy_alone_and_together(target, name, ps, want, n)
     assert together[0][2].telemetry.speculation.mean_batch > 2  # verified together with the others
 
 
@@ -206,40 +185,16 @@ def _their_name(name: str) -> str:
 
 
 def test_the_head_computes_what_mlx_vlms_glm_drafter_parts_compute_on_the_same_weights(target):
-    """The head as loaded here against the mlx-vlm reference above: the same parameters bit for bit (mlx-vlm's split of kv_b_proj and of the experts = mlx-lm's sanitize), the router's
-    correction bias float32 on both; on the prompt's pairs then four draft steps the same hidden states, draft
-    tokens and cached latents."""
+    """The head as loaded here against the mlx-vlm reference above: the same parameters bit for bit (mlx-vlm's
+    split of kv_b_proj and of the experts = mlx-lm's sanitize), the router's correction bias float32 on both; on
+    the prompt's pairs then four draft steps the same hidden states, draft tokens and cached latents."""
     pytest.importorskip("mlx_vlm.speculative.drafters.glm4_moe_lite_mtp.split")
-    from provider.models.fixtures_mtp import train_prompts
-
     theirs, weights = _mlx_vlm_reference(target)
-    model, _ = load(str(target))
-    tap = install(model)
-    ours = load_head(target, model)
-    mine = {_their_name(k): v for k, v in tree_flatten(ours.parameters())}
-    assert mine.keys() == weights.keys()
-    assert [k for k in mine if not mx.array_equal(mine[k], weights[k]).item()] == []
-
-    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:20]])
-    model(ids)
-    hidden, bonus = tap.last, 77
-    theirs.reset(model)
-    theirs.prefill_from_target_hidden(ids, hidden, bonus, None, greedy=True)
-    cache = ours.make_cache()
-    pairs = mx.concatenate([ids[:, 1:], mx.array([[bonus]])], axis=1)
-    h = ours(ours.embed_tokens(pairs), hidden, cache)[:, -1:]
-    assert mx.array_equal(h, theirs._seed_hidden).item()
-    drafted = []
-    for step in range(4):
-        token = ours.lm_head(ours.readout(h)).argmax(-1)
-        drafted.append(token.item())
-        if step < 3:
-            h = ours(ours.embed_tokens(token), h, cache)
-    assert theirs.draft_block(bonus, hidden[:, -1:], None, 5, None, greedy=True).tolist() == [drafted]
-    a, b = cache[0], theirs._cache[0]
-    assert a.offset == b.offset == ids.shape[1] + 3
-    assert mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]).item()
-    assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :]).item()
+    model, tap, ours = mtp_checks.loaded(target, load_head)
+    mtp_checks.same_parameters({_their_name(k): v for k, v in tree_flatten(ours.parameters())}, weights)
+    ids, cache = mtp_checks.drafts_as_mlx_vlms(target, model, tap, ours, theirs, ours.embed_tokens,
+                                               lambda h: ours.lm_head(ours.readout(h)))
+    assert cache[0].offset == ids.shape[1] + 3
 
     # The node's own drafting (HeadDrafter in the engine's round loop, the head's embed_tokens, its pairs read
     # chunk by chunk) proposes the reference's drafts for the same prompt and first token.
@@ -261,22 +216,10 @@ def test_the_head_computes_what_mlx_vlms_glm_drafter_parts_compute_on_the_same_w
 
 
 def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
-    """test_mtp_families' distribution test with this head: the first 6 tokens at T = 0.7 with top_p and top_k,
-    k = 3, 800 samples a side; a chi-square per position does not tell speculative sampling from the node's plain
-    sampler, and it does tell the biased control (every draft accepted). The untrained head's drafts and its
-    target's distributions overlap enough there that both branches run hundreds of times (measured: ~9% of drafts
-    accepted; at T = 1 with top_k 128, the control's bias was out of the test's sight, p = 0.6)."""
-    from provider.models.fixtures_mtp import train_prompts
-
-    model, _ = load(str(target))
-    install(model)
-    head = load_head(target, model)
-    prompt = train_prompts()[0]
+    """The distribution test (mtp_checks.sampled_as_plain) with this head: the first 6 tokens at T = 0.7 with top_p
+    and top_k, k = 3, 800 samples a side; a chi-square per position does not tell speculative sampling from the
+    node's plain sampler, and it does tell the biased control (every draft accepted). The untrained head's drafts
+    and its target's distributions overlap enough there that both branches run hundreds of times (measured: ~9% of
+    drafts accepted; at T = 1 with top_k 128, the control's bias was out of the test's sight, p = 0.6)."""
     params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
-    plain = plain_samples(model, prompt, params, 800, 6)
-    spec, stats = _sampled(model, head, prompt, params, 800, 3)
-    assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats
-    rows = compare(plain, spec, 6)
-    assert all(r["p"] >= 1e-3 for r in rows), rows
-    biased, _ = _sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
-    assert min(r["p"] for r in compare(plain, biased, 6)) < 1e-3  # the test has the power to see a bias
+    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)

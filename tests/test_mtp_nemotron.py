@@ -6,7 +6,6 @@ on its target's continuations of `fixtures_mtp.train_prompts`: rounds accept eve
 so the Mamba2 layers are rolled back (provider.engine.recurrent) from every point. Greedy output must equal plain
 mlx-lm decoding."""
 
-import asyncio
 import json
 import shutil
 
@@ -18,16 +17,12 @@ from mlx_lm.models.cache import ArraysCache
 
 from provider.engine import recurrent
 from provider.jobs import Job, SamplingParams
-from provider.memory import estimate
 from provider.models import capability
 from provider.models.fixtures_mtp import train_prompts
-from provider.models.footprint import drafter_footprint, head_kv_shape, kv_shape_of
+from provider.models.footprint import head_kv_shape, kv_shape_of
 from provider.models.nemotron_h_mtp import load_head, serves
-from provider.types import SpecMode
-from provider.verification.hidden_tap import install
+from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
-from tests.test_mtp_families import _sampled, plain
-from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
 
 NAME = "nemotron_h-mtp-tiny"
 
@@ -37,18 +32,9 @@ def target(head_fixture):
     return head_fixture(NAME)
 
 
-def prompts(target) -> list[list[int]]:
-    """Four prompts the head was distilled on, four held out of 1 to 90 tokens."""
-    _, tok = load(str(target))
-    text = tok.encode("The provider node serves language models to a network of clients. " * 6)
-    return train_prompts()[:4] + [text[:1], text[3:10], text[5:40], text[:90]]
-
-
 def test_capability_is_read_from_config_and_head_tensors_and_a_broken_head_is_refused(target, tmp_path):
     config = capability.read_config(target)
-    caps = capability.with_drafter(capability.detect(target, config), target, None, config)
-    assert caps.native_mtp_heads and caps.native_mtp_declared == 1
-    assert (caps.mtp_capable, caps.drafter_reason, caps.speculates_with) == (True, "ok", "own_mtp_head")
+    assert mtp_checks.head_found(target, config).speculates_with == "own_mtp_head"
     # A head with Mamba2 blocks is not one this node (or mlx-vlm) loads.
     assert not serves(config | {"mtp_hybrid_override_pattern": "M*"}) and not serves(config | {
         "num_nextn_predict_layers": 0})
@@ -57,8 +43,7 @@ def test_capability_is_read_from_config_and_head_tensors_and_a_broken_head_is_re
     shutil.copytree(target, stripped)
     mx.save_safetensors(str(stripped / "model.safetensors"), {k: v for k, v in weights.items()
                                                               if not k.startswith("mtp.")})
-    caps = capability.with_drafter(capability.detect(stripped, config), stripped, None, config)
-    assert not caps.native_mtp_heads and not caps.mtp_capable and caps.drafter_reason == "not_mtp_capable"
+    mtp_checks.no_head_found(stripped, config)
     # Hostile heads (a tensor missing, one misshaped) fail their load with an error the loader turns into
     # "no drafter", and the target still decodes.
     model, _ = load(str(target))
@@ -84,18 +69,8 @@ def test_the_footprint_books_the_head_and_the_estimate_reads_the_block_pattern(t
     """The head is booked once, as the drafter (its tensors, activations and its attention block's K/V), never
     inside the target; the target's per-row books are what mlx-lm's caches hold: K/V for its attention block
     only, one Mamba2 state per Mamba2 block (conv window + float32 SSM state), nothing for MLP / MoE blocks."""
-    from provider.models.checkpoint import open_checkpoint
-
     config = capability.read_config(target)
-    model, _ = load(str(target))
-    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    assert estimate.weight_bytes(config, open_checkpoint(target).tensors) == held
-    head = load_head(target, model)
-    head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
-    on_disk = sum(v.nbytes for v in mx.load(str(target / "model.safetensors")).values())
-    assert held + head_bytes == on_disk
-    assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
-        estimate.activation_bytes(config, 512)
+    model, _ = mtp_checks.booked_once(target, config, load_head)
     assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4  # one attention block, fp32
 
     caches = model.make_cache()
@@ -173,31 +148,20 @@ def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(tar
 
     monkeypatch.setattr(recurrent.Rewind, "row", seen)
     n = 24
-    ps = prompts(target)
+    ps = mtp_checks.prompts(target)
     _, tok = load(str(target))
 
     def truth(p):
-        out = plain(target, p, n)
+        out = mtp_checks.plain(target, p, n)
         return out[:out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out
 
     want = [truth(p) for p in ps]
     longer = ps[7] + want[7] + [5, 6]  # past the entry job 7 left (its prompt and output): a prefix hit
-    node = make_node({NAME: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3)
 
-    async def main():
-        alone = [await collect(node, Job(f"a{i}", NAME, greedy(n), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
-        together = await asyncio.gather(*(collect(node, Job(f"t{i}", NAME, greedy(n), prompt_ids=tuple(p)))
-                                          for i, p in enumerate(ps)))
-        again = await collect(node, Job("again", NAME, greedy(n), prompt_ids=tuple(longer)))
-        await node.stop()
-        return alone, together, again
+    async def prefix_hit(node):
+        return await collect(node, Job("again", NAME, greedy(n), prompt_ids=tuple(longer)))
 
-    alone, together, again = run(main())
-    for kind, results in (("alone", alone), ("together", together)):
-        for i, (ids, _, done, _) in enumerate(results):
-            spec = done.telemetry.speculation
-            assert (spec.mode.value, spec.reason) == ("mtp", "ok"), (kind, i, spec)
-            assert ids == want[i], f"{kind} job {i} ({len(ps[i])} prompt tokens)"
+    alone, together, again = mtp_checks.greedy_alone_and_together(target, NAME, ps, want, n, then=prefix_hit)
     trained = [r[2].telemetry.speculation for r in alone[:4]]
     assert 0.5 < sum(s.accepted for s in trained) / sum(s.rounds for s in trained) < 2.5  # some, not all, k = 3
     assert set(rewound) == {1, 2, 3, 4}  # kept n + 1 of k + 1 = 4: every number of drafts accepted, 0 to k
@@ -214,51 +178,18 @@ def test_the_head_computes_what_mlx_vlms_nemotron_h_mtp_drafter_computes_on_the_
 
     theirs, kind = load_drafter(str(target), kind="mtp")
     assert kind == "mtp"
-    model, _ = load(str(target))
-    tap = install(model)
-    ours = load_head(target, model)
-    mine, other = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
-    assert mine.keys() == other.keys()
-    assert [k for k in mine if not mx.array_equal(mine[k], other[k]).item()] == []
-
-    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:20]])
-    model(ids)
-    hidden, bonus = tap.last, 77
+    model, tap, ours = mtp_checks.loaded(target, load_head)
+    mtp_checks.same_parameters(dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters())))
     theirs.validate_target_compatibility = lambda target: None  # it checks for mlx-vlm's own target class
-    theirs.reset(model)
-    theirs.prefill_from_target_hidden(ids, hidden, bonus, None, greedy=True)
-    embed = model.backbone.embeddings
-    cache = ours.make_cache()
-    h = ours(embed(mx.concatenate([ids[:, 1:], mx.array([[bonus]])], axis=1)), hidden, cache)[:, -1:]
-    assert mx.array_equal(h, theirs._seed_hidden).item()
-    drafted = []
-    for step in range(4):
-        token = model.lm_head(h).argmax(-1)
-        drafted.append(token.item())
-        if step < 3:
-            h = ours(embed(token), h, cache)
-    assert theirs.draft_block(bonus, hidden[:, -1:], None, 5, None, greedy=True).tolist() == [drafted]
-    for a, b in zip(cache, theirs._cache):
-        assert a.offset == b.offset
-        assert mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]).item()
-        assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :]).item()
+    mtp_checks.drafts_as_mlx_vlms(target, model, tap, ours, theirs, model.backbone.embeddings, model.lm_head)
 
 
 def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
-    """test_mtp_families' distribution test with this head: the first 6 tokens at T = 0.15 with top_p and top_k,
-    k = 3, 800 samples a side, a chi-square per position; the biased control (every draft accepted) is caught."""
-    model, _ = load(str(target))
-    install(model)
-    head = load_head(target, model)
-    prompt = train_prompts()[0]
+    """The distribution test (mtp_checks.sampled_as_plain) with this head: the first 6 tokens at T = 0.15 with top_p
+    and top_k, k = 3, 800 samples a side, a chi-square per position; the biased control (every draft accepted) is
+    caught."""
     params = SamplingParams(max_tokens=6, temperature=0.15, top_p=0.95, top_k=32, seed=3)
-    reference = plain_samples(model, prompt, params, 800, 6)
-    spec, stats = _sampled(model, head, prompt, params, 800, 3)
-    assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats
-    rows = compare(reference, spec, 6)
-    assert all(r["p"] >= 1e-3 for r in rows), rows
-    biased, _ = _sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
-    assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3
+    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)
 
 
 def test_the_config_is_what_mlx_lm_and_mlx_vlm_read(target):

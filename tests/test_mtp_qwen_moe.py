@@ -6,7 +6,6 @@ published layout, the head's experts one tensor per expert, and each head distil
 continuations of `fixtures_mtp.train_prompts`. What tests/test_mtp_families.py checks for dense Qwen3.5, here for
 both families: greedy output equals plain decoding, the head is mlx-vlm's on the same weights, sampling is exact."""
 
-import asyncio
 import json
 import shutil
 
@@ -16,17 +15,13 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 
 from provider.engine import recurrent
-from provider.jobs import Job, SamplingParams
-from provider.memory import estimate
+from provider.jobs import SamplingParams
 from provider.models import capability
 from provider.models.fixtures_mtp import HF_METADATA, train_prompts
-from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.models.footprint import head_kv_shape
 from provider.models.qwen3_5_mtp import load_head
-from provider.types import SpecMode
-from provider.verification.hidden_tap import install
-from tests.helpers import collect, greedy, make_node, run
-from tests.test_mtp_families import _sampled, plain, prompts
-from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
+from tests import mtp_checks
+from tests.helpers import make_node, run
 
 NAMES = ("qwen3_5_moe-mtp-tiny", "qwen3_next-mtp-tiny")
 
@@ -46,26 +41,13 @@ def test_capability_and_books_from_config_and_head_tensors(target, tmp_path):
     drafter's footprint books the head's bytes as loaded (its experts stacked) and its own K/V per token as the
     head's cache holds it."""
     config = capability.read_config(target)
-    caps = capability.with_drafter(capability.detect(target, config), target, None, config)
-    assert (caps.native_mtp_heads, caps.native_mtp_declared, caps.mtp_capable) == (True, 1, True)
-    assert (caps.drafter_reason, caps.speculates_with) == ("ok", capability.OWN_HEAD)
+    assert mtp_checks.head_found(target, config).speculates_with == capability.OWN_HEAD
     stripped = tmp_path / "stripped"
     shutil.copytree(target, stripped)
     mx.save_safetensors(str(stripped / "model.safetensors"),
                         {k: v for k, v in _tensors(target).items() if not k.startswith("mtp.")}, metadata=HF_METADATA)
-    caps = capability.with_drafter(capability.detect(stripped, config), stripped, None, config)
-    assert not caps.native_mtp_heads and not caps.mtp_capable and caps.drafter_reason == "not_mtp_capable"
-
-    from provider.models.checkpoint import open_checkpoint
-
-    model, _ = load(str(target))
-    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    assert estimate.weight_bytes(config, open_checkpoint(target).tensors) == held
-    head = load_head(target, model)
-    head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
-    assert held + head_bytes == sum(v.nbytes for v in _tensors(target).values())
-    assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
-        estimate.activation_bytes(config, 512)
+    mtp_checks.no_head_found(stripped, config)
+    _, head = mtp_checks.booked_once(target, config, load_head)
     cache = head.make_cache()
     h = mx.zeros((1, 7, head.fc.weight.shape[0]))
     mx.eval(head(h, h, cache))
@@ -96,29 +78,13 @@ def test_the_hybrid_rollback_finds_the_targets_gated_deltanet_mixers(target):
 
 
 def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
-    name, n, ps = target.name, 24, prompts(target)
-    truth = [plain(target, p, n) for p in ps]
-    node = make_node({name: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3)
-
-    async def main():
-        alone = [await collect(node, Job(f"a{i}", name, greedy(n), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
-        together = await asyncio.gather(*(collect(node, Job(f"t{i}", name, greedy(n), prompt_ids=tuple(p)))
-                                          for i, p in enumerate(ps)))
-        await node.stop()
-        return alone, together
-
-    alone, together = run(main())
-    accepted = set()
-    for kind, results in (("alone", alone), ("together", together)):
-        for i, (ids, _, done, _) in enumerate(results):
-            spec = done.telemetry.speculation
-            assert (spec.mode.value, spec.reason) == ("mtp", "ok"), (kind, i, spec)
-            assert ids == truth[i], f"{kind} job {i} ({len(ps[i])} prompt tokens)"
-            accepted.add(spec.accepted)
+    name, n, ps = target.name, 24, mtp_checks.prompts(target)
+    want = [mtp_checks.plain(target, p, n) for p in ps]
+    alone, together, _ = mtp_checks.greedy_alone_and_together(target, name, ps, want, n)
     trained = [r[2].telemetry.speculation for r in alone[:4]]
     assert sum(s.accepted for s in trained) / sum(s.rounds for s in trained) > 0.5  # real acceptance
     assert together[0][2].telemetry.speculation.mean_batch > 2
-    assert len(accepted) > 2
+    assert len({r[2].telemetry.speculation.accepted for r in alone + together}) > 2
 
 
 def test_the_head_computes_what_mlx_vlms_drafter_computes_on_the_same_weights(target):
@@ -132,33 +98,12 @@ def test_the_head_computes_what_mlx_vlms_drafter_computes_on_the_same_weights(ta
 
     theirs, kind = load_drafter(str(target), kind="mtp")
     assert kind == "mtp" and type(theirs).__name__ == "Qwen3_5MTPDraftModel"
-    model, _ = load(str(target))
-    tap = install(model)
-    ours = load_head(target, model)
+    model, tap, ours = mtp_checks.loaded(target, load_head)
     mine, other = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
-    assert mine.keys() == other.keys() and any(".switch_mlp." in k for k in mine)
-    assert [k for k in mine if not mx.array_equal(mine[k], other[k]).item()] == []
-
-    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:20]])
-    model(ids)
-    hidden, bonus = tap.last, 77
-    theirs.reset(model)
-    theirs.prefill_from_target_hidden(ids, hidden, bonus, None, greedy=True)
+    assert any(".switch_mlp." in k for k in mine)
+    mtp_checks.same_parameters(mine, other)
     lm = getattr(model, "language_model", model)
-    cache = ours.make_cache()
-    h = ours(lm.model.embed_tokens(mx.concatenate([ids[:, 1:], mx.array([[bonus]])], axis=1)), hidden, cache)[:, -1:]
-    assert mx.array_equal(h, theirs._seed_hidden).item()
-    drafted = []
-    for step in range(4):
-        token = lm.lm_head(h).argmax(-1)
-        drafted.append(token.item())
-        if step < 3:
-            h = ours(lm.model.embed_tokens(token), h, cache)
-    assert theirs.draft_block(bonus, hidden[:, -1:], None, 5, None, greedy=True).tolist() == [drafted]
-    for a, b in zip(cache, theirs._cache):
-        assert a.offset == b.offset
-        assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], rtol=1e-6, atol=1e-6).item()
-        assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :]).item()
+    mtp_checks.drafts_as_mlx_vlms(target, model, tap, ours, theirs, lm.model.embed_tokens, lm.lm_head, k_tol=1e-6)
 
 
 def test_experts_fused_or_per_expert_load_the_same_head_and_a_broken_one_is_refused(target, tmp_path):
@@ -195,19 +140,9 @@ def test_sampled_rounds_with_the_moe_head_are_distributed_as_plain_sampling(head
     """test_spec_sampling's distribution test with Qwen3.5-MoE's head (as test_mtp_families runs it for dense
     Qwen3.5): the first 6 tokens at T = 0.15 with top_p and top_k, k = 3, 800 samples a side, a chi-square per
     position; and the biased control (every draft accepted) is told apart."""
-    target = head_fixture(NAMES[0])
-    model, _ = load(str(target))
-    install(model)
-    head = load_head(target, model)
-    prompt = train_prompts()[1]  # the head's drafts accepted ~11% of the time there ([0]: ~5%)
     params = SamplingParams(max_tokens=6, temperature=0.15, top_p=0.95, top_k=32, seed=3)
-    reference = plain_samples(model, prompt, params, 800, 6)
-    spec, stats = _sampled(model, head, prompt, params, 800, 3)
-    assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats  # both branches, many times
-    rows = compare(reference, spec, 6)
-    assert all(r["p"] >= 1e-3 for r in rows), rows
-    biased, _ = _sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
-    assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3
+    # train_prompts()[1]: the head's drafts accepted ~11% of the time there ([0]: ~5%)
+    mtp_checks.sampled_as_plain(head_fixture(NAMES[0]), load_head, train_prompts()[1], params)
 
 
 def test_the_node_lists_both_as_speculating_with_their_own_head(head_fixture):

@@ -1,0 +1,178 @@
+"""What every MTP head family's tests check (issue 42), run the same way for each: tests/test_mtp_families.py (dense
+Qwen3.5), test_mtp_qwen_moe.py, test_mtp_glm.py, test_mtp_nemotron.py. Each test keeps its family's own figures
+(prompts, sampling parameters, acceptance bounds) and its own extra assertions."""
+
+import asyncio
+import itertools
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from provider.engine.acceptance import SampledChoice
+from provider.engine.drafters import HeadDrafter
+from provider.engine.spec_rounds import Speculator
+from provider.jobs import Job
+from provider.models import capability
+from provider.models.fixtures_mtp import train_prompts
+from provider.models.gemma4_target import Target
+from provider.telemetry import SpecTelemetry
+from provider.verification.hidden_tap import install
+from tests.helpers import collect, greedy, make_node, run
+from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
+
+
+def prompts(target) -> list[list[int]]:
+    """Eight prompts: four the head was distilled on, four held out of 1 to 90 tokens (past the head's
+    first read of a chunk, and one of a single token, which gives the head no prompt pair at all)."""
+    _, tok = load(str(target))
+    text = tok.encode("The provider node serves language models to a network of clients. " * 6)
+    return train_prompts()[:4] + [text[:1], text[3:10], text[5:40], text[:90]]
+
+
+def plain(target, prompt, n):
+    """mlx-lm's plain greedy decoding of n tokens (it does not stop at the end token)."""
+    model, _ = load(str(target))
+    return [t for t, _ in itertools.islice(generate_step(mx.array(prompt), model, max_tokens=n), n)]
+
+
+def head_found(path, config):
+    """The capabilities registration reads from the checkpoint at `path` (config and safetensors headers) find its
+    one head, and with it the target speculates. Returns them."""
+    caps = capability.with_drafter(capability.detect(path, config), path, None, config)
+    assert (caps.native_mtp_heads, caps.native_mtp_declared, caps.mtp_capable, caps.drafter_reason) == \
+        (True, 1, True, "ok"), caps
+    return caps
+
+
+def no_head_found(path, config) -> None:
+    """The checkpoint at `path` (a head declared in `config`, its tensors gone) has no head to speculate with."""
+    caps = capability.with_drafter(capability.detect(path, config), path, None, config)
+    assert not caps.native_mtp_heads and not caps.mtp_capable and caps.drafter_reason == "not_mtp_capable", caps
+
+
+def booked_once(target, config, load_head):
+    """The head is booked once, as the drafter, never inside the target: the target's weight estimate is what
+    mlx-lm's load holds (its sanitize drops the head's tensors), to the byte; the checkpoint's tensors are that plus
+    the head as `load_head` loads it; the drafter's footprint is that head plus activations. Returns the model and
+    the head."""
+    from mlx.utils import tree_flatten
+
+    from provider.memory import estimate
+    from provider.models.checkpoint import open_checkpoint
+    from provider.models.footprint import drafter_footprint
+    from provider.types import SpecMode
+
+    model, _ = load(str(target))
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert estimate.weight_bytes(config, open_checkpoint(target).tensors) == held
+    head = load_head(target, model)
+    head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    assert held + head_bytes == sum(v.nbytes for v in mx.load(str(target / "model.safetensors")).values())
+    assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
+        estimate.activation_bytes(config, 512)
+    return model, head
+
+
+def loaded(target, load_head):
+    """The target as mlx-lm loads it, its hidden-state tap, and its head as the family's `load_head` loads it."""
+    model, _ = load(str(target))
+    tap = install(model)
+    return model, tap, load_head(target, model)
+
+
+def greedy_alone_and_together(target, name, ps, want, n, then=None):
+    """Each prompt of `ps` as a greedy job of n tokens alone, then all together, through a node speculating with
+    the head (k = 3): every job speculated (mode mtp, reason ok, rounds run) and emitted `want[i]`, plain
+    decoding's tokens. `then(node)` (a coroutine function) runs on the same node after them. Returns (alone,
+    together, what `then` returned)."""
+    node = make_node({name: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3)
+
+    async def main():
+        try:
+            alone = [await collect(node, Job(f"a{i}", name, greedy(n), prompt_ids=tuple(p)))
+                     for i, p in enumerate(ps)]
+            together = await asyncio.gather(*(collect(node, Job(f"t{i}", name, greedy(n), prompt_ids=tuple(p)))
+                                              for i, p in enumerate(ps)))
+            return alone, together, then and await then(node)
+        finally:
+            await node.stop()
+
+    alone, together, later = run(main())
+    for kind, results in (("alone", alone), ("together", together)):
+        for i, (ids, _, done, _) in enumerate(results):
+            spec = done.telemetry.speculation
+            assert (spec.mode.value, spec.reason) == ("mtp", "ok") and spec.rounds > 0, (kind, i, spec)
+            assert ids == want[i], f"{kind} job {i} ({len(ps[i])} prompt tokens)"
+    return alone, together, later
+
+
+def same_parameters(mine: dict, other: dict) -> None:
+    """Two heads' flattened parameters: the same names, each bit for bit."""
+    assert mine.keys() == other.keys()
+    assert [k for k in mine if not mx.array_equal(mine[k], other[k]).item()] == []
+
+
+def drafts_as_mlx_vlms(target, model, tap, ours, theirs, embed, lm_head, k_tol=0.0):
+    """Ours against mlx-vlm's drafter `theirs` on the prompt's pairs (a distilled prompt then 20 held-out tokens,
+    first token 77) then four draft steps, ours stepped here with the family's `embed` and `lm_head`: the same seed
+    hidden state and draft tokens bit for bit, and the same K/V: V bit for bit, K within `k_tol` (0: bit for bit).
+    Returns the prompt and our head's cache."""
+    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:20]])
+    model(ids)
+    hidden, bonus = tap.last, 77
+    theirs.reset(model)
+    theirs.prefill_from_target_hidden(ids, hidden, bonus, None, greedy=True)
+    cache = ours.make_cache()
+    h = ours(embed(mx.concatenate([ids[:, 1:], mx.array([[bonus]])], axis=1)), hidden, cache)[:, -1:]
+    assert mx.array_equal(h, theirs._seed_hidden).item()
+    drafted = []
+    for step in range(4):
+        token = lm_head(h).argmax(-1)
+        drafted.append(token.item())
+        if step < 3:  # the fourth draft needs no step after it
+            h = ours(embed(token), h, cache)
+    assert theirs.draft_block(bonus, hidden[:, -1:], None, 5, None, greedy=True).tolist() == [drafted]
+    assert len(cache) == len(theirs._cache)
+    for a, b in zip(cache, theirs._cache):
+        keys, their_keys = a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]
+        assert a.offset == b.offset
+        assert (mx.allclose(keys, their_keys, rtol=k_tol, atol=k_tol) if k_tol else
+                mx.array_equal(keys, their_keys)).item()
+        assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :]).item()
+    return ids, cache
+
+
+def sampled(model, head, prompt, params, n, k, choice=SampledChoice, seed0=0, positions=6):
+    """n speculative samples of the first `positions` tokens (seeds seed0, seed0 + 1, ...): rows of the engine's
+    round loop with the head, 400 at a time, each reading the prompt itself as a fresh job does (the harness's
+    rows start from one read prompt, which leaves a head no prompt pairs and accepts a fifth as often)."""
+    spec, total, out = Speculator(model, HeadDrafter(head, Target(model))), SpecTelemetry("sampled", k=k), []
+    for start in range(seed0, seed0 + n, 400):
+        rows = [spec.new_row(prompt, stats=SpecTelemetry("sampled", k=k), choice=choice(params, seed))
+                for seed in range(start, min(start + 400, seed0 + n))]
+        for row in rows:
+            while not spec.read(row, 2048):
+                pass
+        samples = [[first] for first in spec.begin(rows)]
+        while live := [i for i, s in enumerate(samples) if len(s) < positions]:
+            for i, tokens in zip(live, spec.round([rows[i] for i in live])):
+                samples[i] += tokens
+        out += [tuple(s[:positions]) for s in samples]
+        total.accepted += sum(r.stats.accepted for r in rows)
+        total.judged += sum(r.stats.judged for r in rows)
+    return out, total
+
+
+def sampled_as_plain(target, load_head, prompt, params) -> None:
+    """test_spec_sampling's distribution test with the head: the first 6 tokens, k = 3, 800 samples a side; a
+    chi-square per position does not tell speculative sampling from the node's plain sampler, both of the round's
+    branches ran hundreds of times, and the test tells the biased control (every draft accepted, k = 2) apart."""
+    model, _, head = loaded(target, load_head)
+    reference = plain_samples(model, prompt, params, 800, 6)
+    spec, stats = sampled(model, head, prompt, params, 800, 3)
+    assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats  # both branches, many times
+    rows = compare(reference, spec, 6)
+    assert all(r["p"] >= 1e-3 for r in rows), rows
+    biased, _ = sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
+    assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3  # the test has the power to see a bias
