@@ -70,7 +70,7 @@ def booked_once(target, config, load_head):
     head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
     assert held + head_bytes == sum(v.nbytes for v in mx.load(str(target / "model.safetensors")).values())
     assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
-        estimate.activation_bytes(config, 512, stepped=False)
+        estimate.activation_bytes(config, 512, attention_only=True)
     return model, head
 
 

@@ -228,22 +228,32 @@ def _kv_bytes(elements: int, dtype_bytes: int, quant: KVQuant | None) -> int:
     return elements * dtype_bytes if quant is None else quant.bytes(elements, dtype_bytes)
 
 
+SSD_BLOCK = 256  # mlx-lm's ssm_attn reads a prompt chunk in blocks of this many positions (its `step`)
+
+
 @dataclass(frozen=True)
 class ActivationShape:
-    """Scratch a forward needs: per token it reads, per (query, key) pair of attention scores, per row."""
+    """Scratch a forward needs: per token it reads, per (query, key) pair of attention scores, per row, and per
+    pair of positions within one block of a Mamba2 scan."""
 
     per_token: int  # hidden states and MLP intermediates
     per_score: int  # attention scores and their softmax across the heads (float32)
     per_row: int  # the last position's logits
+    per_block_token: int = 0  # a Mamba2 layer's SSD scan, per position of one block: head-sized vectors
+    per_block_pair: int = 0  # and per pair of positions in it: its [heads, block, block] decay and mixing matrices
 
     def prefill_bytes(self, rows: int, chunk: int, kv_len: int) -> int:
         """Peak scratch of `rows` rows reading `chunk` prompt tokens each, attending to `kv_len` positions."""
-        return rows * (chunk * self.per_token + chunk * max(kv_len, chunk) * self.per_score + self.per_row)
+        block = min(chunk, SSD_BLOCK)
+        return rows * (chunk * self.per_token + chunk * max(kv_len, chunk) * self.per_score
+                       + block * (self.per_block_token + block * self.per_block_pair) + self.per_row)
 
 
-def activation_shape(config: dict, dtype_bytes: int = 4, stepped: bool | None = None) -> ActivationShape:
+def activation_shape(config: dict, dtype_bytes: int = 4, stepped: bool | None = None,
+                     attention_only: bool = False) -> ActivationShape:
     """A forward's scratch; with a Gated DeltaNet's stepped recurrence (stepped_scan_bytes) when MLX steps it
-    (`stepped`; None: as mlx-lm will on this machine, stepped_recurrence)."""
+    (`stepped`; None: as mlx-lm will on this machine, stepped_recurrence) and a Mamba2 layer's scan; neither for
+    `attention_only` (an MTP head reading with its target: attention and MLP layers of its own only)."""
     tc = text_config(config)
     hidden = tc.get("hidden_size", 0)
     inter = tc.get("intermediate_size", 4 * hidden)
@@ -251,10 +261,27 @@ def activation_shape(config: dict, dtype_bytes: int = 4, stepped: bool | None = 
         inter *= 2
     heads = tc.get("num_attention_heads", 1)
     vocab = tc.get("vocab_size") or config.get("vocab_size", 0)
-    scan_token, scan_row = stepped_scan_bytes(tc, stepped)
+    scan_token, scan_row = stepped_scan_bytes(tc, False if attention_only else stepped)
+    ssd_token, ssd_pair = (0, 0) if attention_only else ssd_scan_bytes(tc)
     # Scores and their softmax are both alive in attention (float32, every head): two per (query, key) pair.
     return ActivationShape(dtype_bytes * (6 * hidden + 3 * inter) + scan_token, dtype_bytes * 2 * heads,
-                           dtype_bytes * 2 * vocab + scan_row)
+                           dtype_bytes * 2 * vocab + scan_row, ssd_token, ssd_pair)
+
+
+def ssd_scan_bytes(tc: dict) -> tuple[int, int]:
+    """(per position of a block, per pair of positions in it): what a Mamba2 layer's prompt read holds in mlx-lm's
+    chunked SSD scan (ssm_attn, on every backend: only single-token steps take Metal's kernel), one block of
+    SSD_BLOCK positions at a time. A block makes [heads, block, block] float32 matrices (segsum's repeat, its
+    cumulative sums, the decay, C·B and their product: ~6 alive at once) and per position some two dozen
+    head-sized vectors; a longer chunk's next block reuses them (400 tokens hold what 256 do). Fitted on this CPU
+    (peak over one forward after a first chunk, 1 row; tests/test_memory_books.py holds it): the Nemotron-H fixture
+    (8 heads x 16, state 16) 2.9, 9.3, 14.1 MiB for 100, 200, 256 tokens; 16 x 64 with state 64: 13.0, 32.5, 46.0;
+    32 x 32 with state 128: 18.1, 49.6, 72.3 (the books had 1 to 4; they have 3.8, 11.8, 18.1; 14.9, 37.8, 54.0;
+    20.9, 57.1, 84.0)."""
+    if _block_pattern(tc) is None or LINEAR not in layer_kinds(tc):
+        return 0, 0
+    heads, head_dim, state = tc["mamba_num_heads"], tc.get("mamba_head_dim", 0), tc.get("ssm_state_size", 0)
+    return 4 * (24 * heads * head_dim + 2 * heads * state), 4 * 6 * heads
 
 
 def stepped_scan_bytes(tc: dict, stepped: bool | None = None) -> tuple[int, int]:
@@ -285,10 +312,11 @@ def stepped_recurrence(key_dim: int) -> bool:
     return not metal or mx.default_device() != mx.gpu or key_dim < 32 or key_dim % 32 != 0
 
 
-def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4, stepped: bool | None = None) -> int:
+def activation_bytes(config: dict, prefill_step: int, dtype_bytes: int = 4, stepped: bool | None = None,
+                     attention_only: bool = False) -> int:
     """Peak scratch of one prefill chunk of one row: hidden states, MLP intermediates, attention scores, last
-    logits, a stepped recurrence's states."""
-    return activation_shape(config, dtype_bytes, stepped).prefill_bytes(1, prefill_step, prefill_step)
+    logits, a recurrent layer's scan (activation_shape)."""
+    return activation_shape(config, dtype_bytes, stepped, attention_only).prefill_bytes(1, prefill_step, prefill_step)
 
 
 def vision_scratch_bytes(config: dict, soft_tokens: int, dtype_bytes: int = 4) -> int:

@@ -46,8 +46,8 @@ def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_
         tensors = open_checkpoint(path).tensors
         head = {n: tensors[n] for n in head_module(config).head_tensors(tensors)}
         weights = sum(estimate.DTYPE_BYTES.get(dtype, 4) * math.prod(shape) for dtype, shape in head.values())
-        # It reads prompt chunks with the target, through attention layers only: no stepped recurrence of its own.
-        return weights + estimate.activation_bytes(config, prefill_step, stepped=False)
+        # It reads prompt chunks with the target, through attention and MLP layers only: no recurrent scan.
+        return weights + estimate.activation_bytes(config, prefill_step, attention_only=True)
     weights = estimate.weight_bytes(config, open_checkpoint(path).tensors)
     if mode is SpecMode.MTP:
         return weights + estimate.activation_bytes(config, k + 1)
