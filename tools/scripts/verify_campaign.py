@@ -121,7 +121,8 @@ def group_outcomes(root: Path, path: str, family: str, split: str, rng: random.R
         r = httpx.post(f"{leader.url}/v1/completions", headers=leader.headers, json=body, timeout=600)
         r.raise_for_status()
         p = r.json()["choices"][0]["proof"]
-        return job, p["output_ids"], Proof(base64.b64decode(p["commitment"]), p["sampler"], p["seed"])
+        return job, p["output_ids"], Proof(base64.b64decode(p["commitment"]), p["sampler"], p["seed"],
+                                           end_token=p.get("end_token"))
 
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -335,7 +336,8 @@ def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple[bool, bool]]:
                                prompt_ids=tuple(prompt_ids) + tuple(real_ids[:k]),
                                sampling=SamplingParams(max_tokens=tokens - k, temperature=0.0))]))[0][1]
             ids = real_ids[:k] + tail
-            proof = forged(verifier, "g", job, ids, end.proof)
+            # The forger claims no end token: the real output's, if it had one, ended another output.
+            proof = forged(verifier, "g", job, ids, dataclasses.replace(end.proof, end_token=None))
             v = read(verifier, "g", job, ids, proof).verdict()
             start = next((j for j, (a, b) in enumerate(zip(ids, real_ids)) if a != b), None)
             out.append((v.passed if start is not None else False, _from(v.first_failure, start)))
