@@ -87,7 +87,8 @@ def test_load_and_unload_asked_for_and_a_job_arriving_while_its_model_unloads_is
         # A job in flight holds its model: unloading waits for it, and the job ends whole.
         paused.add("llama-tiny")
         async with node.run(Job("busy", "llama-tiny", greedy(4), prompt="hi")) as stream:
-            await until(lambda: node.models.resident() == ["llama-tiny"], "loaded")
+            # Held by its job, not merely loaded: between the two the engine thread may take the unload first.
+            await until(lambda: node.model_status("llama-tiny").active_jobs == 1, "held by its job")
             assert await node.unload_model("llama-tiny") == "unloading"
             paused.discard("llama-tiny")
             events = [ev async for ev in stream]
