@@ -3,7 +3,7 @@
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
 - HeadDrafter: an MTP head shipped inside the target's checkpoint (models.mtp_heads), with a KV cache of its own
-  per row, fed the target's final-norm hidden states.
+  per row, fed the target's final-norm hidden states. An EAGLE-3 drafter runs the same rounds (eagle3_drafter).
 
 Both draft every row of a round together, each row drawing from its own logits by its own choice (greedy
 or sampled, with its own key), and return each row's draft distributions for the verify step.
@@ -144,7 +144,7 @@ class HeadDrafter:
         if d["unseen"] > 0:
             d["unseen"] -= len(tokens)
             return
-        hidden = self.target.tap.last
+        hidden = self._latest()
         assert hidden is not None and hidden.shape[1] == len(tokens), "the head reads the chunk the target read"
         pairs = ([(tokens[0], d["carry"])] if d["carry"] is not None else []) + \
             [(t, hidden[:, j:j + 1]) for j, t in enumerate(tokens[1:])]
@@ -156,7 +156,8 @@ class HeadDrafter:
 
     def start(self, row: SpecRow, first: int) -> None:
         d = row.draft
-        d["pending"] = ([(row.prompt[-1], d["carry"])] if d["carry"] is not None else []) + [(first, row.hidden)]
+        d["pending"] = ([(row.prompt[-1], d["carry"])] if d["carry"] is not None else []) + \
+            [(first, self._start_hidden(row))]
         d["carry"] = None
 
     def propose(self, rows: list[SpecRow], k: int, caches: list) -> tuple[mx.array, list[list]]:
@@ -167,7 +168,7 @@ class HeadDrafter:
         if len(rows) > 1 and min(widths) < width:
             for c in cache:
                 c.prepare(right_padding=[width - w for w in widths])
-        pad = [(0, mx.zeros_like(rows[0].hidden))]
+        pad = [(0, mx.zeros_like(rows[0].draft["pending"][-1][1]))]
         pending = [r.draft["pending"] + pad * (width - w) for r, w in zip(rows, widths)]
         tokens = mx.array([[t for t, _ in p] for p in pending])
         h = self.head(self.embed(tokens), mx.concatenate([mx.concatenate([h for _, h in p], axis=1) for p in pending]),
@@ -178,7 +179,7 @@ class HeadDrafter:
         h = mx.take_along_axis(h, mx.array(widths)[:, None, None] - 1, axis=1)  # each row's last real pair
         drafted, qs = [], [[] for _ in rows]
         for step in range(k):
-            token = _draw(rows, self.lm_head(self.head.readout(h))[:, -1, :], qs)
+            token = _draw(rows, self._logits(h)[:, -1, :], qs)
             drafted.append(token)
             if step < k - 1:
                 h = self.head(self.embed(token), h, cache)
@@ -189,15 +190,33 @@ class HeadDrafter:
     def accepted(self, row: SpecRow, n: int, k: int, drafts: list[int], bonus: int) -> None:
         # The verify's final-norm hidden states [rows, k + 1, H] are the tap's latest: the round runs no other
         # forward of the target between its verify and this.
-        verified = self.target.tap.last
+        verified = self._latest()
         i = self._index[id(row)]
         rollback(row.draft["cache"], k - 1)  # the head's own draft pairs
         tokens = [*drafts[:n], bonus]
         row.draft["pending"] = [(t, verified[i:i + 1, j:j + 1]) for j, t in enumerate(tokens)]
 
+    def _latest(self) -> mx.array:
+        """The hidden states the head reads of the target's latest forward on this thread [B, L, H]."""
+        return self.target.tap.last
+
+    def _start_hidden(self, row: SpecRow) -> mx.array:
+        """Of the row's first token's forward (Speculator.begin), the hidden that produced it [1, 1, H]."""
+        return row.hidden
+
+    def _logits(self, h: mx.array) -> mx.array:
+        """The head's hidden [B, L, H] -> draft logits over the target's vocabulary [B, L, V]."""
+        return self.lm_head(self.head.readout(h))
+
 
 def drafter_for(lm):
     """The drafter of a loaded pair (`models.loader.LoadedModel`); per-row state lives on the rows."""
+    from ..models.eagle3_head import Eagle3Head
+
+    if isinstance(lm.drafter, Eagle3Head):
+        from .eagle3_drafter import Eagle3Drafter
+
+        return Eagle3Drafter(lm.drafter, Target(lm.model))
     if isinstance(lm.drafter, OwnHead):
         return HeadDrafter(lm.drafter, Target(lm.model))
     if lm.drafter_mode == SpecMode.MTP:

@@ -35,7 +35,8 @@ class Capabilities:
     mtp_capable: bool = False  # Gemma 4 target with a validly paired assistant
     draft_compatible: bool = False  # a configured draft model with an identical vocabulary
     drafter_reason: str = "no_drafter"
-    # What it speculates with, when it can: its own MTP head (OWN_HEAD), a Gemma 4 assistant, or a draft model.
+    # What it speculates with, when it can: its own MTP head (OWN_HEAD), a Gemma 4 assistant, an EAGLE-3 drafter
+    # ("eagle3"), or a draft model.
     speculates_with: str = ""
 
     def as_dict(self) -> dict:
@@ -183,6 +184,11 @@ def with_drafter(caps: Capabilities, target: Path, drafter: Path | None, target_
         reason = "no_drafter" if caps.family in GEMMA4_TYPES else "not_mtp_capable"
         return replace(caps, drafter_reason=reason)
     dcfg = read_config(drafter)
+    from .eagle3 import EAGLE3, check_pair, is_eagle3
+
+    if is_eagle3(dcfg):  # an EAGLE-3 drafter: reads three of the target's layers (models.eagle3)
+        why = check_pair(target_config, drafter, dcfg)
+        return replace(caps, mtp_capable=why == "ok", drafter_reason=why, speculates_with=EAGLE3 if why == "ok" else "")
     if dcfg.get("model_type") in ASSISTANT_TYPES:
         p = pair_assistant(target, drafter, target_config, dcfg)
         return replace(caps, mtp_capable=p.paired, drafter_reason=p.reason,

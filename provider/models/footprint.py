@@ -8,8 +8,10 @@ from pathlib import Path
 
 from ..memory import estimate
 from ..types import SpecMode
+from . import eagle3
 from .capability import images_refused, native_head_family
 from .checkpoint import context_length, open_checkpoint
+from .eagle3 import is_eagle3
 from .mtp_heads import head_module
 
 
@@ -42,6 +44,9 @@ def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step
 def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:
     """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
     prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
+    if mode is SpecMode.MTP and is_eagle3(config):  # an EAGLE-3 drafter: what it holds loaded; it reads prompt chunks
+        return eagle3.weight_bytes(path) + estimate.activation_bytes(eagle3.flat_config(config), prefill_step,
+                                                                     attention_only=True)
     if mode is SpecMode.MTP and native_head_family(config):  # the head inside the target's checkpoint
         tensors = open_checkpoint(path).tensors
         head = {n: tensors[n] for n in head_module(config).head_tensors(tensors)}
@@ -60,6 +65,11 @@ def head_kv_shape(path: Path, config: dict) -> estimate.KVShape:
     module = head_module(config)
     elements = module.depth(config) * module.kv_elements(config)
     return estimate.KVShape(elements * _dominant_float_bytes(open_checkpoint(path).tensors), 0, None)
+
+
+def eagle3_kv_shape(path: Path, config: dict) -> estimate.KVShape:
+    """Per-token KV of an EAGLE-3 drafter (its one attention layer), each row's own."""
+    return estimate.kv_shape(eagle3.flat_config(config), _dominant_float_bytes(open_checkpoint(path).tensors))
 
 
 def kv_shape_of(path: Path, config: dict, kv_quant: estimate.KVQuant | None = None) -> estimate.KVShape:

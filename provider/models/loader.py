@@ -9,7 +9,7 @@ from typing import Any
 
 from ..jobs import JobError
 from ..types import Cause, SpecMode, SpecReason
-from .checkpoint import context_length
+from .checkpoint import context_length, read_config
 
 @dataclass
 class LoadedModel:
@@ -141,6 +141,12 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
             from .mtp_heads import head_module
 
             lm.drafter = head_module(lm.config).load_head(path, lm.model)
+        elif drafting.mode is SpecMode.MTP and _eagle3(drafter_path):  # its books: an own KV a row, as a head's
+            from .eagle3_head import load_eagle3
+            from .footprint import eagle3_kv_shape
+
+            lm.drafter = load_eagle3(drafter_path, lm.model)
+            lm.draft_kv_shape = eagle3_kv_shape(drafter_path, read_config(drafter_path))
         elif drafting.mode is SpecMode.MTP:
             from .gemma4_assistant import load_assistant
 
@@ -154,6 +160,12 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
         lm.drafter_reason = SpecReason.NO_DRAFTER
         logs.get("models").warning("drafter_load_failed", model=model_id, error=f"{type(e).__name__}: {e}")
     return lm, active_delta
+
+
+def _eagle3(drafter_path: Path) -> bool:
+    from .eagle3 import is_eagle3
+
+    return is_eagle3(read_config(drafter_path))
 
 
 def load(model_id: str, path: Path, group=None, split: str = "auto") -> LoadedModel:

@@ -92,6 +92,60 @@ def install(model) -> HiddenTap | None:
     return tap
 
 
+class LayerTap:
+    """The outputs of chosen decoder layers of a model's latest forward on this thread, concatenated [B, L, n * H]:
+    what an EAGLE-3 drafter reads (models.eagle3_head). Per thread, as HiddenTap."""
+
+    def __init__(self, layers: tuple[int, ...]):
+        self.layers = layers
+        self._local = threading.local()
+
+    def record(self, slot: int, out: mx.array) -> None:
+        local = self._local
+        if slot == 0:  # the lowest tapped layer: a new forward
+            local.outs, local.cat, local.row = [None] * len(self.layers), None, 0
+        local.outs[slot] = out
+
+    @property
+    def last(self) -> mx.array | None:
+        local = self._local
+        if getattr(local, "cat", None) is None and getattr(local, "outs", None) \
+                and all(o is not None for o in local.outs):
+            local.cat = mx.concatenate(local.outs, axis=-1)
+        return getattr(local, "cat", None)
+
+    def next_row(self) -> mx.array:
+        """The next row's concatenation at this thread's latest forward's last position [1, 1, n * H]."""
+        row = self._local.row
+        self._local.row = row + 1
+        return self.last[row:row + 1, -1:, :]
+
+
+def install_layers(model, layers: list[int]) -> LayerTap:
+    """A tap on the outputs of `layers` (ascending indices of the text model's decoder layers), installed by a class
+    swap of each of those layers, as `install` swaps the final norm: installed only for a target whose drafter
+    reads them, so no other model pays for it. Installed once: a second call returns the first tap."""
+    tapped = [model_layers(model)[i] for i in layers]
+    existing = getattr(type(tapped[0]), "layer_tap", None)
+    if existing is not None:
+        return existing
+    tap = LayerTap(tuple(layers))
+    for slot, layer in enumerate(tapped):
+        base = type(layer)
+
+        def __call__(self, *args, _base=base, _slot=slot, **kwargs):
+            out = _base.__call__(self, *args, **kwargs)
+            tap.record(_slot, out)
+            return out
+
+        layer.__class__ = type(f"LayerTapped{base.__name__}", (base,), {"__call__": __call__, "layer_tap": tap})
+    return tap
+
+
+def model_layers(model) -> list:
+    return _text_model(model).layers
+
+
 def top_entries(hidden: mx.array) -> tuple[mx.array, mx.array]:
     """hidden [..., H] -> each position's TOP_K largest-magnitude entries: indices [..., K] (uint32) and
     their float16 bits [..., K] (uint16). Lazy."""
