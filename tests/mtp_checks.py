@@ -81,12 +81,14 @@ def loaded(target, load_head):
     return model, tap, load_head(target, model)
 
 
-def greedy_alone_and_together(target, name, ps, want, n, then=None):
+def greedy_alone_and_together(target, name, ps, want, n, then=None, drafter=None):
     """Each prompt of `ps` as a greedy job of n tokens alone, then all together, through a node speculating with
     the head (k = 3): every job speculated (mode mtp, reason ok, rounds run) and emitted `want[i]`, plain
-    decoding's tokens. `then(node)` (a coroutine function) runs on the same node after them. Returns (alone,
-    together, what `then` returned)."""
-    node = make_node({name: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3)
+    decoding's tokens. `then(node)` (a coroutine function) runs on the same node after them. `drafter`: a drafter
+    checkpoint configured for the target (EAGLE-3), else its own head. Returns (alone, together, what `then`
+    returned)."""
+    node = make_node({name: target}, max_concurrent_jobs=8, speculation="on", speculation_k=3,
+                     manager_kw={"drafters": {name: drafter}} if drafter else None)
 
     async def main():
         try:
@@ -143,11 +145,11 @@ def drafts_as_mlx_vlms(target, model, tap, ours, theirs, embed, lm_head, k_tol=0
     return ids, cache
 
 
-def sampled(model, head, prompt, params, n, k, choice=SampledChoice, seed0=0, positions=6):
+def sampled(model, head, prompt, params, n, k, choice=SampledChoice, seed0=0, positions=6, drafter=HeadDrafter):
     """n speculative samples of the first `positions` tokens (seeds seed0, seed0 + 1, ...): rows of the engine's
     round loop with the head, 400 at a time, each reading the prompt itself as a fresh job does (the harness's
     rows start from one read prompt, which leaves a head no prompt pairs and accepts a fifth as often)."""
-    spec, total, out = Speculator(model, HeadDrafter(head, Target(model))), SpecTelemetry("sampled", k=k), []
+    spec, total, out = Speculator(model, drafter(head, Target(model))), SpecTelemetry("sampled", k=k), []
     for start in range(seed0, seed0 + n, 400):
         rows = [spec.new_row(prompt, stats=SpecTelemetry("sampled", k=k), choice=choice(params, seed))
                 for seed in range(start, min(start + 400, seed0 + n))]
@@ -164,15 +166,15 @@ def sampled(model, head, prompt, params, n, k, choice=SampledChoice, seed0=0, po
     return out, total
 
 
-def sampled_as_plain(target, load_head, prompt, params) -> None:
+def sampled_as_plain(target, load_head, prompt, params, drafter=HeadDrafter) -> None:
     """test_spec_sampling's distribution test with the head: the first 6 tokens, k = 3, 800 samples a side; a
     chi-square per position does not tell speculative sampling from the node's plain sampler, both of the round's
     branches ran hundreds of times, and the test tells the biased control (every draft accepted, k = 2) apart."""
     model, _, head = loaded(target, load_head)
     reference = plain_samples(model, prompt, params, 800, 6)
-    spec, stats = sampled(model, head, prompt, params, 800, 3)
+    spec, stats = sampled(model, head, prompt, params, 800, 3, drafter=drafter)
     assert stats.accepted > 200 and stats.judged - stats.accepted > 200, stats  # both branches, many times
     rows = compare(reference, spec, 6)
     assert all(r["p"] >= 1e-3 for r in rows), rows
-    biased, _ = sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6)
+    biased, _ = sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6, drafter=drafter)
     assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3  # the test has the power to see a bias

@@ -3,7 +3,7 @@
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
 - HeadDrafter: an MTP head shipped inside the target's checkpoint (models.mtp_heads), with a KV cache of its own
-  per row, fed the target's final-norm hidden states. An EAGLE-3 drafter runs the same rounds (eagle3_drafter).
+  per row, fed the target's final-norm hidden states. An EAGLE-3 drafter runs the same rounds (Eagle3Drafter).
 
 Both draft every row of a round together, each row drawing from its own logits by its own choice (greedy
 or sampled, with its own key), and return each row's draft distributions for the verify step.
@@ -209,13 +209,35 @@ class HeadDrafter:
         return self.lm_head(self.head.readout(h))
 
 
+class Eagle3Drafter(HeadDrafter):
+    """An EAGLE-3 drafter (models.eagle3_head): HeadDrafter's rounds, pairs and rollback, fed the concatenated outputs
+    of three of the target's decoder layers (the layer tap its load installed: verification.hidden_tap.LayerTap)
+    instead of the final-norm hidden, and its draft-vocabulary logits scattered onto the target's vocabulary
+    through d2t (ids outside it: probability 0), so a sampled round's q is over the target's vocabulary."""
+
+    def __init__(self, head, target: Target):
+        self.head, self.target = head, target
+        embed = target.lm.model.embed_tokens
+        self.embed = head.embed_tokens if "embed_tokens" in head else embed  # the target's unless it ships one
+        self.width = embed.weight.shape[0]  # the target's vocabulary, as its logits score it
+        self._index: dict[int, int] = {}
+
+    def _latest(self) -> mx.array:
+        return self.head.tap.last
+
+    def _start_hidden(self, row: SpecRow) -> mx.array:
+        # Speculator.begin starts its rows in the order of its one forward's batch, right after it.
+        return self.head.tap.next_row()
+
+    def _logits(self, h: mx.array) -> mx.array:
+        return self.head.target_logits(h, self.width)
+
+
 def drafter_for(lm):
     """The drafter of a loaded pair (`models.loader.LoadedModel`); per-row state lives on the rows."""
     from ..models.eagle3_head import Eagle3Head
 
     if isinstance(lm.drafter, Eagle3Head):
-        from .eagle3_drafter import Eagle3Drafter
-
         return Eagle3Drafter(lm.drafter, Target(lm.model))
     if isinstance(lm.drafter, OwnHead):
         return HeadDrafter(lm.drafter, Target(lm.model))
