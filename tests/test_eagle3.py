@@ -126,7 +126,7 @@ def test_a_refused_drafter_leaves_the_target_served_plain(target, tmp_path):
 def test_greedy_equals_plain_decoding_alone_and_eight_together(target):
     """Four distilled prompts and four held out (1 to 90 tokens), alone then 8 at once (their prefixes then cached:
     the drafter reads from where the target's forwards start), k = 3: plain decoding's tokens, every job
-    speculating, and on the distilled prompts drafts accepted."""
+    speculating, and on the distilled prompts over half the drafts accepted (what the target's layers give)."""
     n = 16
     _, tok = load(str(target))
     end = set(tok.eos_token_ids)  # the node stops at an end token, mlx-lm's plain decoding here does not
@@ -138,7 +138,8 @@ def test_greedy_equals_plain_decoding_alone_and_eight_together(target):
     alone, together, _ = mtp_checks.greedy_alone_and_together(target, NAME, ps, want, n, drafter=drafter_dir(target))
     for results in (alone, together):
         spec = [done.telemetry.speculation for _, _, done, _ in results]
-        assert sum(s.accepted for s in spec[:4]) > sum(s.drafted for s in spec[:4]) // 4, spec
+        # Measured: 0.62 of drafts accepted on distilled prompts (0.27 with the target's layers zeroed: bigrams).
+        assert sum(s.accepted for s in spec[:4]) > sum(s.drafted for s in spec[:4]) // 2, spec
 
 
 def test_sampled_rounds_are_distributed_as_plain_sampling(target):
