@@ -35,7 +35,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .mtp_heads import OwnHead
+from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"glm4_moe_lite", "deepseek_v3"}
 _DECODER_LAYER = {"glm4_moe_lite": "Glm4MoeLiteDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer"}
@@ -135,24 +135,6 @@ def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> Glm4MoeLiteMT
     config = json.loads((path / "config.json").read_text())
     args = getattr(model, "language_model", model).args
     head = Glm4MoeLiteMTPHead(args)
-    prefix = _prefix(config)
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        for name, value in mx.load(str(f)).items():
-            if name.startswith(prefix):
-                weights[name[len(prefix):]] = value
-    weights = _hf_to_head(weights, args)
-    dtype = dtype or _target_dtype(model)
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and _KEEP_FP32 not in k else v
-               for k, v in weights.items()}
-    head.load_weights(list(weights.items()), strict=True)
-    mx.eval(head.parameters())
-    # One step on this (loading) thread: MLX ties unevaluated arrays (RoPE tables) to the thread that made them.
-    h = mx.zeros((1, 1, args.hidden_size), dtype=dtype)
-    mx.eval(head(h, h, head.make_cache()))
-    return head
-
-
-def _target_dtype(model) -> mx.Dtype:
-    embed = getattr(model, "language_model", model).model.embed_tokens
-    return getattr(embed, "scales", embed.weight).dtype  # a quantized embedding's scales carry its float type
+    weights = _hf_to_head(read_prefixed(path, _prefix(config)), args)
+    return finish_load(head, weights, dtype or target_dtype(model), args.hidden_size,
+                       keep=lambda name: _KEEP_FP32 not in name)

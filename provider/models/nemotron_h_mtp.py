@@ -26,7 +26,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .mtp_heads import OwnHead
+from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"nemotron_h"}
 PREFIX = "mtp."
@@ -99,28 +99,12 @@ def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> NemotronHMTPH
     chars = pattern(config)
     args = replace(model.args, hybrid_override_pattern=chars)
     head = NemotronHMTPHead(args, chars)
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        for name, value in mx.load(str(f)).items():
-            if name.startswith(PREFIX):
-                weights["backbone." + name[len(PREFIX):]] = value
+    weights = {"backbone." + k: v for k, v in read_prefixed(path, PREFIX).items()}
     weights = type(model).sanitize(SimpleNamespace(args=args), weights)  # conv layout, experts stacked
     weights = {k.removeprefix("backbone."): v for k, v in weights.items()}
-    dtype = dtype or _target_dtype(model)
-    keep = model.cast_predicate  # the router's correction bias stays in its own precision, as mlx-lm keeps it
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and keep(k) else v
-               for k, v in weights.items()}
-    head.load_weights(list(weights.items()), strict=True)
-    mx.eval(head.parameters())
+    # The router's correction bias stays in its own precision, as mlx-lm keeps it (cast_predicate).
+    finish_load(head, weights, dtype or target_dtype(model), args.hidden_size, keep=model.cast_predicate)
     # The head embeds with the target's table (drafters.HeadDrafter reads `embed_tokens`): held outside the module
     # tree, so it is neither the head's parameter nor booked twice.
     object.__setattr__(head, "embed_tokens", model.backbone.embeddings)
-    # One step on this (loading) thread: MLX ties unevaluated arrays to the thread that made them.
-    h = mx.zeros((1, 1, args.hidden_size), dtype=dtype)
-    mx.eval(head(h, h, head.make_cache()))
     return head
-
-
-def _target_dtype(model) -> mx.Dtype:
-    embed = model.backbone.embeddings
-    return getattr(embed, "scales", embed.weight).dtype  # a quantized embedding's scales carry its float type

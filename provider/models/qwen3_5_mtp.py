@@ -28,7 +28,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .mtp_heads import OwnHead
+from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # their heads share this layout (mlx-vlm: one drafter)
 PREFIX = "mtp."
@@ -111,23 +111,9 @@ def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> Qwen35MTPHead
     config = json.loads((path / "config.json").read_text())
     head = Qwen35MTPHead(text_args(model), depth(config))
     centred = _hf_layout(path)
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        for name, value in mx.load(str(f)).items():
-            if name.startswith(PREFIX):
-                name = name[len(PREFIX):]
-                if centred and value.ndim == 1 and name.endswith(_CENTRED_NORMS):
-                    value = value + 1.0
-                weights[name] = value
-    weights = _experts(model, weights)
-    dtype = dtype or _target_dtype(model)
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    head.load_weights(list(weights.items()), strict=True)
-    mx.eval(head.parameters())
-    # One step on this (loading) thread: MLX ties unevaluated arrays (RoPE tables) to the thread that made them.
-    h = mx.zeros((1, 1, head.fc.weight.shape[0]), dtype=dtype)
-    mx.eval(head(h, h, head.make_cache()))
-    return head
+    weights = {name: value + 1.0 if centred and value.ndim == 1 and name.endswith(_CENTRED_NORMS) else value
+               for name, value in read_prefixed(path, PREFIX).items()}
+    return finish_load(head, _experts(model, weights), dtype or target_dtype(model), head.fc.weight.shape[0])
 
 
 def _experts(model, weights: dict) -> dict:
@@ -151,8 +137,3 @@ def _experts(model, weights: dict) -> dict:
         named = qwen3_next.Model.sanitize(stand_in, {"model." + k: v for k, v in experts.items()})
         prefix = "model."
     return weights | {k.removeprefix(prefix): v for k, v in named.items()}
-
-
-def _target_dtype(model) -> mx.Dtype:
-    embed = getattr(model, "language_model", model).model.embed_tokens
-    return getattr(embed, "scales", embed.weight).dtype  # a quantized embedding's scales carry its float type
