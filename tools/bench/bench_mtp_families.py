@@ -3,6 +3,7 @@
     python tools/bench/bench_mtp_families.py                  # the Qwen3.5 fixture, k = 1..4, 24 tokens a prompt
     python tools/bench/bench_mtp_families.py --fixture NAME   # another family's fixture (the factory's name)
     python tools/bench/bench_mtp_families.py --model DIR --k 2,3 --tokens 64 --prompts 8
+    python tools/bench/bench_mtp_families.py --fixture llama-eagle3-tiny   # an EAGLE-3 drafter (eagle3_vlm.py)
 
 The same checkpoint (by default the fixture factory's `qwen3_5-mtp-tiny`, its head distilled briefly, built into a
 temporary directory), the same prompts, the same k and greedy decoding, two ways:
@@ -69,9 +70,12 @@ def plain(path: Path, ps: list[list[int]], n: int) -> list[list[int]]:
     return [[t for t, _ in itertools.islice(generate_step(mx.array(p), model, max_tokens=n), n)] for p in ps]
 
 
-def node_runs(path: Path, ps: list[list[int]], n: int, k: int) -> tuple[list[list[int]], int, int, float]:
-    """(outputs, tokens delivered, target forwards, wall seconds) through the engine."""
-    node = make_node({NAME: path}, max_concurrent_jobs=1, speculation="on", speculation_k=k)
+def node_runs(path: Path, ps: list[list[int]], n: int, k: int,
+              drafter: Path | None = None) -> tuple[list[list[int]], int, int, float]:
+    """(outputs, tokens delivered, target forwards, wall seconds) through the engine (`drafter`: a configured
+    EAGLE-3 drafter, else the target's own head)."""
+    node = make_node({NAME: path}, max_concurrent_jobs=1, speculation="on", speculation_k=k,
+                     manager_kw={"drafters": {NAME: drafter}} if drafter else None)
 
     async def one(i: int, p: list[int]) -> tuple[list[int], dict]:
         job = Job(f"k{k}-{i}", NAME, SamplingParams(max_tokens=n, temperature=0.0), prompt_ids=tuple(p))
@@ -92,8 +96,13 @@ def node_runs(path: Path, ps: list[list[int]], n: int, k: int) -> tuple[list[lis
     return outs, sum(map(len, outs)), sum(s["target_forwards"] for _, s in results), wall
 
 
-def vlm_runs(path: Path, ps: list[list[int]], n: int, k: int) -> tuple[list[list[int]], int, int, float]:
-    """The same through mlx-vlm's own loop and its own loading of the head."""
+def vlm_runs(path: Path, ps: list[list[int]], n: int, k: int,
+             drafter: Path | None = None) -> tuple[list[list[int]], int, int, float]:
+    """The same through mlx-vlm's own loop and its own loading of the head (an EAGLE-3 drafter: eagle3_vlm)."""
+    if drafter is not None:
+        from tools.bench import eagle3_vlm
+
+        return eagle3_vlm.runs(path, drafter, ps, n, k)
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.speculative.drafters import load_drafter
     from mlx_vlm.utils import load
@@ -123,6 +132,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, help="a checkpoint with its MTP head (default: --fixture, built now)")
     ap.add_argument("--fixture", default="qwen3_5-mtp-tiny",
                     help="a target with its own head, by name (fixtures_mtp.HEAD_FIXTURES)")
+    ap.add_argument("--drafter", type=Path, help="an EAGLE-3 drafter for --model (a fixture's is found beside it)")
     ap.add_argument("--k", default="1,2,3,4")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--prompts", type=int, default=8)
@@ -135,14 +145,17 @@ def main() -> int:
             from provider.models.fixtures_mtp import build_head_fixture
 
             path = build_head_fixture(args.fixture, Path(tmp))
+        from provider.models.fixtures_eagle3 import drafter_dir
+
+        drafter = args.drafter or (drafter_dir(path) if drafter_dir(path).is_dir() else None)
         ps = prompts(path, args.prompts, args.tokens)
         truth = plain(path, ps, args.tokens)
         print(f"{path.name}: {len(ps)} prompts, {args.tokens} tokens each, greedy; tokens per target forward")
         print(f"{'k':>2} {'node':>6} {'mlx-vlm':>8} {'ratio':>6} {'node tok/s':>10} {'vlm tok/s':>9}  greedy = plain")
         worst = None
         for k in ks:
-            n_out, n_tok, n_fwd, n_wall = node_runs(path, ps, args.tokens, k)
-            v_out, v_tok, v_fwd, v_wall = vlm_runs(path, ps, args.tokens, k)
+            n_out, n_tok, n_fwd, n_wall = node_runs(path, ps, args.tokens, k, drafter)
+            v_out, v_tok, v_fwd, v_wall = vlm_runs(path, ps, args.tokens, k, drafter)
             node_tpf, vlm_tpf = n_tok / n_fwd, v_tok / v_fwd
             ratio = node_tpf / vlm_tpf
             worst = ratio if worst is None else min(worst, ratio)
