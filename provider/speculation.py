@@ -72,6 +72,19 @@ def plan_drafter(caps: PairingFacts, policy: Policy, need_bytes: int, free_bytes
     return DrafterPlan(mode, SpecReason.OK)
 
 
+def plan_group_drafter(plan: DrafterPlan, policy: Policy, reads_only_tokens_and_final_hidden: bool) -> DrafterPlan:
+    """A node group's drafter (rank 0 drafts alone; every rank verifies, provider.group.drafts). It may read
+    only what rank 0 holds whole, the tokens and the final hidden state (a draft model, a native MTP head), not
+    the target's K/V or inner layers, which the group splits (Gemma 4's assistant). And it needs the node's
+    policy `on`: `auto` would measure the pair's costs on a thread of its own, whose forwards no other rank
+    joins."""
+    if plan.mode is None:
+        return plan
+    if not reads_only_tokens_and_final_hidden or policy is not Policy.ON:
+        return DrafterPlan(None, SpecReason.GROUP_MODE)
+    return plan
+
+
 @dataclass(frozen=True)
 class SpecCosts:
     """What decoding costs on this machine, measured wall-clock once per loaded pair (provider.engine.profile):

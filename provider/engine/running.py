@@ -54,6 +54,8 @@ log = logs.get("engine")
 
 
 class Running:
+    drafter = staticmethod(lambda lm: None)  # a model's speculating rows' drafter: None, its own (groups: their own)
+
     def __init__(self, stats: QueueStatus, *, step_tokens: int, max_rows: int, prefix_cache_bytes: int,
                  commit: bool = False, prefix_disk: DiskTier | None = None):
         self._step_tokens = step_tokens
@@ -93,10 +95,9 @@ class Running:
 
     def booking_with(self, lm: LoadedModel, prompt: int, final: int, scored: bool = False,
                      media: MediaPlan | None = None) -> int:
-        """The same with one more job (`prompt` tokens, `final` at the end; `scored`, its prompt's logprobs
-        wanted; `media`, its images), wherever it will decode: in the plain batch, in the plain batch with the
-        speculating rows demoted to it, or speculating (the largest: that is decided after admission). A job
-        with media is read first (its media held, the tower's scratch for its largest), then decodes."""
+        """The same with one more job (`prompt` tokens, `final` at the end; `scored`: its prompt logprobs wanted;
+        `media`: its images) wherever it will decode: plain, plain with the speculating rows demoted, or speculating
+        (the largest: decided after admission). A job with media is read first (media held, the tower's scratch)."""
         plain, spec = self._layout(lm.id)
         held, scratch = (0, 0) if media is None else job_media_bytes(lm, prompt, media)
         joined = Layout(plain.finals + [final], plain.reading + [prompt], plain.scoring or scored, plain.copying,
@@ -129,13 +130,12 @@ class Running:
         # A plain batch that copies its caches (a row joined or left) holds the copy beside them for a step.
         kv = plain_batch_bytes(plain.finals, lm.kv_shape) + plain.copying \
             + spec_batch_bytes(spec.finals, lm.kv_shape, lm.draft_kv_shape)
-        return kv + self._keeping_bytes(lm, plain.finals + spec.finals) + reading_bytes(lm, plain, spec,
-                                                                                     self._step_tokens)
+        finals = plain.finals + spec.finals
+        return kv + self._keeping_bytes(lm, finals) + reading_bytes(lm, plain, spec, self._step_tokens)
 
     def _keeping_bytes(self, lm: LoadedModel, finals: list[int]) -> int:
         """A row that ends is kept for reuse: the prefix cache copies its KV (prefix_cache.owned) while its batch
-        still holds it, until the step is over. The largest row's copy is booked (an agent's 10k-token turn
-        copies ~80 MiB on the KV-heavy fixture; the prefix cache's own bytes are counted once the step ends)."""
+        holds it, until the step ends. The largest row's copy is booked (~80 MiB: a 10k-token KV-heavy turn)."""
         if self._prefix_cache_bytes <= 0 or not finals:
             return 0
         return min(lm.kv_shape.bytes_for(max(finals)), self._prefix_cache_bytes)
@@ -151,8 +151,7 @@ class Running:
         # A long prompt of a model whose caches cannot be cut shorter is also kept whole once read, for the disk tier.
         keep_at = (shared_prefix, len(prompt) - 1) if prefix.wants_whole_prompt(len(prompt), job.prefix_scope) \
             else (shared_prefix,)
-        # A scored prompt is read whole (every position's logits are wanted), so it takes nothing from the cache;
-        # nor does a claim, read whole by its verifier.
+        # A scored prompt (every position's logits wanted) and a claim (read whole by its verifier) take no prefix.
         cache, cached, tier = (None, 0, "") if job.sampling.prompt_logprobs or job.verify else \
             prefix.lookup(prompt, job.prefix_scope)
         if cached:
@@ -161,8 +160,7 @@ class Running:
             self.stats.prefix_disk_tokens += cached if tier == DISK else 0
         output = JobOutput(job, lm.tokenizer, prompt_tokens=len(prompt), max_tokens=max_tokens, arrived=arrived,
                            cached_prompt_tokens=cached, cached_tier=tier, spec_off_reason=plan.reason,
-                           spec_choice=plan.choice,
-                           tool_format=tool_format)
+                           spec_choice=plan.choice, tool_format=tool_format)
         if job.verify is not None:
             self._verifying.add(lm, output, sink, prompt, grammar, vision)  # its grammar and media, as for generating
             return
@@ -183,13 +181,15 @@ class Running:
     def _join(self, lm: LoadedModel, output: JobOutput, sink: Sink, prompt: list[int], plan: SpecPlan, cache,
               read: int, keep_at: tuple[int, ...]) -> None:
         """A job's row into its batch; its caches (`cache`) hold its first `read` prompt tokens."""
-        if not plan.on and plan.reason in (SpecReason.NOT_PROFITABLE, SpecReason.BATCH_TOO_LARGE) and lm.id in self._speculating:
-            for row in self._speculating[lm.id].demote():  # with this job, plain batching pays more
+        demoting = plan.reason in (SpecReason.NOT_PROFITABLE, SpecReason.BATCH_TOO_LARGE)  # plain pays more now
+        if not plan.on and demoting and lm.id in self._speculating:
+            for row in self._speculating[lm.id].demote():
                 self._continue_plain(lm, row, plan.reason)
         if plan.on:
             spec = self._speculating.get(lm.id)
             if spec is None:
-                spec = self._speculating[lm.id] = SpecBatch(lm, self.prefixes[lm.id], step_tokens=self._step_tokens)
+                spec = self._speculating[lm.id] = SpecBatch(lm, self.prefixes[lm.id], step_tokens=self._step_tokens,
+                                                            drafter=self.drafter(lm))
             spec.add(output, sink, prompt, plan, cache=cache, cached=read)
         else:
             self._add_plain(lm, output, sink, prompt, cache, cached=read, keep_at=keep_at)
@@ -251,6 +251,8 @@ class Running:
         try:
             results = spec.step()
         except Exception as e:  # a bug or MLX failure in a forward the rows share fails those rows, not the node
+            if collective_failure(e):  # unless it is the group's wire: then the node cannot go on
+                raise
             log.exception("speculation_step_failed", model=model_id, jobs=spec.job_ids())
             restore_random_state()
             del self._speculating[model_id]

@@ -39,12 +39,13 @@ class Row:
 
 
 class SpecBatch:
-    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, step_tokens: int):
+    def __init__(self, lm: LoadedModel, prefix: PrefixCache, *, step_tokens: int, drafter=None):
+        """`drafter`: the pair's own (drafters.drafter_for) unless given (a node group's, provider.group.drafts)."""
         self.model_id = lm.id
         self.lm = lm
         self._profile = lm.spec_profile
         self._decodable = lm.decodable
-        self._speculator = Speculator(lm.model, drafter_for(lm), lambda: caches_for(lm))
+        self._speculator = Speculator(lm.model, drafter or drafter_for(lm), lambda: caches_for(lm))
         self.prefix = prefix
         self._budget = step_tokens  # a prompt is read beside decoding rows by the one chunk rule (prefill_plan)
         self._rows: dict[str, Row] = {}  # by job id, in arrival order

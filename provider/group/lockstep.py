@@ -26,6 +26,8 @@ from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..types import Cause
 from ..engine.collective import GroupLost
+from ..engine.drafters import drafter_for
+from .drafts import FollowerDrafts, LeaderDrafts
 from .link import Link
 from .plan import CancelRow, StartRow, StepPlan
 from .proofs import refuse_false_commitments
@@ -81,6 +83,12 @@ class LeaderRunning(Running):
         self._changes.append(CancelRow(job_id))
         return super().cancel(job_id)
 
+    def drafter(self, lm: LoadedModel) -> LeaderDrafts:
+        drafter = drafter_for(lm)
+        if lm.drafter_lm_head is not None:  # the target's LM head is split across the ranks: the drafter's is whole
+            drafter.lm_head = lm.drafter_lm_head
+        return LeaderDrafts(drafter, self.link, lm.hidden_tap)
+
     def step(self) -> list[Delivery]:
         if not self.ready.is_set():
             return super().step()  # nothing runs before the model is loaded everywhere
@@ -95,6 +103,17 @@ class LeaderRunning(Running):
         if self.ready.is_set():
             self.link.send_plan(StepPlan(tuple(self._changes), stop=True))
             self._changes = []
+
+
+class FollowerRunning(Running):
+    """Another rank's batches: its speculating rows verify rank 0's drafts (provider.group.drafts)."""
+
+    def __init__(self, link: Link, **kw):
+        super().__init__(**kw)
+        self.link = link
+
+    def drafter(self, lm: LoadedModel) -> FollowerDrafts:
+        return FollowerDrafts(self.link, lm.logits_width, lm.hidden_tap)
 
 
 def follow(link: Link, running: Running, lm: LoadedModel, grammar_for: Callable[[Job], object],

@@ -35,6 +35,7 @@ class LoadedModel:
     act_reserve: int = 0  # the scratch its footprint already reserves (one chunk of one row)
     vision: Any = None  # models.vision.VisionTower: the checkpoint's own image encoder, when it takes images
     hidden_tap: Any = None  # verification.hidden_tap.HiddenTap: its final-norm hidden state, for commitments
+    drafter_lm_head: Any = None  # on a group's rank 0: the whole LM head a head drafts from, where the group split it
 
     @property
     def context_length(self) -> int:
@@ -141,6 +142,10 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
             from .mtp_heads import head_module
 
             lm.drafter = head_module(lm.config).load_head(path, lm.model)
+            if group is not None and lm.drafter.lm_head is None:  # it drafts on rank 0 alone, from a whole LM head
+                from .split_lm_head import whole_lm_head
+
+                lm.drafter_lm_head = whole_lm_head(path, lm.model)
         elif drafting.mode is SpecMode.MTP and _eagle3(drafter_path):  # its books: an own KV a row, as a head's
             from .eagle3_head import load_eagle3
             from .footprint import eagle3_kv_shape
@@ -157,6 +162,7 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
             lm.drafter = draft.model
         lm.drafter_mode = drafting.mode
     except Exception as e:
+        lm.drafter = lm.drafter_lm_head = None  # what part of it loaded is neither served nor booked
         lm.drafter_reason = SpecReason.NO_DRAFTER
         logs.get("models").warning("drafter_load_failed", model=model_id, error=f"{type(e).__name__}: {e}")
     return lm, active_delta

@@ -24,7 +24,7 @@ from ..memory.admission import (ADMIT, JobAdmission, idle_to_unload, plan_job,
 from ..memory.batch_kv import plain_batch_bytes
 from ..memory.estimate import KVQuant, KVShape
 from ..memory.budget import Budget
-from ..speculation import DrafterPlan, SpeculationConfig, plan_drafter
+from ..speculation import SpeculationConfig, plan_drafter, plan_group_drafter
 from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
@@ -32,6 +32,7 @@ from .checkpoint import HeaderError, read_config
 from .footprint import drafter_footprint, estimate_footprint, head_kv_shape, kv_shape_of
 from .loader import LoadedModel
 from .resident_model import ResidentModel, free_mlx_cache, mlx_active
+from .split_lm_head import booked_bytes, held_bytes
 from .spec_profiles import SpecProfiles
 from .store import StoredModel
 
@@ -44,7 +45,7 @@ class Residency:
                  speculation: SpeculationConfig = SpeculationConfig(), group=None, group_split: str = "auto",
                  kv_bits: int = 0, kv_group_size: int = 64):
         self.catalog = catalog
-        self.group = group  # a node group's mx.distributed Group: loads split across it, no drafter, per-rank sizes
+        self.group = group  # a node group's mx.distributed Group: loads split across it, per-rank sizes
         self._ranks = group.size() if group is not None else 1
         self.group_split = group_split  # tensor, pipeline or auto (loader.choose_split)
         self.budget = budget
@@ -55,11 +56,9 @@ class Residency:
         self._kv_bits, self._kv_group_size = kv_bits, kv_group_size  # the node's; a model's own config wins
         self.speculation = speculation  # the node's one owner of policy and k; the engine reads it here
         self._entries: dict[str, ResidentModel] = {}
-        # What each model's batches will hold in KV, worst case (memory.batch_kv): booked by the engine when a
-        # job is admitted and whenever rows join or leave; nothing once they are gone.
+        # KV each model's batches will hold, worst case (memory.batch_kv), booked by the engine as rows come and go.
         self._batch_kv: dict[str, int] = {}
-        # What MLX held before this residency existed is not its to account for (in a daemon, nothing; beside
-        # other users of MLX in one process, theirs).
+        # What MLX held before this residency is not its own (in a daemon nothing; beside other users of MLX, theirs).
         self._mlx_baseline = mlx_active()
         self._next_ledger_warning = 0.0
         self.prefix_bytes = 0  # what the engine's prefix caches hold; set by the engine thread
@@ -67,8 +66,7 @@ class Residency:
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
         self.loads_started = 0
         self.evictions = 0
-        # Auto's speculation costs (engine.profile.measure): once per pair and machine, kept (models.spec_profiles).
-        self.profiler: Callable[[LoadedModel], object] | None = None
+        self.profiler: Callable[[LoadedModel], object] | None = None  # auto's costs: engine.profile.measure
         self._profiles = SpecProfiles()
 
     # --- any thread ---------------------------------------------------------------
@@ -285,6 +283,8 @@ class Residency:
         except (HeaderError, OSError) as e:
             raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read the weights of {model_id}: {e}") from None
         caps, drafter_path, drafter_need = self._drafter_need(stored, path, config)
+        whole_head = booked_bytes(path, config, self._ranks) if drafter_path == path else 0  # a group's head's
+        drafter_need += whole_head
         with self._lock:
             entry = self._entries[model_id]
             others = [e.resident(self._idle_timeout) for mid, e in self._entries.items() if mid != model_id]
@@ -299,8 +299,10 @@ class Residency:
             entry.footprint = fp
             # After the target, and after what running jobs and the prefix caches hold: a drafter must fit now.
             headroom = self.budget.usable - sum(e.bytes for e in self._entries.values()) - in_flight
-            drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom) if self.group is None \
-                else DrafterPlan(None, SpecReason.GROUP_MODE)
+            drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom)
+            if self.group is not None:  # on rank 0 alone: a draft model or a head inside the target's checkpoint
+                drafting = plan_group_drafter(drafting, self.speculation.policy,
+                                              drafting.mode is SpecMode.DRAFT or drafter_path == path)
             if drafting.mode is not None:
                 entry.drafter_bytes = drafter_need  # reserved before any drafter weights are read
         if plan.evict:
@@ -321,8 +323,8 @@ class Residency:
         measured = max(active_delta, loader.parameter_bytes(lm))
         with self._lock:
             entry.measured_weights, entry.active_delta = measured, active_delta
-            if lm.drafter is None:
-                entry.drafter_bytes = 0
+            held = held_bytes(lm.drafter_lm_head) - whole_head  # a group's whole LM head as read, not as guessed
+            entry.drafter_bytes = 0 if lm.drafter is None else entry.drafter_bytes + held
             entry.lm = lm
             entry.last_used = time.monotonic()
         log.info("model_loaded", model=model_id, seconds=round(lm.load_seconds, 3), estimated_weight_bytes=fp.weights,
