@@ -18,7 +18,14 @@ DeepSeek-V3 (`deepseek_v3`) ships its nextn layer in the same layout (`model.lay
 layer: it is served the same way on mlx-lm's DeepseekV3DecoderLayer and its sanitize (which also dequantizes the
 published fp8 blocks). mlx-vlm has no drafter for it to compare with.
 
-One nextn layer only (GLM-4.7-Flash's, DeepSeek-V3's): deeper stacks chain a layer per draft step, which
+GLM-5 (`glm_moe_dsa`) ships its nextn layer the same way (`model.layers.78.*`) on DeepSeek-V3.2's layer: MLA whose
+scores DeepSeek sparse attention's indexer restricts to the index_topk positions it ranks highest (its own keys
+cached beside the latent: a CacheList of two caches, as mlx-lm's deepseek_v32 target holds), and MoE. Its nextn
+layer ships no embed_tokens or shared_head.head of its own: the head embeds and reads out with the target's (as
+mlx-vlm's glm_moe_dsa_mtp drafter binds them); a layer that ships them uses its own. mlx-lm's glm_moe_dsa is
+deepseek_v32's model, so the layer and the sanitize are deepseek_v32's.
+
+One nextn layer only (GLM-4.7-Flash's, DeepSeek-V3's, GLM-5's): deeper stacks chain a layer per draft step, which
 HeadDrafter does not.
 """
 
@@ -33,12 +40,16 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
 
-FAMILIES = {"glm4_moe_lite", "deepseek_v3"}
-_DECODER_LAYER = {"glm4_moe_lite": "Glm4MoeLiteDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer"}
+FAMILIES = {"glm4_moe_lite", "deepseek_v3", "glm_moe_dsa"}
+# Each family's mlx-lm module holding its decoder layer and sanitize (glm_moe_dsa's model is deepseek_v32's).
+_MODULE = {"glm4_moe_lite": "glm4_moe_lite", "deepseek_v3": "deepseek_v3", "glm_moe_dsa": "deepseek_v32"}
+_DECODER_LAYER = {"glm4_moe_lite": "Glm4MoeLiteDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer",
+                  "glm_moe_dsa": "DeepseekV32DecoderLayer"}
+_OWN = ("embed_tokens.weight", "shared_head.head.weight")  # a nextn layer's own embedding and LM head, if shipped
 DEPTH_KEY = "num_nextn_predict_layers"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _NEXTN = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.")
@@ -46,7 +57,7 @@ _KEEP_FP32 = "e_score_correction_bias"  # noaux_tc routing's correction bias sta
 
 
 def _family(args):
-    return importlib.import_module(f"mlx_lm.models.{args.model_type}")
+    return importlib.import_module(f"mlx_lm.models.{_MODULE[args.model_type]}")
 
 
 def _config(config: dict) -> dict:
@@ -54,37 +65,44 @@ def _config(config: dict) -> dict:
 
 
 class SharedHead(nn.Module):
-    def __init__(self, hidden: int, vocab: int, eps: float):
+    def __init__(self, hidden: int, vocab: int, eps: float, own: bool):
         super().__init__()
         self.norm = nn.RMSNorm(hidden, eps=eps)
-        self.head = nn.Linear(hidden, vocab, bias=False)
+        if own:
+            self.head = nn.Linear(hidden, vocab, bias=False)
 
 
 class Glm4MoeLiteMTPHead(OwnHead):
-    def __init__(self, args):
+    def __init__(self, args, own: bool = True):
+        """`own`: the layer ships its own embed_tokens and shared_head.head (else the target's are used)."""
         super().__init__()
         decoder_layer = getattr(_family(args), _DECODER_LAYER[args.model_type])
         hidden, eps = args.hidden_size, args.rms_norm_eps
-        self.embed_tokens = nn.Embedding(args.vocab_size, hidden)
+        if own:
+            self.embed_tokens = nn.Embedding(args.vocab_size, hidden)
         self.enorm = nn.RMSNorm(hidden, eps=eps)
         self.hnorm = nn.RMSNorm(hidden, eps=eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.block = decoder_layer(args, args.num_hidden_layers)  # past first_k_dense_replace: a MoE layer
-        self.shared_head = SharedHead(hidden, args.vocab_size, eps)
+        self.shared_head = SharedHead(hidden, args.vocab_size, eps, own)
 
     @property
     def lm_head(self):
-        return self.shared_head.head
+        return self.shared_head.get("head")
 
     def make_cache(self) -> list:
-        return [KVCache()]  # MLA: keys hold the normed latent, values the rotated k_pe (one "head" each)
+        # MLA: keys hold the normed latent, values the rotated k_pe (one "head" each); DSA: the indexer's keys beside
+        if getattr(self.block.self_attn, "indexer", None) is not None:
+            return [CacheList(KVCache(), KVCache())]
+        return [KVCache()]
 
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
         """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden after
         shared_head.norm [B, L, H], the pairs' latents appended to `cache` (None: causal over the L pairs alone)."""
         c = cache[0] if cache else None
         x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
-        x = self.block(x, create_attention_mask(x, c, return_array=True), c)  # MLA masks its scores: an array
+        mask = create_attention_mask(x, c[0] if isinstance(c, CacheList) else c, return_array=True)
+        x = self.block(x, mask, c)  # MLA masks its scores: an array
         return self.shared_head.norm(x)
 
 
@@ -98,9 +116,12 @@ def depth(config: dict) -> int:
 
 def kv_elements(config: dict) -> int:
     """What mlx-lm's MLA attention caches a token: the normed KV latent (kv_lora_rank) as keys and the rotated
-    positional key (qk_rope_head_dim) as values, shared by all heads, not per-head K and V."""
+    positional key (qk_rope_head_dim) as values, shared by all heads, not per-head K and V; with DSA, the indexer's
+    key (index_head_dim) too, and as its values a zero array as large (mlx-lm's Indexer writes zeros_like keys)."""
     tc = _config(config)
-    return int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"])
+    sparse = _MODULE.get(tc.get("model_type", config.get("model_type"))) == "deepseek_v32"
+    indexer = 2 * int(tc["index_head_dim"]) if sparse else 0
+    return int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"]) + indexer
 
 
 def _prefix(config: dict) -> str:
@@ -134,7 +155,8 @@ def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> Glm4MoeLiteMT
     dtype (the router's correction bias kept float32)."""
     config = json.loads((path / "config.json").read_text())
     args = getattr(model, "language_model", model).args
-    head = Glm4MoeLiteMTPHead(args)
-    weights = _hf_to_head(read_prefixed(path, _prefix(config)), args)
+    weights = read_prefixed(path, _prefix(config))
+    head = Glm4MoeLiteMTPHead(args, own=any(k in weights for k in _OWN))  # one without the other: strict load fails
+    weights = _hf_to_head(weights, args)
     return finish_load(head, weights, dtype or target_dtype(model), args.hidden_size,
                        keep=lambda name: _KEEP_FP32 not in name)

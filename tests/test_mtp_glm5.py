@@ -1,0 +1,148 @@
+"""Speculation with GLM-5's nextn (MTP) layer shipped inside its checkpoint (issue 42), through the real engine.
+
+The fixture is a tiny glm_moe_dsa (MLA whose scores DeepSeek sparse attention's indexer restricts to its top 8
+positions, MoE with a shared expert) in the published layout, its nextn layer as `model.layers.<num_hidden_layers>.*`
+with no embedding or LM head of its own, distilled briefly on its target. Prompts past 8 tokens take the sparse path
+in the target and in the head. Greedy output must equal plain decoding; sampled output must be distributed as plain
+sampling; the head must compute what mlx-vlm's glm_moe_dsa_mtp drafter computes on the same weights."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+
+from provider.jobs import Job, SamplingParams
+from provider.models import capability
+from provider.models.fixtures_mtp import train_prompts
+from provider.models.footprint import head_kv_shape
+from provider.models.glm4_moe_lite_mtp import load_head
+from tests import mtp_checks
+from tests.helpers import collect, greedy, make_node, run
+from tests.test_mtp_glm import until_eos
+
+NAME = "glm_moe_dsa-mtp-tiny"
+NEXTN = "model.layers.3."  # num_hidden_layers = 3
+
+
+@pytest.fixture(scope="module")
+def target(head_fixture):
+    return head_fixture(NAME)
+
+
+def _rewritten(target, out, change):
+    """A copy of the fixture whose tensors `change` rewrote (a dict in, a dict out)."""
+    shutil.copytree(target, out)
+    weights = change(dict(mx.load(str(out / "model.safetensors"))))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    return out
+
+
+def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path):
+    config = capability.read_config(target)
+    assert "index_topk" in config and config["num_nextn_predict_layers"] == 1
+    mtp_checks.head_found(target, config)
+    stripped = _rewritten(target, tmp_path / "stripped",
+                          lambda w: {k: v for k, v in w.items() if not k.startswith(NEXTN)})
+    mtp_checks.no_head_found(stripped, config)
+    # Booked once, as the drafter: the nextn layer's tensors (no embedding or LM head of its own) + activations.
+    _, head = mtp_checks.booked_once(target, config, load_head)
+    assert head.lm_head is None and "embed_tokens" not in head  # the target's are used
+    # Per token, the latent (kv_lora_rank 32), the rotated k_pe (8) and the indexer's key (16) with the zeros mlx-lm
+    # stores as its values (16), float32: what the head's cache holds after 5 pairs, byte for byte.
+    assert head_kv_shape(target, config).bytes_per_token_full == (32 + 8 + 2 * 16) * 4
+    cache = head.make_cache()
+    head(mx.zeros((1, 5, 64)), mx.zeros((1, 5, 64)), cache)
+    held = sum(x[..., :5, :].nbytes for c in cache[0].caches for x in (c.keys, c.values))
+    assert held == 5 * head_kv_shape(target, config).bytes_per_token_full
+
+
+@pytest.mark.parametrize("broken", ["eh_proj cut", "indexer gone", "own embedding without its head"])
+def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target, tmp_path, broken):
+    """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
+    plain with the reason (auto), its output plain decoding's."""
+    change = {
+        "eh_proj cut": lambda w: w | {NEXTN + "eh_proj.weight": w[NEXTN + "eh_proj.weight"][:, :127]},
+        "indexer gone": lambda w: {k: v for k, v in w.items() if not k.startswith(NEXTN + "self_attn.indexer.wk")},
+        "own embedding without its head": lambda w: w | {NEXTN + "embed_tokens.weight": w["model.embed_tokens.weight"]},
+    }[broken]
+    bad = _rewritten(target, tmp_path / "bad", change)
+    config = capability.read_config(bad)
+    mtp_checks.head_found(bad, config)
+    model, _ = load(str(bad))
+    with pytest.raises(ValueError):
+        load_head(bad, model)
+    ps = mtp_checks.prompts(target)[4:6]
+    node = make_node({NAME: bad}, speculation="auto", speculation_k=3)
+
+    async def main():
+        out = [await collect(node, Job(f"b{i}", NAME, greedy(8), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
+        await node.stop()
+        return out
+
+    for p, (ids, _, done, _) in zip(ps, run(main())):
+        spec = done.telemetry.speculation
+        assert spec.mode.value == "off" and spec.reason == "no_drafter", spec
+        assert ids == until_eos(bad, mtp_checks.plain(bad, p, 8))
+
+
+def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
+    """Prompts of 1 to 90 tokens (most past index_topk), alone then 8 together: plain decoding's tokens, and on the
+    prompts the head was distilled on, most drafts accepted."""
+    n, ps = 16, mtp_checks.prompts(target)
+    assert sum(len(p) > json.loads((target / "config.json").read_text())["index_topk"] for p in ps) == 2
+    want = [until_eos(target, mtp_checks.plain(target, p, n)) for p in ps]
+    alone, together, _ = mtp_checks.greedy_alone_and_together(target, NAME, ps, want, n)
+    assert together[0][2].telemetry.speculation.mean_batch > 2  # verified together with the others
+    spec = [done.telemetry.speculation for _, _, done, _ in alone[:4]]
+    assert sum(s.accepted for s in spec) > 0.4 * sum(s.judged for s in spec), spec
+
+
+def _their_name(name: str) -> str:
+    name = "shared_head_norm.weight" if name == "shared_head.norm.weight" else name.removeprefix("block.")
+    return "mtp." + name
+
+
+def test_the_head_computes_what_mlx_vlms_glm_moe_dsa_drafter_computes_on_the_same_weights(target):
+    """mlx-vlm's own drafter (load_drafter: its split of the checkpoint, its GlmMoeDsaMTP) against the head as loaded
+    here: the same parameters bit for bit (the router's correction bias float32 on both); on a prompt of 30 pairs
+    (sparse: index_topk 8) then four draft steps, the same seed hidden, draft tokens, and cached latents, positional
+    keys and indexer keys; and the node's own drafting (HeadDrafter in the round loop, prompt read in chunks of 8)
+    proposes mlx-vlm's drafts."""
+    pytest.importorskip("mlx_vlm.speculative.drafters.glm_moe_dsa_mtp")
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    from provider.engine.drafters import HeadDrafter
+    from provider.engine.spec_rounds import Speculator
+    from provider.models.gemma4_target import Target
+    from provider.telemetry import SpecTelemetry
+
+    theirs, _ = load_drafter(str(target), kind="mtp")
+    assert type(theirs).__name__ == "GlmMoeDsaMTPDraftModel"
+    model, tap, ours = mtp_checks.loaded(target, load_head)
+    mtp_checks.same_parameters({_their_name(k): v for k, v in tree_flatten(ours.parameters())},
+                               dict(tree_flatten(theirs.parameters())))
+    ids, cache = mtp_checks.drafts_as_mlx_vlms(target, model, tap, ours, theirs, model.model.embed_tokens,
+                                               model.lm_head)
+    assert ids.shape[1] > 8 and cache[0][1].offset == ids.shape[1] + 3  # the indexer's keys: every pair
+
+    spec = Speculator(model, HeadDrafter(ours, Target(model)))
+    row = spec.new_row(ids[0].tolist(), stats=SpecTelemetry("mtp", k=4))
+    while not spec.read(row, 8):
+        pass
+    first = spec.begin([row])[0]
+    drafts, _ = spec.drafter.propose([row], 4, row.caches)
+    theirs.reset(model)
+    model(ids)
+    theirs.prefill_from_target_hidden(ids, tap.last, first, None, greedy=True)
+    assert drafts.tolist() == theirs.draft_block(first, None, None, 5, None, greedy=True).tolist()
+
+
+def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
+    """The distribution test (mtp_checks.sampled_as_plain): the first 6 tokens at T = 0.7 with top_p and top_k,
+    k = 3, 800 samples a side, both branches hundreds of times; and its biased control told apart."""
+    params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
+    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)
+
