@@ -232,3 +232,73 @@ def test_the_node_books_the_drafter_it_loads(target):
     assert booked == drafter_footprint(drafter, config, SpecMode.MTP, 3, node.models._prefill_step) > 0
     assert lm.drafter_mode is SpecMode.MTP and isinstance(lm.drafter, Eagle3Head)
     assert lm.draft_kv_shape == eagle3_kv_shape(drafter, config)
+
+
+def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):
+    """Two rows under JSON schemas (drafts drawn under the grammar's masks, many of the allowed ids outside the
+    draft vocabulary, where the drafter's logits are the lowest: never NaN), a free row and a sampled constrained
+    row, together: each greedy row emits its plain run's tokens and the constrained ones validate."""
+    import asyncio
+
+    import jsonschema
+
+    from provider.constraints import OutputRules, ResponseFormat
+
+    schemas = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                 "kind": {"enum": ["capital", "town", "village"]}},
+                "required": ["name", "kind"]},
+               {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                 "ok": {"type": "boolean"}}, "required": ["n", "ok"]}]
+    messages = ({"role": "user", "content": "Describe a place as JSON."},)
+
+    def jobs(tag: str, speculation: str) -> list[Job]:
+        return [*(Job(f"{tag}s{i}", NAME, greedy(48), messages=messages, speculation=speculation,
+                      rules=OutputRules(ResponseFormat("json_schema", s, "x"))) for i, s in enumerate(schemas)),
+                Job(f"{tag}f", NAME, greedy(16), prompt_ids=tuple(train_prompts()[0]), speculation=speculation),
+                Job(f"{tag}t", NAME, SamplingParams(max_tokens=48, temperature=0.7), messages=messages,
+                    speculation=speculation, rules=OutputRules(ResponseFormat("json_schema", schemas[1], "x")))]
+
+    async def main():
+        node = make_node({NAME: target}, max_concurrent_jobs=4, speculation_k=3,
+                         manager_kw={"drafters": {NAME: drafter_dir(target)}})
+        try:
+            plain = [await collect(node, j) for j in jobs("off", "off")]
+            return plain, await asyncio.gather(*(collect(node, j) for j in jobs("on", "on")))
+        finally:
+            await node.stop()
+
+    plain, together = run(main())
+    for i, ((ids, text, done, _), (want, _, _, _)) in enumerate(zip(together, plain)):
+        spec = done.telemetry.speculation
+        assert (spec.mode.value, spec.reason) == ("mtp", "ok") and spec.rounds > 0, (i, spec)
+        if i < 3:
+            assert ids == want, f"job {i}: speculation changed the output"
+        if i != 2:  # the sampled row too: its draft distributions are never NaN, all its drafts valid
+            jsonschema.validate(json.loads(text), schemas[min(i, 1)])
+    assert together[2][2].telemetry.speculation.accepted > 0
+
+
+def test_the_speculators_layout_pairs_and_drafts_alike(target, tmp_path):
+    """The same drafter in the Speculators layout (config nested in `transformer_layer_config`, the layer as
+    `layers.0.*`, the target's embedding shipped with it): paired as eagle3 and the same logits."""
+    flat = json.loads((drafter_dir(target) / "config.json").read_text())
+    out = tmp_path / "speculators"
+    out.mkdir()
+    layer = {k: v for k, v in flat.items() if k not in ("architectures", "draft_vocab_size", "eagle_config")}
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+        "draft_vocab_size": flat["draft_vocab_size"], "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": flat["eagle_config"]["eagle_aux_hidden_state_layer_ids"]}))
+    model, _ = load(str(target))
+    weights = {k.replace("midlayer.", "layers.0."): v for k, v in mx.load(str(drafter_dir(target) /
+                                                                             "model.safetensors")).items()}
+    weights["embed_tokens.weight"] = model.model.embed_tokens.weight
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    caps = caps_with(target, out)
+    assert (caps.mtp_capable, caps.speculates_with, caps.drafter_reason) == (True, "eagle3", "ok"), caps
+    ours, theirs = load_head(target, model), load_eagle3(out, model)
+    assert "embed_tokens" in theirs and "embed_tokens" not in ours
+    hidden, tokens = mx.random.normal((1, 6, 192)), mx.array([[5, 9, 300, 2, 77, 41]])
+    a = ours(model.model.embed_tokens(tokens), hidden, None)
+    b = theirs(theirs.embed_tokens(tokens), hidden, None)
+    assert mx.array_equal(ours.target_logits(a, 512), theirs.target_logits(b, 512)).item()

@@ -88,8 +88,9 @@ class Eagle3Head(nn.Module):
         """[..., H] -> [..., width]: the draft logits at their target ids, the lowest logit elsewhere."""
         draft = self.draft_logits(hidden)
         if "hot" not in self:
-            return draft if draft.shape[-1] == width else \
-                mx.pad(draft, [(0, 0)] * (draft.ndim - 1) + [(0, width - draft.shape[-1])], mx.finfo(draft.dtype).min)
+            return draft if draft.shape[-1] == width else mx.pad(
+                draft, [(0, 0)] * (draft.ndim - 1) + [(0, width - draft.shape[-1])],
+                constant_values=mx.finfo(draft.dtype).min)
         full = mx.full((*draft.shape[:-1], width), mx.finfo(draft.dtype).min, dtype=draft.dtype)
         return mx.put_along_axis(full, mx.broadcast_to(self.hot, draft.shape), draft, axis=-1)
 
