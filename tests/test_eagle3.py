@@ -93,6 +93,7 @@ BROKEN = {
     "other vocabulary": ({"config": lambda c: c | {"vocab_size": 1024}}, "vocab_size 1024"),
     "two layers": ({"config": lambda c: c | {"num_hidden_layers": 2}}, "of 2 layers"),
     "truncated file": ({"raw": lambda b: b[:len(b) // 2]}, "unreadable"),
+    "quantized": ({"tensors": lambda w: w | {"fc.scales": mx.ones((64, 3))}}, "does not load: fc.scales"),
 }
 
 

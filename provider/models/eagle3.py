@@ -124,6 +124,10 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
             return f"EAGLE-3 drafter has no tensor {name}"
         if tuple(tensors[name][1]) != shape:
             return f"EAGLE-3 tensor {name} is {list(tensors[name][1])}, expected {list(shape)}"
+    known = set(expected_shapes(flat)) | {"d2t", "t2d", "embed_tokens.weight"}
+    extra = sorted(n for n in tensors if n not in known and "rotary_emb" not in n and not n.startswith("verifier_"))
+    if extra:  # a quantized drafter (scales, biases), norm_before_fc's input_norm, ...: its load would refuse them
+        return f"EAGLE-3 drafter has tensors the node does not load: {', '.join(extra[:3])}"
     embed = tensors.get("embed_tokens.weight")
     if embed is not None and tuple(embed[1]) != (flat["vocab_size"], flat["hidden_size"]):
         return f"EAGLE-3 tensor embed_tokens.weight is {list(embed[1])}"
@@ -173,9 +177,12 @@ def weight_bytes(drafter: Path) -> int:
 
     from ..memory.estimate import DTYPE_BYTES
 
+    checkpoint = open_checkpoint(drafter)
+    flat = flat_config(checkpoint.config)
+    maps = flat["draft_vocab_size"] != flat["vocab_size"]  # else a shipped d2t is not loaded
     total = 0
-    for name, (dtype, shape) in open_checkpoint(drafter).tensors.items():
-        if name == "t2d" or "rotary_emb" in name or name.startswith("verifier_"):
+    for name, (dtype, shape) in checkpoint.tensors.items():
+        if name == "t2d" or "rotary_emb" in name or name.startswith("verifier_") or (name == "d2t" and not maps):
             continue
         total += (4 if name == "d2t" else DTYPE_BYTES.get(dtype, 4)) * math.prod(shape)
     return total

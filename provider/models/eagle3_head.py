@@ -120,6 +120,8 @@ def load_eagle3(path: Path, model) -> Eagle3Head:
     flat = flat_config(json.loads((path / "config.json").read_text()))
     weights = read_weights(path)
     head = Eagle3Head(flat, own_embedding="embed_tokens.weight" in weights)
+    if "hot" not in head:  # a d2t shipped with a draft vocabulary as wide as the target's maps nothing
+        weights.pop("hot", None)
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
     layers = getattr(model, "language_model", model).model.layers
