@@ -45,7 +45,7 @@ def caps_with(target, drafter):
     return capability.with_drafter(capability.detect(target, config), target, drafter, config)
 
 
-def test_paired_as_eagle3_from_config_and_headers_and_listed(target):
+def test_paired_as_eagle3_from_config_and_headers_listed_and_registered(target):
     from provider.model_commands import SPEC_TAGS, describe
     from provider.models.store import StoredModel
     from provider.settings import Settings
@@ -55,6 +55,12 @@ def test_paired_as_eagle3_from_config_and_headers_and_listed(target):
     row = describe(Settings(), StoredModel(NAME, str(target), target, "configured", drafter=str(drafter_dir(target))),
                    1 << 30)
     assert (row["speculates_with"], row["mtp_capable"]) == ("eagle3", True) and SPEC_TAGS["eagle3"] == "  [eagle3]"
+    from coordinator_client.registration import model_infos
+
+    node = make_node({NAME: target}, manager_kw={"drafters": {NAME: drafter_dir(target)}})
+    registered = {i.id: i.capabilities for i in model_infos(node.status())}[NAME]
+    run(node.stop())
+    assert (registered.mtp_capable, registered.speculates_with) == (True, "eagle3")
     # The three captured layers' inputs: the outputs of target layers 0, 1 and 2 (of 4).
     flat = eagle3.flat_config(capability.read_config(drafter_dir(target)))
     assert eagle3.tapped_layers(flat, 4) == [0, 1, 2]
