@@ -176,6 +176,7 @@ HEAD_FIXTURES = {
     "glm4_moe_lite-mtp-tiny": "fixtures_mtp_glm:make_glm4_moe_lite_mtp_tiny",
     "deepseek_v3-mtp-tiny": "fixtures_mtp_glm:make_deepseek_v3_mtp_tiny",
     "glm_moe_dsa-mtp-tiny": "fixtures_mtp_glm5:make_glm_moe_dsa_mtp_tiny",
+    "mimo-mtp-tiny": "fixtures_mtp_mimo:make_mimo_mtp_tiny",
     "llama-eagle3-tiny": "fixtures_eagle3:make_llama_eagle3_tiny",  # its EAGLE-3 drafter beside it (drafter_dir)
 }
 

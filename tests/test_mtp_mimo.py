@@ -1,0 +1,186 @@
+"""Speculation with Xiaomi MiMo's MTP layer shipped inside its checkpoint (issue 42), through the real engine.
+
+The fixture is a tiny mimo (Qwen2-style layers) in the published layout with its MTP layer as `model.mtp_layers.0.*`,
+distilled briefly on its target. mlx-vlm has no MiMo drafter: the head is checked against a reference written here
+from vLLM's published step (mimo_mtp.py) in plain MLX operations, not mlx-lm's layer. Greedy output must equal plain
+decoding; sampled output must be distributed as plain sampling."""
+
+import json
+import math
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from provider.jobs import Job, SamplingParams
+from provider.models import capability
+from provider.models.fixtures_mtp import train_prompts
+from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.models.mimo_mtp import load_head
+from provider.types import SpecMode
+from tests import mtp_checks
+from tests.helpers import collect, greedy, make_node, run
+from tests.test_mtp_glm import until_eos
+
+NAME = "mimo-mtp-tiny"
+MTP = "model.mtp_layers.0."
+
+
+@pytest.fixture(scope="module")
+def target(head_fixture):
+    return head_fixture(NAME)
+
+
+def _rewritten(target, out, change, config_change=None):
+    """A copy of the fixture whose tensors `change` rewrote (a dict in, a dict out), its config too if asked."""
+    shutil.copytree(target, out)
+    weights = change(dict(mx.load(str(out / "model.safetensors"))))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    if config_change:
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(config | config_change))
+    return out
+
+
+def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
+    config = capability.read_config(target)
+    mtp_checks.head_found(target, config)
+    stripped = _rewritten(target, tmp_path / "stripped", lambda w: {k: v for k, v in w.items() if ".mtp_layers." not in k})
+    mtp_checks.no_head_found(stripped, config)
+    # mlx-lm's mimo sanitize drops the layer (the target's books hold none of it); the head is booked once.
+    _, head = mtp_checks.booked_once(target, config, load_head)
+    assert head.lm_head is None and "embed_tokens" not in head
+    # K and V, 2 KV heads of 64 / 4, float32, a token: what the head's cache holds after 5 pairs.
+    assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4
+    cache = head.make_cache()
+    head(mx.zeros((1, 5, 64)), mx.zeros((1, 5, 64)), cache)
+    assert sum(x[..., :5, :].nbytes for x in (cache[0].keys, cache[0].values)) == 5 * 2 * 2 * 16 * 4
+    # Two MTP layers declared and shipped: served with the first, which alone is read and booked.
+    two = _rewritten(target, tmp_path / "two", lambda w: w | {k.replace(".mtp_layers.0.", ".mtp_layers.1."): v * 2
+                                                              for k, v in w.items() if k.startswith(MTP)},
+                     {"num_nextn_predict_layers": 2})
+    config = capability.read_config(two)
+    assert capability.with_drafter(capability.detect(two, config), two, None, config).mtp_capable
+    model, _ = load(str(two))
+    loaded = load_head(two, model)
+    from mlx.utils import tree_flatten
+
+    from provider.memory import estimate
+
+    head_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
+    assert drafter_footprint(two, config, SpecMode.MTP, 3, 512) - head_bytes == \
+        estimate.activation_bytes(config, 512, attention_only=True)
+    assert mx.array_equal(loaded.input_proj.weight, head.input_proj.weight).item()  # layer 0's
+
+
+@pytest.mark.parametrize("broken", ["input_proj cut", "q_proj bias gone"])
+def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target, tmp_path, broken):
+    """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
+    plain with the reason (auto), its output plain decoding's."""
+    change = {
+        "input_proj cut": lambda w: w | {MTP + "input_proj.weight": w[MTP + "input_proj.weight"][:, :127]},
+        "q_proj bias gone": lambda w: {k: v for k, v in w.items() if k != MTP + "self_attn.q_proj.bias"},
+    }[broken]
+    bad = _rewritten(target, tmp_path / "bad", change)
+    mtp_checks.head_found(bad, capability.read_config(bad))
+    model, _ = load(str(bad))
+    with pytest.raises(ValueError):
+        load_head(bad, model)
+    ps = mtp_checks.prompts(target)[4:6]
+    node = make_node({NAME: bad}, speculation="auto", speculation_k=3)
+
+    async def main():
+        out = [await collect(node, Job(f"b{i}", NAME, greedy(8), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
+        await node.stop()
+        return out
+
+    for p, (ids, _, done, _) in zip(ps, run(main())):
+        spec = done.telemetry.speculation
+        assert spec.mode.value == "off" and spec.reason == "no_drafter", spec
+        assert ids == until_eos(bad, mtp_checks.plain(bad, p, 8))
+
+
+def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
+    """Prompts of 1 to 90 tokens alone then 8 together: plain decoding's tokens, and on the prompts the head was
+    distilled on, most drafts accepted."""
+    n, ps = 16, mtp_checks.prompts(target)
+    want = [until_eos(target, mtp_checks.plain(target, p, n)) for p in ps]
+    alone, together, _ = mtp_checks.greedy_alone_and_together(target, NAME, ps, want, n)
+    assert together[0][2].telemetry.speculation.mean_batch > 2
+    spec = [done.telemetry.speculation for _, _, done, _ in alone[:4]]
+    assert sum(s.accepted for s in spec) > 0.5 * sum(s.judged for s in spec), spec
+
+
+def _reference(w: dict, config: dict, embeddings: mx.array, hidden: mx.array) -> mx.array:
+    """vLLM's MiMo MTP step over pairs at positions 0..L-1 (causal), from the published tensors `w` (prefix off), in
+    plain MLX operations: the embedding at position 0 zeroed; input_proj(concat[hidden_layernorm(h),
+    token_layernorm(e)]); a Qwen2 decoder layer (biased q/k/v, RoPE rotate-half with base rope_theta, grouped-query
+    attention, SwiGLU MLP); final_layernorm."""
+    eps, heads, kv = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["hidden_size"] // heads
+
+    def rms(x, g):
+        return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+    def linear(x, name, bias=False):
+        return x @ w[name + ".weight"].T + (w[name + ".bias"] if bias else 0)
+
+    def rope(x):  # [B, n, L, d]
+        inv = config["rope_theta"] ** (-mx.arange(0, d, 2) / d)
+        angles = mx.arange(x.shape[2])[:, None] * inv[None]
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    B, L, _ = embeddings.shape
+    embeddings = mx.concatenate([mx.zeros_like(embeddings[:, :1]), embeddings[:, 1:]], axis=1)
+    x = linear(mx.concatenate([rms(hidden, w["hidden_layernorm.weight"]), rms(embeddings, w["token_layernorm.weight"])],
+                              axis=-1), "input_proj")
+    h = rms(x, w["input_layernorm.weight"])
+    q, k, v = (linear(h, f"self_attn.{p}_proj", bias=True).reshape(B, L, n, d).transpose(0, 2, 1, 3)
+               for p, n in (("q", heads), ("k", kv), ("v", kv)))
+    q, k = rope(q), rope(k)
+    k, v = mx.repeat(k, heads // kv, axis=1), mx.repeat(v, heads // kv, axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + mx.triu(mx.full((L, L), -mx.inf), k=1)
+    attn = (mx.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, L, heads * d)
+    x = x + linear(attn, "self_attn.o_proj")
+    h = rms(x, w["post_attention_layernorm.weight"])
+    gate = linear(h, "mlp.gate_proj")
+    x = x + linear(gate * mx.sigmoid(gate) * linear(h, "mlp.up_proj"), "mlp.down_proj")
+    return rms(x, w["final_layernorm.weight"])
+
+
+def test_the_head_computes_the_published_step(target):
+    """The head as loaded here against `_reference` on a prompt's pairs (a distilled prompt then 40 held-out tokens):
+    in one read without a cache, and read in chunks of 8 into its cache then stepped 3 times on its own drafts (the
+    reference rerun over the whole sequence each time): the same hidden states within float32 rounding and the
+    same draft tokens."""
+    config = json.loads((target / "config.json").read_text())
+    w = {k[len(MTP):]: v for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(MTP)}
+    model, tap, head = mtp_checks.loaded(target, load_head)
+    ids = mx.array([train_prompts()[0] + mtp_checks.prompts(target)[-1][:40]])
+    model(ids)
+    hidden, embed = tap.last, model.model.embed_tokens
+    tokens = mx.concatenate([ids[:, 1:], mx.array([[77]])], axis=1)
+    want = _reference(w, config, embed(tokens), hidden)
+    assert mx.allclose(head(embed(tokens), hidden, None), want, atol=2e-5, rtol=1e-4).item()
+    cache = head.make_cache()
+    for i in range(0, tokens.shape[1], 8):
+        h = head(embed(tokens[:, i:i + 8]), hidden[:, i:i + 8], cache)
+    assert mx.allclose(h[:, -1], want[:, -1], atol=2e-5, rtol=1e-4).item()
+    h = h[:, -1:]
+    for _ in range(3):
+        token = model.lm_head(h).argmax(-1)
+        tokens, hidden = mx.concatenate([tokens, token], axis=1), mx.concatenate([hidden, h], axis=1)
+        want = _reference(w, config, embed(tokens), hidden)[:, -1:]
+        h = head(embed(token), h, cache)
+        assert mx.allclose(h, want, atol=2e-5, rtol=1e-4).item()
+        assert (model.lm_head(h).argmax(-1) == model.lm_head(want).argmax(-1)).all().item()
+
+
+def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
+    """The distribution test (mtp_checks.sampled_as_plain): the first 6 tokens at T = 0.7 with top_p and top_k,
+    k = 3, 800 samples a side, both branches hundreds of times; and its biased control told apart."""
+    params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
+    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)
