@@ -16,12 +16,11 @@ states: the output of layer id - 1), by default (2, n // 2, n - 3) of the target
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
 from ..memory.estimate import text_config
-from .checkpoint import HeaderError, open_checkpoint
+from .checkpoint import HeaderError, open_checkpoint, read_safetensors_header
 
 EAGLE3 = "eagle3"  # Capabilities.speculates_with
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
@@ -146,7 +145,7 @@ def _check_d2t(drafter: Path, dtype: str, flat: dict) -> str:
         return f"EAGLE-3 d2t has dtype {dtype}, not an integer one"
     try:
         d2t = read_tensor(drafter, "d2t", _INT_DTYPES[dtype])
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, HeaderError) as e:
         return f"EAGLE-3 d2t is unreadable: {e}"
     hot = np.arange(d2t.shape[0]) + d2t.astype(np.int64)
     if hot.min(initial=0) < 0 or hot.max(initial=0) >= flat["vocab_size"]:
@@ -157,16 +156,20 @@ def _check_d2t(drafter: Path, dtype: str, flat: dict) -> str:
 
 
 def read_tensor(drafter: Path, name: str, dtype: str):
-    """One small tensor of a safetensors file, read by its header's offsets (numpy, 1-D)."""
+    """One small tensor of a safetensors file, read by its header's offsets (numpy, 1-D): a header checked as
+    every header the node reads is (checkpoint.read_safetensors_header), and offsets that span its shape exactly."""
+    import math
+
     import numpy as np
 
     for f in sorted(drafter.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            header = json.loads(fh.read(n))
-            if name in header:
-                start, end = header[name]["data_offsets"]
-                fh.seek(8 + n + start)
+        header = read_safetensors_header(f)
+        if name in header:
+            start, end = header[name]["data_offsets"]
+            if end - start != math.prod(header[name]["shape"]) * np.dtype(dtype).itemsize:
+                raise ValueError(f"{name}'s offsets do not span its shape")
+            with open(f, "rb") as fh:
+                fh.seek(8 + struct.unpack("<Q", fh.read(8))[0] + start)
                 return np.frombuffer(fh.read(end - start), dtype=dtype)
     raise KeyError(name)
 
