@@ -1,6 +1,6 @@
 """Hostile input for a node group's own wire, for the fuzz campaign (tools/scripts/fuzz_campaign.py): lines at
 the rendezvous and the wake-up port while honest ranks meet there, and sealed messages (bytes and JSON) at the
-follower's side of a plan. Plain sockets and the real parsing code; no MLX.
+follower's side of a plan and of a round's drafts. Plain sockets and the real parsing code; no MLX.
 
 What must hold: the honest ranks still meet and connect, every hostile case ends in a typed refusal (GroupLost,
 PlanError or a logged refusal), no exception escapes, nothing waits past its bound."""
@@ -158,10 +158,35 @@ def plan_phase(n: int, seed: int, t: GroupTally, root: Path) -> None:
         _expect_refusal(t, lambda: decode_plan(unseal(key, 9, "plan", seal(key, 9, "plan", plan)), VOCAB))
 
     _run(n, seed, st.integers(0, 1 << 64), damaged)
-    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
-                               st.text(max_size=20), lambda c: st.lists(c, max_size=4) |
-                               st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
-    _run(n, seed + 7, json_values, hostile_json)
+    _run(n, seed + 7, _JSON_VALUES, hostile_json)
+
+
+_JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
+                            st.text(max_size=20), lambda c: st.lists(c, max_size=4) |
+                            st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
+
+
+def drafts_phase(n: int, seed: int, t: GroupTally, root: Path) -> None:
+    """Rank 0's drafts for a round (provider.group.drafts), sealed under the right key, with hostile JSON grafted
+    in: each is a round of 2 rows of 3 ids below the vocabulary, or GroupLost."""
+    from provider.group.drafts import drafts_of
+
+    key = loopback_specs(root / "drafts")[0].key
+    rng = random.Random(seed)
+
+    def hostile_json(body) -> None:
+        t.cases += 1
+        drafts = {"k": 3, "drafts": [[1, 2, 3], [4, 5, 6]]}
+        _graft(drafts, body, rng)
+        sealed = unseal(key, 3, "drafts", seal(key, 3, "drafts", drafts))
+        _expect_refusal(t, lambda: _fits(drafts_of(sealed, 2, 3, VOCAB), t))
+
+    _run(n, seed + 11, _JSON_VALUES, hostile_json)
+
+
+def _fits(drafts, t: GroupTally) -> None:
+    if len(drafts) != 2 or any(len(d) != 3 or not all(type(i) is int and 0 <= i < VOCAB for i in d) for d in drafts):
+        t.crashes.append(f"drafts that do not fit the round were taken: {drafts!r}"[:300])
 
 
 def _graft(node, value, rng: random.Random) -> None:
@@ -196,5 +221,6 @@ def group_campaign(n: int, seed: int, root: Path) -> GroupTally:
         rendezvous_phase(n, seed, t, root)
         doorbell_phase(n, seed, t, root)
         plan_phase(n, seed, t, root)
+        drafts_phase(n, seed, t, root)
     t.error_logs = sum(e.get("log_level") in ("error", "critical") or "exc_info" in e for e in logged)
     return t
