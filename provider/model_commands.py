@@ -117,7 +117,7 @@ def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
 
 # What `models list` says a model speculates with (capability.Capabilities.speculates_with).
 SPEC_TAGS = {"own_mtp_head": "  [mtp: own head]", "mtp_assistant": "  [mtp]", "draft_model": "  [draft]",
-             "eagle3": "  [eagle3]"}
+             "eagle3": "  [eagle3]", "dflash": "  [dflash]"}
 
 
 def cmd_list(settings: Settings, usable: int) -> int:

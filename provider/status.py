@@ -19,7 +19,7 @@ class ModelFacts:
     vision: bool
     mtp_capable: bool = False  # speculates in mtp mode: its own MTP head, or a paired Gemma 4 assistant
     draft_compatible: bool = False  # a configured draft model pairs with it
-    speculates_with: str = ""  # own_mtp_head | mtp_assistant | eagle3 | draft_model | "" (capability.Capabilities)
+    speculates_with: str = ""  # own_mtp_head | mtp_assistant | eagle3 | dflash | draft_model | "" (Capabilities)
 
 
 @dataclass(frozen=True)

@@ -235,8 +235,13 @@ class Eagle3Drafter(HeadDrafter):
 
 def drafter_for(lm):
     """The drafter of a loaded pair (`models.loader.LoadedModel`); per-row state lives on the rows."""
+    from ..models.dflash_head import DFlashHead
     from ..models.eagle3_head import Eagle3Head
 
+    if isinstance(lm.drafter, DFlashHead):
+        from .dflash_drafter import DFlashDrafter
+
+        return DFlashDrafter(lm.drafter, Target(lm.model))
     if isinstance(lm.drafter, Eagle3Head):
         return Eagle3Drafter(lm.drafter, Target(lm.model))
     if isinstance(lm.drafter, OwnHead):

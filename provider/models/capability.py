@@ -36,7 +36,7 @@ class Capabilities:
     draft_compatible: bool = False  # a configured draft model with an identical vocabulary
     drafter_reason: str = "no_drafter"
     # What it speculates with, when it can: its own MTP head (OWN_HEAD), a Gemma 4 assistant, an EAGLE-3 drafter
-    # ("eagle3"), or a draft model.
+    # ("eagle3"), a DFlash drafter ("dflash"), or a draft model.
     speculates_with: str = ""
 
     def as_dict(self) -> dict:
@@ -184,8 +184,13 @@ def with_drafter(caps: Capabilities, target: Path, drafter: Path | None, target_
         reason = "no_drafter" if caps.family in GEMMA4_TYPES else "not_mtp_capable"
         return replace(caps, drafter_reason=reason)
     dcfg = read_config(drafter)
+    from .dflash import DFLASH, is_dflash
+    from .dflash import check_pair as dflash_check
     from .eagle3 import EAGLE3, check_pair, is_eagle3
 
+    if is_dflash(dcfg):  # a DFlash drafter: drafts a block a forward from several of the target's layers
+        why = dflash_check(target_config, drafter, dcfg)
+        return replace(caps, mtp_capable=why == "ok", drafter_reason=why, speculates_with=DFLASH if why == "ok" else "")
     if is_eagle3(dcfg):  # an EAGLE-3 drafter: reads three of the target's layers (models.eagle3)
         why = check_pair(target_config, drafter, dcfg)
         return replace(caps, mtp_capable=why == "ok", drafter_reason=why, speculates_with=EAGLE3 if why == "ok" else "")

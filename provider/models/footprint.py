@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..memory import estimate
 from ..types import SpecMode
-from . import eagle3
+from . import dflash, eagle3
 from .capability import images_refused, native_head_family
 from .checkpoint import context_length, open_checkpoint
+from .dflash import is_dflash
 from .eagle3 import is_eagle3
 from .mtp_heads import head_module
 
@@ -44,6 +45,9 @@ def estimate_footprint(path: Path, config: dict, *, kv_tokens: int, prefill_step
 def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_step: int) -> int:
     """Drafter weights plus its activations: the assistant works k+1 positions at a time; a draft model
     prefills the prompt like the target and keeps its own KV (counted within its activations' chunk)."""
+    if mode is SpecMode.MTP and is_dflash(config):  # a DFlash drafter: what it holds loaded; it reads prompt chunks
+        return dflash.weight_bytes(path) + estimate.activation_bytes(dflash.flat_config(config), prefill_step,
+                                                                     attention_only=True)
     if mode is SpecMode.MTP and is_eagle3(config):  # an EAGLE-3 drafter: what it holds loaded; it reads prompt chunks
         return eagle3.weight_bytes(path) + estimate.activation_bytes(eagle3.flat_config(config), prefill_step,
                                                                      attention_only=True)
@@ -70,6 +74,11 @@ def head_kv_shape(path: Path, config: dict) -> estimate.KVShape:
 def eagle3_kv_shape(path: Path, config: dict) -> estimate.KVShape:
     """Per-token KV of an EAGLE-3 drafter (its one attention layer), each row's own."""
     return estimate.kv_shape(eagle3.flat_config(config), _dominant_float_bytes(open_checkpoint(path).tensors))
+
+
+def dflash_kv_shape(path: Path, config: dict) -> estimate.KVShape:
+    """Per-token KV of a DFlash drafter: the context K/V of each of its layers, each row's own."""
+    return estimate.kv_shape(dflash.flat_config(config), _dominant_float_bytes(open_checkpoint(path).tensors))
 
 
 def kv_shape_of(path: Path, config: dict, kv_quant: estimate.KVQuant | None = None) -> estimate.KVShape:

@@ -146,6 +146,12 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
                 from .split_lm_head import whole_lm_head
 
                 lm.drafter_lm_head = whole_lm_head(path, lm.model)
+        elif drafting.mode is SpecMode.MTP and _dflash(drafter_path):  # its books: an own context KV a row
+            from .dflash_head import load_dflash
+            from .footprint import dflash_kv_shape
+
+            lm.drafter = load_dflash(drafter_path, lm.model)
+            lm.draft_kv_shape = dflash_kv_shape(drafter_path, read_config(drafter_path))
         elif drafting.mode is SpecMode.MTP and _eagle3(drafter_path):  # its books: an own KV a row, as a head's
             from .eagle3_head import load_eagle3
             from .footprint import eagle3_kv_shape
@@ -166,6 +172,12 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
         lm.drafter_reason = SpecReason.NO_DRAFTER
         logs.get("models").warning("drafter_load_failed", model=model_id, error=f"{type(e).__name__}: {e}")
     return lm, active_delta
+
+
+def _dflash(drafter_path: Path) -> bool:
+    from .dflash import is_dflash
+
+    return is_dflash(read_config(drafter_path))
 
 
 def _eagle3(drafter_path: Path) -> bool:

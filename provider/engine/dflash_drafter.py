@@ -1,0 +1,93 @@
+"""A DFlash drafter (models.dflash_head) in the node's round loop (spec_rounds.Speculator).
+
+Each row has the drafter's context cache of its own (the K/V of every committed position's tapped target features)
+and `pending`, the features of positions committed since its last round. A round, per row: the pending features
+into the cache, then one forward of the block [last, mask x k] at the positions after the context, whose block
+positions 1..k give the k draft distributions at once; each row then draws its drafts position by position, under
+its grammar (the mask of position j follows the drafts before it; the logits do not). After the verify, the tapped
+outputs of the row's `last` and accepted drafts become its pending features: the cache held the context only, so
+nothing is rolled back.
+
+Rows are drafted one forward each (their contexts differ in length; mlx-vlm's batched DFlash loop drafts rowwise
+too), then drawn together. A prompt prefix served from the prefix cache left no features: the drafter's positions
+skip it (lossless; it only drafts less well).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..models.dflash_head import DFlashHead
+from ..models.gemma4_target import Target
+from .spec_rounds import SpecRow
+
+
+def _draw(rows: list[SpecRow], logits: mx.array, qs: list[list]) -> mx.array:
+    """Each row's draft from its own logits [B, V], by its own choice (drafters._draw, which this module cannot
+    import: drafters.drafter_for imports this one)."""
+    tokens = []
+    for i, row in enumerate(rows):
+        own = logits[i:i + 1]
+        token, q = row.choice.draft(own if row.grammar is None else row.grammar.draft(own))
+        if row.grammar is not None:
+            row.grammar.drafted(token.item())
+        tokens.append(token)
+        qs[i].append(q)
+    return mx.concatenate(tokens)[:, None]
+
+
+class DFlashDrafter:
+    mode = "mtp"
+
+    def __init__(self, head: DFlashHead, target: Target):
+        self.head, self.target = head, target
+        lm = target.lm
+        self.embed = lm.model.embed_tokens
+        self.lm_head = getattr(lm, "lm_head", None) or self.embed.as_linear
+        self._index: dict[int, int] = {}  # each row's index in the round's verify, by identity (HeadDrafter's)
+
+    def begin(self, row: SpecRow) -> None:
+        row.draft = {"cache": self.head.make_cache(), "pending": None, "skip": 0, "unseen": row.read}
+
+    def _position(self, row: SpecRow) -> int:
+        return row.draft["skip"] + row.draft["cache"][0].offset
+
+    def read(self, row: SpecRow, tokens: list[int]) -> None:
+        """A chunk of prompt the target has just read (its tapped features are the tap's latest), or of a cached
+        prefix (none: its positions are skipped)."""
+        d = row.draft
+        if d["unseen"] > 0:
+            d["unseen"] -= len(tokens)
+            d["skip"] += len(tokens)
+            return
+        features = self.head.tap.last
+        assert features is not None and features.shape[1] == len(tokens), "the drafter reads the chunk the target read"
+        self.head.context(features, d["cache"], self._position(row))
+        mx.eval([c.state for c in d["cache"]])
+
+    def start(self, row: SpecRow, first: int) -> None:
+        # Speculator.begin starts its rows in the order of its one forward's batch, right after it.
+        row.draft["pending"] = self.head.tap.next_row()
+
+    def propose(self, rows: list[SpecRow], k: int, caches: list) -> tuple[mx.array, list[list]]:
+        self._index = {id(r): i for i, r in enumerate(rows)}
+        mask = self.head.mask_token_id
+        logits = []
+        for row in rows:
+            d = row.draft
+            if d["pending"] is not None:
+                self.head.context(d["pending"], d["cache"], self._position(row))
+                d["pending"] = None
+            h = self.head.block(self.embed(mx.array([[row.last] + [mask] * k])), d["cache"], self._position(row))
+            logits.append(self.head.logits(h[:, 1:], self.lm_head))
+        logits = mx.concatenate(logits)  # [B, k, V]
+        drafted, qs = [], [[] for _ in rows]
+        for j in range(k):
+            drafted.append(_draw(rows, logits[:, j, :], qs))
+        return mx.concatenate(drafted, axis=1), qs
+
+    def accepted(self, row: SpecRow, n: int, k: int, drafts: list[int], bonus: int) -> None:
+        # The verify's tapped outputs [rows, k + 1, n * H] are the tap's latest: no other forward of the target
+        # runs between the verify and this. The row's last and its n accepted drafts are committed.
+        i = self._index[id(row)]
+        row.draft["pending"] = self.head.tap.last[i:i + 1, :n + 1]

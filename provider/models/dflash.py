@@ -1,0 +1,145 @@
+"""DFlash drafter checkpoints (z-lab's Qwen3-*-DFlash): a block-diffusion drafter of its own, trained against one
+target, that reads several of the target's decoder layers (issue 42). Detected, paired and refused here from config
+files and safetensors headers; the model itself is models.dflash_head, its rounds engine.dflash_drafter.
+
+The published layout: a Qwen3-like config with `architectures: [DFlashDraftModel]`, `block_size` (the trained
+block: the bonus token and block_size - 1 mask tokens), `dflash_config` {mask_token_id, target_layer_ids}
+(mlx-vlm also reads them at the top level) and `num_target_layers`; tensors `fc` [H, n * H] over the n tapped
+layers' outputs concatenated, `hidden_norm`, `layers.i.*` (Qwen3 attention with q/k norms, MLP) and `norm`, with
+or without a `model.` prefix; no embedding and no LM head (the target's are used).
+
+The target layer ids are the target's decoder layers whose *outputs* the drafter reads (z-lab's
+hidden_states[id + 1], mlx-vlm's capture_layer_ids). mlx-vlm's DSpark (a low-rank Markov correction that makes
+each block position's logits depend on the previous draft, and a confidence head) and DFlash2 (a dynamic causal
+convolution and a candidate selector) build on the same model but draft otherwise: they are refused here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..memory.estimate import DTYPE_BYTES, text_config
+from .checkpoint import HeaderError, open_checkpoint
+
+DFLASH = "dflash"  # Capabilities.speculates_with
+_VARIANTS = ("dspark", "dflash2", "laguna", "gemma4")  # mlx-vlm's other block drafters: not served
+
+
+def is_dflash(config: dict) -> bool:
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    return (any("dflash" in str(a).lower() or "dspark" in str(a).lower() for a in archs)
+            or isinstance(config.get("dflash_config"), dict) or config.get("model_type") in ("dspark", "dflash2"))
+
+
+def flat_config(config: dict) -> dict:
+    """The drafter's config with the DFlash keys at the top level (as mlx-vlm's DFlashConfig.from_dict reads them);
+    `model_type` qwen3, so memory.estimate books its layers."""
+    flat = dict(config)
+    inner = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    for key in ("mask_token_id", "target_layer_ids", "num_target_layers", "runtime_block_size", "draft_window_size",
+                "attention_sink_bias"):
+        if key in inner:
+            flat[key] = inner[key]
+    flat["causal"] = bool(inner.get("causal", config.get("dflash_query_causal", False)))
+    flat["variant"] = next((v for v in _VARIANTS if v in str(config.get("model_type", "")).lower()
+                            or any(v in str(a).lower() for a in config.get("architectures") or [])), None)
+    flat["model_type"] = "qwen3"
+    flat.setdefault("head_dim", (flat.get("hidden_size") or 0) // max(1, flat.get("num_attention_heads") or 1))
+    flat.setdefault("num_key_value_heads", flat.get("num_attention_heads"))
+    flat.setdefault("block_size", 16)
+    return flat
+
+
+def _ints(flat: dict, *keys: str) -> str | None:
+    for key in keys:
+        if not isinstance(flat.get(key), int) or isinstance(flat.get(key), bool) or flat[key] <= 0:
+            return f"malformed DFlash config: {key} is {flat.get(key)!r}"
+    return None
+
+
+def expected_shapes(flat: dict) -> dict[str, tuple[int, ...]]:
+    """The drafter's tensors (named without a `model.` prefix) and their shapes."""
+    h, i, d = flat["hidden_size"], flat["intermediate_size"], flat["head_dim"]
+    heads, kv = flat["num_attention_heads"], flat["num_key_value_heads"]
+    shapes = {"fc.weight": (h, len(flat["target_layer_ids"]) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for n in range(flat["num_hidden_layers"]):
+        p = f"layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
+                   p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
+                   p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    return shapes
+
+
+def canonical(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def _served(flat: dict) -> str | None:
+    """Why a well-formed config drafts otherwise than the rounds the node runs, or None."""
+    if flat["variant"]:
+        return f"DFlash variant {flat['variant']} is not served (only plain DFlash blocks)"
+    if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
+        return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
+    if any(t != "full_attention" for t in flat.get("layer_types") or []):
+        return "DFlash drafters with sliding-window layers are not served"
+    if flat.get("attention_bias"):
+        return "DFlash drafters with attention biases are not served"
+    return None
+
+
+def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
+    """"ok", or why the DFlash drafter at `drafter` cannot draft for the target of `target_config`."""
+    tc = text_config(target_config)
+    flat = flat_config(config)
+    bad = _ints(flat, "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "num_hidden_layers", "block_size")
+    if bad:
+        return bad
+    why = _served(flat)
+    if why:
+        return why
+    if str(tc.get("model_type", "")).startswith("gemma"):  # its embedding is scaled inside the target's forward
+        return f"DFlash drafters for {tc.get('model_type')} targets are not served"
+    if flat["hidden_size"] != tc.get("hidden_size"):
+        return f"DFlash hidden_size {flat['hidden_size']} != target hidden_size {tc.get('hidden_size')}"
+    if flat["vocab_size"] != tc.get("vocab_size"):
+        return f"DFlash vocab_size {flat['vocab_size']} != target vocab_size {tc.get('vocab_size')}"
+    n = tc.get("num_hidden_layers") or 0
+    ids = flat.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids or len(set(map(str, ids))) != len(ids) or \
+            not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in ids) or ids != sorted(ids):
+        # ascending, as published: the layer tap concatenates the layers' outputs in layer order
+        return f"DFlash target layer ids {ids!r} are not ascending distinct layers in 0..{n - 1} of the target"
+    if flat.get("num_target_layers") not in (None, n):
+        return f"DFlash num_target_layers {flat['num_target_layers']} != the target's {n} layers"
+    mask = flat.get("mask_token_id")
+    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < flat["vocab_size"]:
+        return f"DFlash mask_token_id {mask!r} is not a token of the vocabulary"
+    if flat["block_size"] < 2:
+        return f"DFlash block_size {flat['block_size']} drafts nothing"
+    try:
+        tensors = {canonical(k): v for k, v in open_checkpoint(drafter).tensors.items()}
+    except (HeaderError, OSError) as e:
+        return f"DFlash drafter weights are unreadable: {e}"
+    expected = expected_shapes(flat)
+    for name, shape in expected.items():
+        if name not in tensors:
+            return f"DFlash drafter has no tensor {name}"
+        if tuple(tensors[name][1]) != shape:
+            return f"DFlash tensor {name} is {list(tensors[name][1])}, expected {list(shape)}"
+        if tensors[name][0] not in ("F32", "F16", "BF16"):
+            return f"DFlash tensor {name} has dtype {tensors[name][0]}: a quantized drafter is not served"
+    extra = sorted(n for n in tensors if n not in expected and "rotary_emb" not in n)
+    if extra:  # a quantized drafter's scales and biases, a shipped embedding or LM head: its load would refuse them
+        return f"DFlash drafter has tensors the node does not load: {', '.join(extra[:3])}"
+    return "ok"
+
+
+def weight_bytes(drafter: Path) -> int:
+    """What the drafter holds loaded (models.dflash_head): every tensor but rotary tables."""
+    return sum(DTYPE_BYTES.get(dtype, 4) * math.prod(shape) for name, (dtype, shape)
+               in open_checkpoint(drafter).tensors.items() if "rotary_emb" not in name)

@@ -1,0 +1,137 @@
+"""The DFlash drafter as a model (checkpoints: models.dflash), built on MLX and mlx-lm's classes only, so the
+text-only install needs nothing else (mlx-vlm's drafter imports its own model zoo).
+
+A round drafts a whole block in one forward, as z-lab's DFlash and mlx-vlm's DFlashDraftModel run it:
+
+    ctx   = hidden_norm(fc(concat of the tapped target layers' outputs))   # at each committed position
+    every layer's K/V of the context: k_norm(k_proj(ctx)), v_proj(ctx)    # the same ctx feeds every layer
+    x     = embed([bonus, mask, ..., mask])                                # at the positions after the context
+    x     = layer(x) for each layer: attention of the block's queries over [context K/V ; the block's own K/V],
+            not causal (every block position sees every other), then the Qwen3 MLP
+    logits of block positions 1..k = lm_head(norm(x))                      # the target's embedding and LM head
+
+The context K/V of a position depend on the target's features alone (not on the layer's input), so each is
+computed once, when the position is committed, and cached: the drafter's KV cache holds the context only; the
+block's K/V are never cached, so a round leaves nothing to roll back. Each draft position's logits are fixed before
+any draft is drawn, so the drafts of a sampled round are drawn independently, each from its own q.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .dflash import canonical, flat_config
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, flat: dict):
+        super().__init__()
+        h, d = flat["hidden_size"], flat["head_dim"]
+        self.n_heads, self.n_kv_heads, self.head_dim = flat["num_attention_heads"], flat["num_key_value_heads"], d
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = nn.RMSNorm(d, eps=flat.get("rms_norm_eps", 1e-6))
+        self.k_norm = nn.RMSNorm(d, eps=flat.get("rms_norm_eps", 1e-6))
+        self.rope = initialize_rope(d, flat.get("rope_theta", 10000.0), False, flat.get("rope_scaling"),
+                                    flat.get("max_position_embeddings", 32768))
+
+    def _kv(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def context(self, ctx: mx.array, cache: KVCache, offset: int) -> None:
+        """Committed positions' context [B, n, H] (from `offset`) into the cache."""
+        cache.update_and_fetch(*self._kv(ctx, offset))
+
+    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
+        b, n, _ = x.shape
+        q = self.rope(self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, -1)).transpose(0, 2, 1, 3),
+                      offset=offset)
+        k, v = self._kv(x, offset)
+        if cache.keys is not None and cache.offset:
+            k = mx.concatenate([cache.keys[..., :cache.offset, :], k], axis=2)
+            v = mx.concatenate([cache.values[..., :cache.offset, :], v], axis=2)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=None)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, flat: dict):
+        super().__init__()
+        h, eps = flat["hidden_size"], flat.get("rms_norm_eps", 1e-6)
+        self.self_attn = DFlashAttention(flat)
+        self.mlp = MLP(h, flat["intermediate_size"])
+        self.input_layernorm = nn.RMSNorm(h, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
+
+    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashHead(nn.Module):
+    """The drafter: `context` takes committed positions' tapped features, `block` a round's block embeddings."""
+
+    def __init__(self, flat: dict):
+        super().__init__()
+        h = flat["hidden_size"]
+        self.fc = nn.Linear(len(flat["target_layer_ids"]) * h, h, bias=False)
+        self.hidden_norm = nn.RMSNorm(h, eps=flat.get("rms_norm_eps", 1e-6))
+        self.layers = [DFlashLayer(flat) for _ in range(flat["num_hidden_layers"])]
+        self.norm = nn.RMSNorm(h, eps=flat.get("rms_norm_eps", 1e-6))
+        self.mask_token_id, self.block_size = flat["mask_token_id"], flat["block_size"]
+        self.softcap = flat.get("final_logit_softcapping")
+        self.tap = None  # verification.hidden_tap.LayerTap on the target, set by load_dflash
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.layers]
+
+    def context(self, features: mx.array, cache: list, offset: int) -> None:
+        """features [B, n, len(ids) * H]: the tapped outputs at n committed positions from `offset`."""
+        ctx = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.context(ctx, c, offset)
+
+    def block(self, embeddings: mx.array, cache: list, offset: int) -> mx.array:
+        """The block's embeddings [B, L, H] at positions from `offset` -> its final hidden [B, L, H]."""
+        h = embeddings
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c, offset)
+        return self.norm(h)
+
+    def logits(self, hidden: mx.array, lm_head) -> mx.array:
+        out = lm_head(hidden)
+        return out if self.softcap is None else mx.tanh(out / self.softcap) * self.softcap
+
+
+def load_dflash(path: Path, model) -> DFlashHead:
+    """The drafter at `path` for the loaded target `model` (paired already: models.dflash.check_pair), in its own
+    dtype, and the target's layer tap installed (only now: a target without a DFlash drafter has none)."""
+    from ..verification.hidden_tap import install_layers
+
+    flat = flat_config(json.loads((path / "config.json").read_text()))
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights |= {canonical(k): v for k, v in mx.load(str(f)).items() if "rotary_emb" not in k}
+    head = DFlashHead(flat)
+    head.load_weights(list(weights.items()), strict=True)
+    mx.eval(head.parameters())
+    head.tap = install_layers(model, sorted(flat["target_layer_ids"]))
+    # One step on this (loading) thread: MLX ties unevaluated arrays (RoPE tables) to the thread that made them.
+    dtype, h = head.fc.weight.dtype, head.fc.weight.shape[0]
+    cache = head.make_cache()
+    head.context(mx.zeros((1, 1, head.fc.weight.shape[1]), dtype=dtype), cache, 0)
+    mx.eval(head.block(mx.zeros((1, 2, h), dtype=dtype), cache, 1))
+    return head
