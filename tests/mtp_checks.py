@@ -45,6 +45,16 @@ def head_found(path, config):
     return caps
 
 
+def found_but_not_when_stripped(target, out, is_head) -> dict:
+    """`head_found` on the checkpoint at `target`; a copy at `out` without the tensors `is_head(name)` picks, its
+    config still declaring the head (what mlx-community conversions ship: sanitize dropped them), has none.
+    Returns the config."""
+    config = capability.read_config(target)
+    head_found(target, config)
+    no_head_found(rewritten(target, out, lambda w: {k: v for k, v in w.items() if not is_head(k)}), config)
+    return config
+
+
 def no_head_found(path, config) -> None:
     """The checkpoint at `path` (a head declared in `config`, its tensors gone) has no head to speculate with."""
     caps = capability.with_drafter(capability.detect(path, config), path, None, config)
@@ -107,6 +117,62 @@ def greedy_alone_and_together(target, name, ps, want, n, then=None, drafter=None
             assert (spec.mode.value, spec.reason) == ("mtp", "ok") and spec.rounds > 0, (kind, i, spec)
             assert ids == want[i], f"{kind} job {i} ({len(ps[i])} prompt tokens)"
     return alone, together, later
+
+
+def rewritten(target, out, change, config_change: dict | None = None):
+    """A copy of the checkpoint at `target` whose tensors `change` rewrote (a dict in, a dict out; tagged "pt" as
+    the fixtures are), its config updated by `config_change` if given. Returns its path."""
+    import json
+    import shutil
+
+    shutil.copytree(target, out)
+    weights = change(dict(mx.load(str(out / "model.safetensors"))))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    if config_change:
+        (out / "config.json").write_text(json.dumps(json.loads((out / "config.json").read_text()) | config_change))
+    return out
+
+
+def until_eos(path, tokens: list[int]) -> list[int]:
+    """Plain decoding's tokens as the node emits them: it stops at the end token (mlx-lm's generate_step does not)."""
+    import json
+
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    return tokens[:tokens.index(eos)] if eos in tokens else tokens
+
+
+def refused_and_served_plain(bad, target, name: str, load_head) -> None:
+    """A broken head in the checkpoint at `bad` (a copy of `target`): its headers still show a head (capability
+    holds), `load_head` refuses it with a ValueError, and a node (auto) serves two held-out prompts plain with the
+    reason, their output plain decoding's."""
+    import pytest
+
+    head_found(bad, capability.read_config(bad))
+    model, _ = load(str(bad))
+    with pytest.raises(ValueError):
+        load_head(bad, model)
+    ps = prompts(target)[4:6]
+    node = make_node({name: bad}, speculation="auto", speculation_k=3)
+
+    async def main():
+        out = [await collect(node, Job(f"b{i}", name, greedy(8), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
+        await node.stop()
+        return out
+
+    for p, (ids, _, done, _) in zip(ps, run(main())):
+        spec = done.telemetry.speculation
+        assert spec.mode.value == "off" and spec.reason == "no_drafter", spec
+        assert ids == until_eos(bad, plain(bad, p, 8))
+
+
+def greedy_as_plain(target, name: str, n: int = 16):
+    """`greedy_alone_and_together` on `prompts(target)` (1 to 90 tokens) against plain decoding's n tokens as the node
+    emits them, the 8 verified together. Returns (prompts, alone, together)."""
+    ps = prompts(target)
+    want = [until_eos(target, plain(target, p, n)) for p in ps]
+    alone, together, _ = greedy_alone_and_together(target, name, ps, want, n)
+    assert together[0][2].telemetry.speculation.mean_batch > 2  # verified together with the others
+    return ps, alone, together
 
 
 def same_parameters(mine: dict, other: dict) -> None:

@@ -6,21 +6,18 @@ are seldom accepted (the Qwen3.5 fixture covers real acceptance), and sampled ro
 and resample the rest. Greedy output must equal plain decoding; sampled output must be distributed as plain sampling."""
 
 import json
-import shutil
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from provider.jobs import Job, SamplingParams
-from provider.models import capability
+from provider.jobs import SamplingParams
 from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.glm4_moe_lite_mtp import load_head
 from provider.types import SpecMode
 from tests import mtp_checks
-from tests.helpers import collect, greedy, make_node, run
 
 NAME = "glm4_moe_lite-mtp-tiny"
 NEXTN = "model.layers.3."  # num_hidden_layers = 3
@@ -31,22 +28,10 @@ def target(head_fixture):
     return head_fixture(NAME)
 
 
-def _rewritten(target, out, change):
-    """A copy of the fixture whose tensors `change` rewrote (a dict in, a dict out)."""
-    shutil.copytree(target, out)
-    weights = change(dict(mx.load(str(out / "model.safetensors"))))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
-    return out
-
-
 def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path):
-    config = capability.read_config(target)
-    mtp_checks.head_found(target, config)
     # The key without the tensors (what mlx-community conversions ship: sanitize dropped them) is not a head.
-    stripped = _rewritten(target, tmp_path / "stripped",
-                          lambda w: {k: v for k, v in w.items() if not k.startswith(NEXTN)})
-    mtp_checks.no_head_found(stripped, config)
-    assert json.loads((stripped / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    config = mtp_checks.found_but_not_when_stripped(target, tmp_path / "stripped", lambda k: k.startswith(NEXTN))
+    assert json.loads((tmp_path / "stripped" / "config.json").read_text())["num_nextn_predict_layers"] == 1
     # Booked as the nextn layer's tensors (its own embedding and LM head among them) plus activations, and its
     # per-token cache as MLA holds it: the normed latent (kv_lora_rank 32) and the rotated k_pe (8), fp32.
     on_disk = mx.load(str(target / "model.safetensors"))
@@ -75,29 +60,9 @@ def open_tensors(path):
 def test_a_misshaped_head_is_refused_at_load_and_the_target_still_served(target, tmp_path):
     """eh_proj cut to [64, 127]: the header says a head is there (capability holds), the load refuses it cleanly,
     and the node decodes plain with the reason (auto), the output as plain decoding's."""
-    bad = _rewritten(target, tmp_path / "bad", lambda w: w | {NEXTN + "eh_proj.weight": w[NEXTN + "eh_proj.weight"]
-                                                              [:, :127]})
-    model, _ = load(str(bad))
-    with pytest.raises(ValueError):
-        load_head(bad, model)
-    ps = mtp_checks.prompts(target)[4:6]
-    node = make_node({NAME: bad}, speculation="auto", speculation_k=3)
-
-    async def main():
-        out = [await collect(node, Job(f"b{i}", NAME, greedy(8), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
-        await node.stop()
-        return out
-
-    for p, (ids, _, done, _) in zip(ps, run(main())):
-        spec = done.telemetry.speculation
-        assert spec.mode.value == "off" and spec.reason == "no_drafter", spec
-        assert ids == until_eos(bad, mtp_checks.plain(bad, p, 8))
-
-
-def until_eos(path, tokens: list[int]) -> list[int]:
-    """Plain decoding's tokens as the node emits them: it stops at the end token (mlx-lm's generate_step does not)."""
-    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
-    return tokens[:tokens.index(eos)] if eos in tokens else tokens
+    bad = mtp_checks.rewritten(target, tmp_path / "bad",
+                               lambda w: w | {NEXTN + "eh_proj.weight": w[NEXTN + "eh_proj.weight"][:, :127]})
+    mtp_checks.refused_and_served_plain(bad, target, NAME, load_head)
 
 
 def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
@@ -111,10 +76,7 @@ def test_deepseek_v3_greedy_with_its_nextn_head_equals_plain_decoding_alone_and_
 
 
 def _greedy_alone_and_together(target, name: str) -> None:
-    n, ps = 16, mtp_checks.prompts(target)  # 1 to 90 tokens
-    want = [until_eos(target, mtp_checks.plain(target, p, n)) for p in ps]
-    _, together, _ = mtp_checks.greedy_alone_and_together(target, name, ps, want, n)
-    assert together[0][2].telemetry.speculation.mean_batch > 2  # verified together with the others
+    mtp_checks.greedy_as_plain(target, name)
 
 
 def _mlx_vlm_reference(target):

@@ -7,21 +7,16 @@ in the target and in the head. Greedy output must equal plain decoding; sampled 
 sampling; the head must compute what mlx-vlm's glm_moe_dsa_mtp drafter computes on the same weights."""
 
 import json
-import shutil
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm import load
 
-from provider.jobs import Job, SamplingParams
-from provider.models import capability
+from provider.jobs import SamplingParams
 from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import head_kv_shape
 from provider.models.glm4_moe_lite_mtp import load_head
 from tests import mtp_checks
-from tests.helpers import collect, greedy, make_node, run
-from tests.test_mtp_glm import until_eos
 
 NAME = "glm_moe_dsa-mtp-tiny"
 NEXTN = "model.layers.3."  # num_hidden_layers = 3
@@ -32,21 +27,9 @@ def target(head_fixture):
     return head_fixture(NAME)
 
 
-def _rewritten(target, out, change):
-    """A copy of the fixture whose tensors `change` rewrote (a dict in, a dict out)."""
-    shutil.copytree(target, out)
-    weights = change(dict(mx.load(str(out / "model.safetensors"))))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
-    return out
-
-
 def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path):
-    config = capability.read_config(target)
+    config = mtp_checks.found_but_not_when_stripped(target, tmp_path / "stripped", lambda k: k.startswith(NEXTN))
     assert "index_topk" in config and config["num_nextn_predict_layers"] == 1
-    mtp_checks.head_found(target, config)
-    stripped = _rewritten(target, tmp_path / "stripped",
-                          lambda w: {k: v for k, v in w.items() if not k.startswith(NEXTN)})
-    mtp_checks.no_head_found(stripped, config)
     # Booked once, as the drafter: the nextn layer's tensors (no embedding or LM head of its own) + activations.
     _, head = mtp_checks.booked_once(target, config, load_head)
     assert head.lm_head is None and "embed_tokens" not in head  # the target's are used
@@ -68,34 +51,14 @@ def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target,
         "indexer gone": lambda w: {k: v for k, v in w.items() if not k.startswith(NEXTN + "self_attn.indexer.wk")},
         "own embedding without its head": lambda w: w | {NEXTN + "embed_tokens.weight": w["model.embed_tokens.weight"]},
     }[broken]
-    bad = _rewritten(target, tmp_path / "bad", change)
-    config = capability.read_config(bad)
-    mtp_checks.head_found(bad, config)
-    model, _ = load(str(bad))
-    with pytest.raises(ValueError):
-        load_head(bad, model)
-    ps = mtp_checks.prompts(target)[4:6]
-    node = make_node({NAME: bad}, speculation="auto", speculation_k=3)
-
-    async def main():
-        out = [await collect(node, Job(f"b{i}", NAME, greedy(8), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
-        await node.stop()
-        return out
-
-    for p, (ids, _, done, _) in zip(ps, run(main())):
-        spec = done.telemetry.speculation
-        assert spec.mode.value == "off" and spec.reason == "no_drafter", spec
-        assert ids == until_eos(bad, mtp_checks.plain(bad, p, 8))
+    mtp_checks.refused_and_served_plain(mtp_checks.rewritten(target, tmp_path / "bad", change), target, NAME, load_head)
 
 
 def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
-    """Prompts of 1 to 90 tokens (most past index_topk), alone then 8 together: plain decoding's tokens, and on the
+    """Prompts of 1 to 90 tokens (two past index_topk), alone then 8 together: plain decoding's tokens, and on the
     prompts the head was distilled on, most drafts accepted."""
-    n, ps = 16, mtp_checks.prompts(target)
+    ps, alone, _ = mtp_checks.greedy_as_plain(target, NAME)
     assert sum(len(p) > json.loads((target / "config.json").read_text())["index_topk"] for p in ps) == 2
-    want = [until_eos(target, mtp_checks.plain(target, p, n)) for p in ps]
-    alone, together, _ = mtp_checks.greedy_alone_and_together(target, NAME, ps, want, n)
-    assert together[0][2].telemetry.speculation.mean_batch > 2  # verified together with the others
     spec = [done.telemetry.speculation for _, _, done, _ in alone[:4]]
     assert sum(s.accepted for s in spec) > 0.4 * sum(s.judged for s in spec), spec
 

@@ -7,21 +7,18 @@ decoding; sampled output must be distributed as plain sampling."""
 
 import json
 import math
-import shutil
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from provider.jobs import Job, SamplingParams
+from provider.jobs import SamplingParams
 from provider.models import capability
 from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.mimo_mtp import load_head
 from provider.types import SpecMode
 from tests import mtp_checks
-from tests.helpers import collect, greedy, make_node, run
-from tests.test_mtp_glm import until_eos
 
 NAME = "mimo-mtp-tiny"
 MTP = "model.mtp_layers.0."
@@ -32,22 +29,8 @@ def target(head_fixture):
     return head_fixture(NAME)
 
 
-def _rewritten(target, out, change, config_change=None):
-    """A copy of the fixture whose tensors `change` rewrote (a dict in, a dict out), its config too if asked."""
-    shutil.copytree(target, out)
-    weights = change(dict(mx.load(str(out / "model.safetensors"))))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
-    if config_change:
-        config = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps(config | config_change))
-    return out
-
-
 def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
-    config = capability.read_config(target)
-    mtp_checks.head_found(target, config)
-    stripped = _rewritten(target, tmp_path / "stripped", lambda w: {k: v for k, v in w.items() if ".mtp_layers." not in k})
-    mtp_checks.no_head_found(stripped, config)
+    config = mtp_checks.found_but_not_when_stripped(target, tmp_path / "stripped", lambda k: ".mtp_layers." in k)
     # mlx-lm's mimo sanitize drops the layer (the target's books hold none of it); the head is booked once.
     _, head = mtp_checks.booked_once(target, config, load_head)
     assert head.lm_head is None and "embed_tokens" not in head
@@ -57,9 +40,10 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
     head(mx.zeros((1, 5, 64)), mx.zeros((1, 5, 64)), cache)
     assert sum(x[..., :5, :].nbytes for x in (cache[0].keys, cache[0].values)) == 5 * 2 * 2 * 16 * 4
     # Two MTP layers declared and shipped: served with the first, which alone is read and booked.
-    two = _rewritten(target, tmp_path / "two", lambda w: w | {k.replace(".mtp_layers.0.", ".mtp_layers.1."): v * 2
-                                                              for k, v in w.items() if k.startswith(MTP)},
-                     {"num_nextn_predict_layers": 2})
+    def second_layer(w):
+        return w | {k.replace(".mtp_layers.0.", ".mtp_layers.1."): v * 2 for k, v in w.items() if k.startswith(MTP)}
+
+    two = mtp_checks.rewritten(target, tmp_path / "two", second_layer, {"num_nextn_predict_layers": 2})
     config = capability.read_config(two)
     assert capability.with_drafter(capability.detect(two, config), two, None, config).mtp_capable
     model, _ = load(str(two))
@@ -82,32 +66,13 @@ def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target,
         "input_proj cut": lambda w: w | {MTP + "input_proj.weight": w[MTP + "input_proj.weight"][:, :127]},
         "q_proj bias gone": lambda w: {k: v for k, v in w.items() if k != MTP + "self_attn.q_proj.bias"},
     }[broken]
-    bad = _rewritten(target, tmp_path / "bad", change)
-    mtp_checks.head_found(bad, capability.read_config(bad))
-    model, _ = load(str(bad))
-    with pytest.raises(ValueError):
-        load_head(bad, model)
-    ps = mtp_checks.prompts(target)[4:6]
-    node = make_node({NAME: bad}, speculation="auto", speculation_k=3)
-
-    async def main():
-        out = [await collect(node, Job(f"b{i}", NAME, greedy(8), prompt_ids=tuple(p))) for i, p in enumerate(ps)]
-        await node.stop()
-        return out
-
-    for p, (ids, _, done, _) in zip(ps, run(main())):
-        spec = done.telemetry.speculation
-        assert spec.mode.value == "off" and spec.reason == "no_drafter", spec
-        assert ids == until_eos(bad, mtp_checks.plain(bad, p, 8))
+    mtp_checks.refused_and_served_plain(mtp_checks.rewritten(target, tmp_path / "bad", change), target, NAME, load_head)
 
 
 def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
     """Prompts of 1 to 90 tokens alone then 8 together: plain decoding's tokens, and on the prompts the head was
     distilled on, most drafts accepted."""
-    n, ps = 16, mtp_checks.prompts(target)
-    want = [until_eos(target, mtp_checks.plain(target, p, n)) for p in ps]
-    alone, together, _ = mtp_checks.greedy_alone_and_together(target, NAME, ps, want, n)
-    assert together[0][2].telemetry.speculation.mean_batch > 2
+    _, alone, _ = mtp_checks.greedy_as_plain(target, NAME)
     spec = [done.telemetry.speculation for _, _, done, _ in alone[:4]]
     assert sum(s.accepted for s in spec) > 0.5 * sum(s.judged for s in spec), spec
 

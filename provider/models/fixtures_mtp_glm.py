@@ -49,6 +49,20 @@ def _hf_names(params: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
     return out
 
 
+def spread(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A random MLA + MoE model's parameters made fit to decode: routers random (mlx-lm initialises them to zeros:
+    every expert tied), correction biases small, the token embedding halved (as fixtures._random_weights: fewer
+    near-ties in the logits). In place, in the parameters' order (the fixtures' seeds depend on it)."""
+    for name in list(params):
+        if name.endswith("mlp.gate.weight"):
+            params[name] = 0.5 * mx.random.normal(params[name].shape)
+        elif name.endswith("e_score_correction_bias"):
+            params[name] = 0.05 * mx.random.normal(params[name].shape)
+        elif "embed" in name and "embed_q" not in name:
+            params[name] = params[name] * 0.5
+    return params
+
+
 def make_glm4_moe_lite_mtp_tiny(out: Path, seed: int = 21, **overrides) -> None:
     import importlib
 
@@ -60,14 +74,7 @@ def make_glm4_moe_lite_mtp_tiny(out: Path, seed: int = 21, **overrides) -> None:
     mx.random.seed(seed)
     # One layer more than the target: the last is the nextn layer's decoder block (a MoE layer, as published).
     model = family.Model(family.ModelArgs.from_dict(config | {"num_hidden_layers": n + 1}))
-    params = dict(tree_flatten(model.parameters()))
-    for name in list(params):
-        if name.endswith("mlp.gate.weight"):  # mlx-lm initialises routers to zeros: every expert tied
-            params[name] = 0.5 * mx.random.normal(params[name].shape)
-        elif name.endswith("e_score_correction_bias"):
-            params[name] = 0.05 * mx.random.normal(params[name].shape)
-        elif "embed" in name and "embed_q" not in name:
-            params[name] = params[name] * 0.5  # as fixtures._random_weights: fewer near-ties in the logits
+    params = spread(dict(tree_flatten(model.parameters())))
     nextn = f"model.layers.{n}."
     params |= {nextn + "embed_tokens.weight": 0.5 * mx.random.normal((vocab, hidden)),
                nextn + "enorm.weight": mx.ones((hidden,)), nextn + "hnorm.weight": mx.ones((hidden,)),

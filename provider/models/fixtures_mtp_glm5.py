@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
 from .fixtures_mtp import HF_METADATA, distil_head
-from .fixtures_mtp_glm import _hf_names, glm_config
+from .fixtures_mtp_glm import _hf_names, glm_config, spread
 
 
 def glm5_config(ids: dict[str, int], **sizes) -> dict:
@@ -51,14 +51,7 @@ def make_glm_moe_dsa_mtp_tiny(out: Path, seed: int = 23, train: bool = True, ste
     mx.random.seed(seed)
     # One layer more than the target: the last is the nextn layer's decoder layer (a MoE layer, as published).
     model = glm_moe_dsa.Model(glm_moe_dsa.ModelArgs.from_dict(config | {"num_hidden_layers": n + 1}))
-    params = dict(tree_flatten(model.parameters()))
-    for name in list(params):
-        if name.endswith("mlp.gate.weight"):  # mlx-lm initialises routers to zeros: every expert tied
-            params[name] = 0.5 * mx.random.normal(params[name].shape)
-        elif name.endswith("e_score_correction_bias"):
-            params[name] = 0.05 * mx.random.normal(params[name].shape)
-        elif name == "model.embed_tokens.weight":
-            params[name] = params[name] * 0.5  # as fixtures._random_weights: fewer near-ties in the logits
+    params = spread(dict(tree_flatten(model.parameters())))
     nextn = f"model.layers.{n}."
     params |= {nextn + "enorm.weight": mx.ones((hidden,)), nextn + "hnorm.weight": mx.ones((hidden,)),
                nextn + "eh_proj.weight": mx.random.normal((hidden, 2 * hidden)) * (2 * hidden) ** -0.5,
