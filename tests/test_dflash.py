@@ -112,7 +112,8 @@ def test_a_malformed_drafter_is_refused_at_capability_time(target, tmp_path, cas
 
 
 def test_a_refused_drafter_leaves_the_target_served_plain(target, tmp_path):
-    bad = _broken(drafter_dir(target), tmp_path / "bad", config=_ids([0, 2]))
+    # Refused by its config alone: with the check off it would load and speculate.
+    bad = _broken(drafter_dir(target), tmp_path / "bad", config=lambda c: c | {"num_target_layers": 36})
     prompt, n = train_prompts()[0], 12
     node = make_node({NAME: target}, speculation="auto", manager_kw={"drafters": {NAME: bad}})
 
