@@ -5,6 +5,7 @@
     python tools/bench/bench_mtp_families.py --model DIR --k 2,3 --tokens 64 --prompts 8
     python tools/bench/bench_mtp_families.py --fixture mimo-mtp-tiny --node-only   # a family mlx-vlm cannot run
     python tools/bench/bench_mtp_families.py --fixture llama-eagle3-tiny   # an EAGLE-3 drafter (eagle3_vlm.py)
+    python tools/bench/bench_mtp_families.py --fixture qwen3-dflash-tiny   # a DFlash drafter (dflash_vlm.py)
 
 The same checkpoint (by default the fixture factory's `qwen3_5-mtp-tiny`, its head distilled briefly, built into a
 temporary directory), the same prompts, the same k and greedy decoding, two ways:
@@ -99,11 +100,14 @@ def node_runs(path: Path, ps: list[list[int]], n: int, k: int,
 
 def vlm_runs(path: Path, ps: list[list[int]], n: int, k: int,
              drafter: Path | None = None) -> tuple[list[list[int]], int, int, float]:
-    """The same through mlx-vlm's own loop and its own loading of the head (an EAGLE-3 drafter: eagle3_vlm)."""
+    """The same through mlx-vlm's own loop and its own loading of the head (an EAGLE-3 drafter: eagle3_vlm; a
+    DFlash drafter: dflash_vlm)."""
     if drafter is not None:
-        from tools.bench import eagle3_vlm
+        from provider.models.capability import read_config
+        from provider.models.dflash import is_dflash
+        from tools.bench import dflash_vlm, eagle3_vlm
 
-        return eagle3_vlm.runs(path, drafter, ps, n, k)
+        return (dflash_vlm if is_dflash(read_config(drafter)) else eagle3_vlm).runs(path, drafter, ps, n, k)
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.speculative.drafters import load_drafter
     from mlx_vlm.utils import load
@@ -133,7 +137,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, help="a checkpoint with its MTP head (default: --fixture, built now)")
     ap.add_argument("--fixture", default="qwen3_5-mtp-tiny",
                     help="a target with its own head, by name (fixtures_mtp.HEAD_FIXTURES)")
-    ap.add_argument("--drafter", type=Path, help="an EAGLE-3 drafter for --model (a fixture's is found beside it)")
+    ap.add_argument("--drafter", type=Path, help="an EAGLE-3 or DFlash drafter for --model (a fixture's is found beside it)")
     ap.add_argument("--k", default="1,2,3,4")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--prompts", type=int, default=8)
@@ -147,9 +151,10 @@ def main() -> int:
             from provider.models.fixtures_mtp import build_head_fixture
 
             path = build_head_fixture(args.fixture, Path(tmp))
-        from provider.models.fixtures_eagle3 import drafter_dir
+        from provider.models import fixtures_dflash, fixtures_eagle3
 
-        drafter = args.drafter or (drafter_dir(path) if drafter_dir(path).is_dir() else None)
+        beside = [d for d in (fixtures_eagle3.drafter_dir(path), fixtures_dflash.drafter_dir(path)) if d.is_dir()]
+        drafter = args.drafter or (beside[0] if beside else None)
         ps = prompts(path, args.prompts, args.tokens)
         truth = plain(path, ps, args.tokens)
         print(f"{path.name}: {len(ps)} prompts, {args.tokens} tokens each, greedy; tokens per target forward")

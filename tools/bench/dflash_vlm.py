@@ -1,0 +1,92 @@
+"""mlx-vlm's own DFlash speculative generation on an mlx-lm target (Qwen3, or any with model.embed_tokens / layers /
+norm): the baseline bench_mtp_families.py measures the node's DFlash drafter against (`--fixture qwen3-dflash-tiny`).
+
+mlx-vlm runs DFlash on targets of its own model zoo that capture layers; `CaptureTarget` lets its round loop
+(`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers (target_layer_ids)
+beside the logits, and the rollback it calls after each verify. The loop, the drafter (mlx-vlm's DFlashDraftModel
+on the checkpoint's weights, bound to the target's embedding and LM head) and its first context (the prompt's
+captured layers) are mlx-vlm's own. The block is held at k + 1 (`prefer_requested_block_size`): its adaptive block
+size would otherwise move k, and the comparison is at the same k.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+
+class CaptureTarget:
+    """mlx-lm's model as mlx-vlm's DFlash loop calls its targets. Counts its forwards."""
+
+    def __init__(self, model):
+        self.lm = model
+        self.model = model.model  # the drafter binds the target's embedding from here
+        self.lm_head = getattr(model, "lm_head", None) or model.model.embed_tokens.as_linear
+        self.forwards = 0
+
+    def __call__(self, inputs, cache=None, capture_layer_ids=(), **_):
+        from mlx_lm.models.base import create_attention_mask
+
+        self.forwards += 1
+        inner = self.model
+        h = inner.embed_tokens(inputs)
+        mask = create_attention_mask(h, cache[0])
+        captured = []
+        for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+            h = layer(h, mask, cache=c)
+            if i in capture_layer_ids:
+                captured.append(h)
+        return SimpleNamespace(logits=self.lm_head(inner.norm(h)), hidden_states=captured, gdn_states=None)
+
+    def rollback_speculative_cache(self, caches, state, accepted, block_size):
+        for c in caches:
+            c.trim(int(block_size) - 1 - int(accepted))
+
+
+def load_drafter(drafter: Path, target: CaptureTarget):
+    """mlx-vlm's DFlashDraftModel on the checkpoint's weights, bound to the target."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel, ModelConfig
+
+    model = DFlashDraftModel(ModelConfig.from_dict(json.loads((drafter / "config.json").read_text())))
+    weights = {}
+    for f in sorted(drafter.glob("*.safetensors")):
+        weights |= dict(mx.load(str(f)))
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model.bind(target)
+    model.prefer_requested_block_size = True
+    return model
+
+
+def runs(path: Path, drafter: Path, ps: list[list[int]], n: int, k: int) -> tuple[list[list[int]], int, int, float]:
+    """(outputs, tokens delivered, target forwards, wall seconds): greedy, k drafts a round (block k + 1)."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.speculative.dflash import _dflash_rounds
+
+    model, _ = load(str(path))
+    target = CaptureTarget(model)
+    draft = load_drafter(drafter, target)
+    ids = list(draft.config.target_layer_ids)
+
+    def argmax(logits):
+        return mx.argmax(logits, axis=-1)
+
+    def one(p: list[int]) -> list[int]:
+        cache = make_prompt_cache(model)
+        out = target(mx.array([p]), cache, capture_layer_ids=ids)
+        first = int(argmax(out.logits[:, -1]).item())
+        rounds = _dflash_rounds(target, draft, cache, mx.concatenate(out.hidden_states, axis=-1),
+                                first_bonus=first, max_tokens=n, sampler=argmax, draft_block_size=k + 1,
+                                greedy_sampling=True)
+        return [first] + [int(t) for t, _ in itertools.islice(rounds, n - 1)]
+
+    one(ps[0])  # warm, as the node's first job
+    target.forwards = 0
+    t0 = time.perf_counter()
+    outs = [one(p) for p in ps]
+    return outs, sum(map(len, outs)), target.forwards, time.perf_counter() - t0
