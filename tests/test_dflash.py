@@ -199,6 +199,25 @@ def test_the_drafter_drafts_as_mlx_vlms_dflash_drafter(target):
         assert mx.allclose(c.keys[..., :c.offset, :], t.keys[..., :t.offset, :], atol=1e-5).item()
 
 
+def test_rows_of_different_contexts_draft_together_as_each_alone(target):
+    """Three rows whose contexts hold 3, 9 and 1 positions (at positions that skip 0, 4 and 2 for a cached prefix):
+    one batched block forward (contexts left-padded and masked) gives each row's logits of its own forward."""
+    model, _ = load(str(target))
+    head = load_head(target, model)
+    embed, k = model.model.embed_tokens, 3
+    caches, offsets = [], []
+    for n, skip in ((3, 0), (9, 4), (1, 2)):
+        cache = head.make_cache()
+        head.context(mx.random.normal((1, n, 128)), cache, skip)
+        caches.append(cache)
+        offsets.append(skip + n)
+    tokens = mx.array([[t] + [head.mask_token_id] * k for t in (5, 77, 300)])
+    together = head.block_rows(embed(tokens), caches, offsets)
+    for i, (cache, offset) in enumerate(zip(caches, offsets)):
+        alone = head.block(embed(tokens[i:i + 1]), cache, offset)
+        assert mx.allclose(together[i:i + 1], alone, atol=1e-5).item(), i
+
+
 def test_the_books_are_what_loads(target):
     """Booked: the drafter's weights as it holds them loaded, its activations, and its context KV per token as its
     cache holds it; the target's layer tap only with the drafter."""

@@ -8,9 +8,9 @@ its grammar (the mask of position j follows the drafts before it; the logits do 
 outputs of the row's `last` and accepted drafts become its pending features: the cache held the context only, so
 nothing is rolled back.
 
-Rows are drafted one forward each (their contexts differ in length; mlx-vlm's batched DFlash loop drafts rowwise
-too), then drawn together. A prompt prefix served from the prefix cache left no features: the drafter's positions
-skip it (lossless; it only drafts less well).
+The rows' blocks run in one forward, their contexts (of different lengths) left-padded and masked (mlx-vlm's
+batched DFlash loop drafts rowwise instead). A prompt prefix served from the prefix cache left no features: the
+drafter's positions skip it (lossless; it only drafts less well).
 """
 
 from __future__ import annotations
@@ -72,15 +72,14 @@ class DFlashDrafter:
     def propose(self, rows: list[SpecRow], k: int, caches: list) -> tuple[mx.array, list[list]]:
         self._index = {id(r): i for i, r in enumerate(rows)}
         mask = self.head.mask_token_id
-        logits = []
         for row in rows:
             d = row.draft
             if d["pending"] is not None:
                 self.head.context(d["pending"], d["cache"], self._position(row))
                 d["pending"] = None
-            h = self.head.block(self.embed(mx.array([[row.last] + [mask] * k])), d["cache"], self._position(row))
-            logits.append(self.head.logits(h[:, 1:], self.lm_head))
-        logits = mx.concatenate(logits)  # [B, k, V]
+        h = self.head.block_rows(self.embed(mx.array([[r.last] + [mask] * k for r in rows])),
+                                 [r.draft["cache"] for r in rows], [self._position(r) for r in rows])
+        logits = self.head.logits(h[:, 1:], self.lm_head)  # [B, k, V]
         drafted, qs = [], [[] for _ in rows]
         for j in range(k):
             drafted.append(_draw(rows, logits[:, j, :], qs))

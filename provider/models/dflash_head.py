@@ -55,15 +55,16 @@ class DFlashAttention(nn.Module):
         """Committed positions' context [B, n, H] (from `offset`) into the cache."""
         cache.update_and_fetch(*self._kv(ctx, offset))
 
-    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, ctx: tuple | None, offset, mask: mx.array | None) -> mx.array:
+        """The block x [B, L, H] at positions from `offset` (an int, or one per row), over its context K/V `ctx`
+        (None: none yet) and itself, not causal; `mask` [B, 1, 1, S] hides rows' left padding."""
         b, n, _ = x.shape
         q = self.rope(self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, -1)).transpose(0, 2, 1, 3),
                       offset=offset)
         k, v = self._kv(x, offset)
-        if cache.keys is not None and cache.offset:
-            k = mx.concatenate([cache.keys[..., :cache.offset, :], k], axis=2)
-            v = mx.concatenate([cache.values[..., :cache.offset, :], v], axis=2)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=None)
+        if ctx is not None:
+            k, v = mx.concatenate([ctx[0], k], axis=2), mx.concatenate([ctx[1], v], axis=2)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
@@ -76,9 +77,15 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(h, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
 
-    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache, offset)
+    def __call__(self, x: mx.array, ctx: tuple | None, offset, mask: mx.array | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), ctx, offset, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _left_padded(x: mx.array | None, n: int, width: int) -> mx.array:
+    """A row's first n cached positions [1, heads, n, d], zeros before them up to `width`. A row always has some
+    context when it drafts (its first round reads the last prompt token's features)."""
+    return mx.pad(x[..., :n, :], [(0, 0), (0, 0), (width - n, 0), (0, 0)])
 
 
 class DFlashHead(nn.Module):
@@ -105,10 +112,25 @@ class DFlashHead(nn.Module):
             layer.self_attn.context(ctx, c, offset)
 
     def block(self, embeddings: mx.array, cache: list, offset: int) -> mx.array:
-        """The block's embeddings [B, L, H] at positions from `offset` -> its final hidden [B, L, H]."""
+        """One row's block embeddings [1, L, H] at positions from `offset` -> its final hidden [1, L, H]."""
         h = embeddings
         for layer, c in zip(self.layers, cache):
-            h = layer(h, c, offset)
+            h = layer(h, (c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) if c.offset else None, offset, None)
+        return self.norm(h)
+
+    def block_rows(self, embeddings: mx.array, caches: list[list], offsets: list[int]) -> mx.array:
+        """Several rows' blocks [B, L, H] (row i at positions from offsets[i]) in one forward, their contexts of
+        different lengths left-padded to the longest and masked -> [B, L, H]."""
+        if len(caches) == 1:
+            return self.block(embeddings, caches[0], offsets[0])
+        lengths = [c[0].offset for c in caches]
+        width = max(lengths)
+        mask = mx.array([[j >= width - n for j in range(width)] + [True] * embeddings.shape[1] for n in lengths])
+        h = embeddings
+        for i, layer in enumerate(self.layers):
+            ctx = tuple(mx.concatenate([_left_padded(getattr(c[i], name), n, width) for c, n in zip(caches, lengths)])
+                        for name in ("keys", "values")) if width else None
+            h = layer(h, ctx, mx.array(offsets), mask[:, None, None, :])
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head) -> mx.array:
