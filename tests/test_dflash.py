@@ -258,3 +258,47 @@ def test_the_node_books_the_drafter_it_loads(target):
     assert booked == drafter_footprint(drafter, config, SpecMode.MTP, 3, node.models._prefill_step) > 0
     assert lm.drafter_mode is SpecMode.MTP and isinstance(lm.drafter, DFlashHead)
     assert lm.draft_kv_shape == dflash_kv_shape(drafter, config)
+
+
+def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):
+    """Two rows under JSON schemas (each block's drafts drawn position by position under the grammar's masks), a
+    free row and a sampled constrained row, together: each greedy row emits its plain run's tokens and the
+    constrained ones validate."""
+    import asyncio
+
+    import jsonschema
+
+    from provider.constraints import OutputRules, ResponseFormat
+
+    schemas = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                 "kind": {"enum": ["capital", "town", "village"]}},
+                "required": ["name", "kind"]},
+               {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                 "ok": {"type": "boolean"}}, "required": ["n", "ok"]}]
+    messages = ({"role": "user", "content": "Describe a place as JSON."},)
+
+    def jobs(tag: str, speculation: str) -> list[Job]:
+        return [*(Job(f"{tag}s{i}", NAME, greedy(48), messages=messages, speculation=speculation,
+                      rules=OutputRules(ResponseFormat("json_schema", s, "x"))) for i, s in enumerate(schemas)),
+                Job(f"{tag}f", NAME, greedy(16), prompt_ids=tuple(train_prompts()[0]), speculation=speculation),
+                Job(f"{tag}t", NAME, SamplingParams(max_tokens=48, temperature=0.7), messages=messages,
+                    speculation=speculation, rules=OutputRules(ResponseFormat("json_schema", schemas[1], "x")))]
+
+    async def main():
+        node = make_node({NAME: target}, max_concurrent_jobs=4, speculation_k=3,
+                         manager_kw={"drafters": {NAME: drafter_dir(target)}})
+        try:
+            plain = [await collect(node, j) for j in jobs("off", "off")]
+            return plain, await asyncio.gather(*(collect(node, j) for j in jobs("on", "on")))
+        finally:
+            await node.stop()
+
+    plain, together = run(main())
+    for i, ((ids, text, done, _), (want, _, _, _)) in enumerate(zip(together, plain)):
+        spec = done.telemetry.speculation
+        assert (spec.mode.value, spec.reason) == ("mtp", "ok") and spec.rounds > 0, (i, spec)
+        if i < 3:
+            assert ids == want, f"job {i}: speculation changed the output"
+        if i != 2:
+            jsonschema.validate(json.loads(text), schemas[min(i, 1)])
+    assert together[2][2].telemetry.speculation.accepted > 0
