@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .fixtures import make_qwen3_tiny
-from .fixtures_mtp import HF_METADATA, TRAIN_TOKENS, train_prompts
+from .fixtures_mtp import HF_METADATA, TRAIN_TOKENS, fit, train_prompts
 
 LAYER_IDS = [0, 1]  # the outputs of both layers of the 2-layer target
 BLOCK = 8  # the trained block: the bonus and 7 masks
@@ -95,7 +95,6 @@ def block_logits(head, embed, lm_head, features: mx.array, seqs: mx.array, ancho
 
 def distil(model, head, seqs: mx.array, steps: int) -> float:
     """Blocks anchored along the target's own continuations learn them. Returns the training accuracy."""
-    import mlx.optimizers as optim
     from mlx import nn
 
     from ..verification.hidden_tap import install_layers
@@ -112,12 +111,7 @@ def distil(model, head, seqs: mx.array, steps: int) -> float:
                                           seqs[:, a + 1:a + 1 + k]).mean() for a in anchors]
         return sum(losses) / len(losses)
 
-    opt = optim.Adam(learning_rate=3e-3)
-    step = nn.value_and_grad(head, loss_fn)
-    for _ in range(steps):
-        _, grads = step(head)
-        opt.update(head, grads)
-        mx.eval(head.parameters(), opt.state)
+    fit(head, loss_fn, steps)
     hits = [(block_logits(head, embed, lm_head, features, seqs, a, k).argmax(-1) == seqs[:, a + 1:a + 1 + k]).mean()
             for a in anchors]
     return mx.mean(mx.stack(hits)).item()

@@ -23,7 +23,7 @@ from .fixtures import (
     _save,
     build_tokenizer,
 )
-from .fixtures_mtp import HF_METADATA, TRAIN_TOKENS, train_prompts
+from .fixtures_mtp import HF_METADATA, TRAIN_TOKENS, fit, train_prompts
 
 DRAFT_VOCAB = 256
 LAYER_IDS = [1, 2, 3]  # the inputs of target layers 1..3: the outputs of layers 0..2 of its 4
@@ -93,7 +93,6 @@ def _draft_vocab(seqs: mx.array, size: int) -> list[int]:
 def distil(model, head, seqs: mx.array, steps: int) -> float:
     """The pair (token t+1, the target's tapped layers at t) learns token t+2 over the draft vocabulary (targets
     outside it do not count). Returns the training accuracy over the target ids."""
-    import mlx.optimizers as optim
     from mlx import nn
 
     from ..verification.hidden_tap import install_layers
@@ -112,12 +111,7 @@ def distil(model, head, seqs: mx.array, steps: int) -> float:
         return (ce * keep).sum() / keep.sum()
 
     head.freeze(recurse=False, keys=["hot"])  # the draft vocabulary is given, not learned
-    opt = optim.Adam(learning_rate=3e-3)
-    step = nn.value_and_grad(head, loss_fn)
-    for _ in range(steps):
-        _, grads = step(head)
-        opt.update(head, grads)
-        mx.eval(head.parameters(), opt.state)
+    fit(head, loss_fn, steps)
     drafted = head.to_target(head.draft_logits(head(embed, hidden, None)).argmax(-1))
     return (drafted == seqs[:, 2:]).mean().item()
 

@@ -131,11 +131,24 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
     return accuracy
 
 
+def fit(module, loss_fn, steps: int, lr: float = 3e-3) -> None:
+    """`steps` Adam steps on `module`'s trainable parameters against `loss_fn(module)` (every fixture's drafter or
+    head is distilled this way)."""
+    import mlx.optimizers as optim
+    from mlx import nn
+
+    opt = optim.Adam(learning_rate=lr)
+    step = nn.value_and_grad(module, loss_fn)
+    for _ in range(steps):
+        _, grads = step(module)
+        opt.update(module, grads)
+        mx.eval(module.parameters(), opt.state)
+
+
 def distil_head(out: Path, load_head, parts, steps: int, seed: int):
     """The head of the checkpoint at `out` (`load_head(out, model)`) distilled on its target's greedy continuations
     of `train_prompts(seed)`: the pair (token t+1, target hidden at t) learns token t+2 through the target's frozen
     LM head. `parts(model)` gives the family's (embed_tokens, lm_head). Returns the head and its accuracy."""
-    import mlx.optimizers as optim
     from mlx import nn
     from mlx_lm import load
     from mlx_lm.generate import generate_step
@@ -156,12 +169,7 @@ def distil_head(out: Path, load_head, parts, steps: int, seed: int):
     def loss_fn(h):
         return nn.losses.cross_entropy(lm_head(h(embed, hidden[:, :-2], None)), tokens[:, 2:]).mean()
 
-    opt = optim.Adam(learning_rate=3e-3)
-    step = nn.value_and_grad(head, loss_fn)
-    for _ in range(steps):
-        _, grads = step(head)
-        opt.update(head, grads)
-        mx.eval(head.parameters(), opt.state)
+    fit(head, loss_fn, steps)
     return head, (lm_head(head(embed, hidden[:, :-2], None)).argmax(-1) == tokens[:, 2:]).mean().item()
 
 
