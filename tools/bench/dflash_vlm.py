@@ -1,51 +1,23 @@
 """mlx-vlm's own DFlash speculative generation on an mlx-lm target (Qwen3, or any with model.embed_tokens / layers /
 norm): the baseline bench_mtp_families.py measures the node's DFlash drafter against (`--fixture qwen3-dflash-tiny`).
 
-mlx-vlm runs DFlash on targets of its own model zoo that capture layers; `CaptureTarget` lets its round loop
-(`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers (target_layer_ids)
-beside the logits, and the rollback it calls after each verify. The loop, the drafter (mlx-vlm's DFlashDraftModel
-on the checkpoint's weights, bound to the target's embedding and LM head) and its first context (the prompt's
-captured layers) are mlx-vlm's own. The block is held at k + 1 (`prefer_requested_block_size`): its adaptive block
-size would otherwise move k, and the comparison is at the same k.
+mlx-vlm runs DFlash on targets of its own model zoo that capture layers; capture_target's `CaptureTarget` lets its
+round loop (`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers
+(target_layer_ids) beside the logits, and the rollback it calls after each verify. The loop, the drafter (mlx-vlm's
+DFlashDraftModel on the checkpoint's weights, bound to the target's embedding and LM head) and its first context
+(the prompt's captured layers) are mlx-vlm's own. The block is held at k + 1 (`prefer_requested_block_size`): its
+adaptive block size would otherwise move k, and the comparison is at the same k.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 
-
-class CaptureTarget:
-    """mlx-lm's model as mlx-vlm's DFlash loop calls its targets. Counts its forwards."""
-
-    def __init__(self, model):
-        self.lm = model
-        self.model = model.model  # the drafter binds the target's embedding from here
-        self.lm_head = getattr(model, "lm_head", None) or model.model.embed_tokens.as_linear
-        self.forwards = 0
-
-    def __call__(self, inputs, cache=None, capture_layer_ids=(), **_):
-        from mlx_lm.models.base import create_attention_mask
-
-        self.forwards += 1
-        inner = self.model
-        h = inner.embed_tokens(inputs)
-        mask = create_attention_mask(h, cache[0])
-        captured = []
-        for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-            h = layer(h, mask, cache=c)
-            if i in capture_layer_ids:
-                captured.append(h)
-        return SimpleNamespace(logits=self.lm_head(inner.norm(h)), hidden_states=captured, gdn_states=None)
-
-    def rollback_speculative_cache(self, caches, state, accepted, block_size):
-        for c in caches:
-            c.trim(int(block_size) - 1 - int(accepted))
+from tools.bench.capture_target import CaptureTarget, argmax, timed
 
 
 def load_drafter(drafter: Path, target: CaptureTarget):
@@ -73,9 +45,6 @@ def runs(path: Path, drafter: Path, ps: list[list[int]], n: int, k: int) -> tupl
     draft = load_drafter(drafter, target)
     ids = list(draft.config.target_layer_ids)
 
-    def argmax(logits):
-        return mx.argmax(logits, axis=-1)
-
     def one(p: list[int]) -> list[int]:
         cache = make_prompt_cache(model)
         out = target(mx.array([p]), cache, capture_layer_ids=ids)
@@ -85,8 +54,4 @@ def runs(path: Path, drafter: Path, ps: list[list[int]], n: int, k: int) -> tupl
                                 greedy_sampling=True)
         return [first] + [int(t) for t, _ in itertools.islice(rounds, n - 1)]
 
-    one(ps[0])  # warm, as the node's first job
-    target.forwards = 0
-    t0 = time.perf_counter()
-    outs = [one(p) for p in ps]
-    return outs, sum(map(len, outs)), target.forwards, time.perf_counter() - t0
+    return timed(target, one, ps)

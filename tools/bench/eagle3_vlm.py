@@ -1,51 +1,23 @@
 """mlx-vlm's own EAGLE-3 speculative generation on an mlx-lm Llama target: the baseline bench_mtp_families.py
 measures the node's EAGLE-3 drafter against (`--fixture llama-eagle3-tiny`).
 
-mlx-vlm runs EAGLE-3 only on targets of its own model zoo that capture layers (`capture_layer_ids`: Qwen3.5,
-Gemma 4, LFM2, ...), not on a Llama; `CaptureLlama` lets its round loop (`_eagle3_rounds`) drive mlx-lm's Llama as
-it drives those: the outputs of the captured layers beside the logits, and the rollback it calls after each
-verify. The loop, the drafter (mlx-vlm's Eagle3DraftModel on the checkpoint's weights) and its prefill from the
-prompt's hidden states are mlx-vlm's own. With no `logits_from_hidden` on the target, its verify takes the full
-vocabulary's argmax (its "hot" verify, over the draft vocabulary only, would not be exact).
+mlx-vlm runs EAGLE-3 only on targets of its own model zoo that capture layers (`capture_layer_ids`: Qwen3.5, Gemma
+4, LFM2, ...), not on a Llama; capture_target's `CaptureTarget` lets its round loop (`_eagle3_rounds`) drive
+mlx-lm's Llama as it drives those: the outputs of the captured layers beside the logits, and the rollback it calls
+after each verify. The loop, the drafter (mlx-vlm's Eagle3DraftModel on the checkpoint's weights) and its prefill
+from the prompt's hidden states are mlx-vlm's own. With no `logits_from_hidden` on the target, its verify takes the
+full vocabulary's argmax (its "hot" verify, over the draft vocabulary only, would not be exact).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 
-
-class CaptureLlama:
-    """mlx-lm's Llama as mlx-vlm's EAGLE-3 loop calls its targets. Counts its forwards."""
-
-    def __init__(self, model):
-        self.lm = model
-        self.model = model.model  # the drafter binds the target's embedding from here
-        self.forwards = 0
-
-    def __call__(self, inputs, cache=None, capture_layer_ids=(), **_):
-        from mlx_lm.models.base import create_attention_mask
-
-        self.forwards += 1
-        inner = self.model
-        h = inner.embed_tokens(inputs)
-        mask = create_attention_mask(h, cache[0])
-        captured = []
-        for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-            h = layer(h, mask, cache=c)
-            if i in capture_layer_ids:
-                captured.append(h)
-        logits = self.lm.lm_head(inner.norm(h))
-        return SimpleNamespace(logits=logits, hidden_states=captured, gdn_states=None)
-
-    def rollback_speculative_cache(self, caches, state, accepted, block_size):
-        for c in caches:
-            c.trim(int(block_size) - 1 - int(accepted))
+from tools.bench.capture_target import CaptureTarget, argmax, timed
 
 
 def load_drafter(drafter: Path):
@@ -74,11 +46,8 @@ def runs(path: Path, drafter: Path, ps: list[list[int]], n: int, k: int) -> tupl
     from mlx_vlm.speculative.eagle3 import _eagle3_capture_layer_ids, _eagle3_rounds
 
     model, _ = load(str(path))
-    target, draft = CaptureLlama(model), load_drafter(drafter)
+    target, draft = CaptureTarget(model), load_drafter(drafter)
     ids = _eagle3_capture_layer_ids(draft)
-
-    def argmax(logits):
-        return mx.argmax(logits, axis=-1)
 
     def one(p: list[int]) -> list[int]:
         cache = make_prompt_cache(model)
@@ -90,8 +59,4 @@ def runs(path: Path, drafter: Path, ps: list[list[int]], n: int, k: int) -> tupl
                                 draft_block_size=k + 1, greedy_sampling=True)
         return [first] + [int(t) for t, _ in itertools.islice(rounds, n - 1)]
 
-    one(ps[0])  # warm, as the node's first job
-    target.forwards = 0
-    t0 = time.perf_counter()
-    outs = [one(p) for p in ps]
-    return outs, sum(map(len, outs)), target.forwards, time.perf_counter() - t0
+    return timed(target, one, ps)
