@@ -21,6 +21,14 @@ from provider.verification.hidden_tap import install
 from tests.helpers import collect, greedy, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
 
+# The JSON schemas (and the message asking for JSON) the grammar tests' constrained rows decode under.
+JSON_SCHEMAS = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                  "kind": {"enum": ["capital", "town", "village"]}},
+                 "required": ["name", "kind"]},
+                {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                  "ok": {"type": "boolean"}}, "required": ["n", "ok"]}]
+JSON_MESSAGES = ({"role": "user", "content": "Describe a place as JSON."},)
+
 
 def prompts(target) -> list[list[int]]:
     """Eight prompts: four the head was distilled on, four held out of 1 to 90 tokens (past the head's

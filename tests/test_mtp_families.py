@@ -199,12 +199,7 @@ def test_grammar_rows_and_logprob_jobs_with_the_head_equal_plain_decoding_togeth
     from provider.constraints import OutputRules, ResponseFormat
     from provider.jobs import Tokens
 
-    schemas = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                 "kind": {"enum": ["capital", "town", "village"]}},
-                "required": ["name", "kind"]},
-               {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 99},
-                                                 "ok": {"type": "boolean"}}, "required": ["n", "ok"]}]
-    messages = ({"role": "user", "content": "Describe a place as JSON."},)
+    schemas, messages = mtp_checks.JSON_SCHEMAS, mtp_checks.JSON_MESSAGES
     ps = mtp_checks.prompts(target)
 
     def jobs(tag: str, speculation: str) -> list[Job]:
