@@ -185,6 +185,8 @@ HEAD_FIXTURES = {
     "deepseek_v3-mtp-tiny": "fixtures_mtp_glm:make_deepseek_v3_mtp_tiny",
     "glm_moe_dsa-mtp-tiny": "fixtures_mtp_glm5:make_glm_moe_dsa_mtp_tiny",
     "mimo-mtp-tiny": "fixtures_mtp_mimo:make_mimo_mtp_tiny",
+    "glm4_moe-mtp-tiny": "fixtures_mtp_glm4:make_glm4_moe_mtp_tiny",
+    "deepseek_v32-mtp-tiny": "fixtures_mtp_glm4:make_deepseek_v32_mtp_tiny",
     "llama-eagle3-tiny": "fixtures_eagle3:make_llama_eagle3_tiny",  # its EAGLE-3 drafter beside it (drafter_dir)
     "qwen3-dflash-tiny": "fixtures_dflash:make_qwen3_dflash_tiny",  # its DFlash drafter beside it (drafter_dir)
 }

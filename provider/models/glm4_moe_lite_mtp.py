@@ -25,6 +25,12 @@ layer ships no embed_tokens or shared_head.head of its own: the head embeds and 
 mlx-vlm's glm_moe_dsa_mtp drafter binds them); a layer that ships them uses its own. mlx-lm's glm_moe_dsa is
 deepseek_v32's model, so the layer and the sanitize are deepseek_v32's.
 
+GLM-4.5 / 4.6 / 4.7 (`glm4_moe`) ship theirs the same way (`model.layers.<num_hidden_layers>.*`, as vLLM's
+glm4_moe_mtp.py loads it) on an ordinary layer: grouped-query attention (partial RoPE, optional q/k norms) with a
+per-head K/V cache, and MoE with a shared expert (mlx-lm's glm4_moe DecoderLayer and sanitize). DeepSeek-V3.2
+(`deepseek_v32`) ships its nextn layer at `model.layers.61.*` on the DSA layer GLM-5's runs on, with its own
+embed_tokens and shared_head.head (vLLM's deepseek_mtp.py reads both): the layer's own are used.
+
 One nextn layer only (GLM-4.7-Flash's, DeepSeek-V3's, GLM-5's): deeper stacks chain a layer per draft step, which
 HeadDrafter does not.
 """
@@ -44,11 +50,13 @@ from mlx_lm.models.cache import CacheList, KVCache
 
 from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
 
-FAMILIES = {"glm4_moe_lite", "deepseek_v3", "glm_moe_dsa"}
+FAMILIES = {"glm4_moe_lite", "deepseek_v3", "glm_moe_dsa", "glm4_moe", "deepseek_v32"}
 # Each family's mlx-lm module holding its decoder layer and sanitize (glm_moe_dsa's model is deepseek_v32's).
-_MODULE = {"glm4_moe_lite": "glm4_moe_lite", "deepseek_v3": "deepseek_v3", "glm_moe_dsa": "deepseek_v32"}
+_MODULE = {"glm4_moe_lite": "glm4_moe_lite", "deepseek_v3": "deepseek_v3", "glm_moe_dsa": "deepseek_v32",
+           "glm4_moe": "glm4_moe", "deepseek_v32": "deepseek_v32"}
 _DECODER_LAYER = {"glm4_moe_lite": "Glm4MoeLiteDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer",
-                  "glm_moe_dsa": "DeepseekV32DecoderLayer"}
+                  "glm_moe_dsa": "DeepseekV32DecoderLayer", "glm4_moe": "DecoderLayer",
+                  "deepseek_v32": "DeepseekV32DecoderLayer"}
 _OWN = ("embed_tokens.weight", "shared_head.head.weight")  # a nextn layer's own embedding and LM head, if shipped
 DEPTH_KEY = "num_nextn_predict_layers"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -91,7 +99,8 @@ class Glm4MoeLiteMTPHead(OwnHead):
         return self.shared_head.get("head")
 
     def make_cache(self) -> list:
-        # MLA: keys hold the normed latent, values the rotated k_pe (one "head" each); DSA: the indexer's keys beside
+        # GQA: per-head keys and values; MLA: keys hold the normed latent, values the rotated k_pe (one "head"
+        # each); DSA: the indexer's keys beside
         if getattr(self.block.self_attn, "indexer", None) is not None:
             return [CacheList(KVCache(), KVCache())]
         return [KVCache()]
@@ -102,7 +111,7 @@ class Glm4MoeLiteMTPHead(OwnHead):
         c = cache[0] if cache else None
         x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
         mask = create_attention_mask(x, c[0] if isinstance(c, CacheList) else c, return_array=True)
-        x = self.block(x, mask, c)  # MLA masks its scores: an array
+        x = self.block(x, mask, c)  # MLA masks its scores: an array (GQA's attention takes one too)
         return self.shared_head.norm(x)
 
 
@@ -119,6 +128,8 @@ def kv_elements(config: dict) -> int:
     positional key (qk_rope_head_dim) as values, shared by all heads, not per-head K and V; with DSA, the indexer's
     key (index_head_dim) too, and as its values a zero array as large (mlx-lm's Indexer writes zeros_like keys)."""
     tc = _config(config)
+    if tc.get("model_type", config.get("model_type")) == "glm4_moe":  # GQA: per-head K and V
+        return 2 * int(tc["num_key_value_heads"]) * int(tc["head_dim"])
     sparse = _MODULE.get(tc.get("model_type", config.get("model_type"))) == "deepseek_v32"
     indexer = 2 * int(tc["index_head_dim"]) if sparse else 0
     return int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"]) + indexer
