@@ -409,3 +409,77 @@ def test_a_mamba2_prompt_read_holds_what_its_booking_says(head_fixture):
     target = head_fixture("nemotron_h-mtp-tiny")
     for rows, tokens, peak, booked in run_isolated(_hybrid_read_peaks, str(target), ((1, 100), (1, 200), (2, 50))):
         assert peak <= booked <= peak * 1.5 + 4 * MiB, (rows, tokens, peak / MiB, booked / MiB)
+
+
+def _mla_held(config: dict, prompt: int = 40, decoded: int = 8) -> tuple[int, int, int]:
+    """A tiny MLA target of `config`'s family (mlx-lm's own model, random float32 weights) reads a prompt and decodes
+    some tokens: (positions, bytes its caches hold at those positions, bytes of their buffers)."""
+    import importlib
+
+    from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+    family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = family.Model(family.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    caches = make_prompt_cache(model)
+    tokens = mx.array([[(7 * i) % 300 + 1 for i in range(prompt)]])
+    for _ in range(decoded + 1):
+        logits = model(tokens, cache=caches)
+        tokens = mx.argmax(logits[:, -1:], axis=-1)
+    subs = [s for c in caches for s in (c.caches if isinstance(c, CacheList) else (c,))]
+    held = sum(a[..., : s.offset, :].nbytes for s in subs for a in (s.keys, s.values))
+    return subs[0].offset, held, sum(s.nbytes for s in subs)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe_lite", "deepseek_v3", "glm_moe_dsa", "deepseek_v32"])
+def test_an_mla_targets_kv_is_booked_as_its_caches_hold_it(family):
+    from provider.memory.estimate import KVQuant, full_layer_quant, kv_shape
+    from provider.models.fixtures_mtp_glm import glm_config
+    from provider.models.fixtures_mtp_glm5 import glm5_config
+
+    ids = {"<|im_end|>": 2}
+    config = (glm5_config(ids) if family in ("glm_moe_dsa", "deepseek_v32") else glm_config(ids)) | {
+        "model_type": family}
+    positions, held, buffers = _mla_held(config)
+    assert positions == 48
+    books = kv_shape(config, dtype_bytes=4)
+    # The latent and the positional key (and a DSA layer's indexer keys and zeros) at every position, no more: the
+    # books are what the caches hold, not per-head K and V (2 x 4 heads x 16 here, 3.6x the latent's 40 floats).
+    assert books.bytes_for(positions) == held, (books, held)
+    assert buffers <= books.bytes_for(256)  # the buffers grow 256 positions at a time (batch_kv's padding)
+    # mlx-lm's latent attention cannot read a quantized cache: a node's kv_bits leaves it (and its books) as it is
+    # (kv_quant.make_caches quantizes by full_layer_quant); head_dim 32 so that a group would fit if it were asked.
+    quantizable = config | {"head_dim": 32}
+    assert full_layer_quant(quantizable, KVQuant(4, 32)) is None
+    assert kv_shape(quantizable, dtype_bytes=4, quant=KVQuant(4, 32)) == books
+
+
+DEEPSEEK_V2 = {"model_type": "deepseek_v2", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+               "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 32,
+               "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 48, "v_head_dim": 32,
+               "first_k_dense_replace": 1, "moe_layer_freq": 1, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+               "rope_theta": 1e4, "topk_method": "greedy", "rope_scaling": {"type": "yarn", "factor": 1.0,
+               "original_max_position_embeddings": 2048, "mscale_all_dim": 0}}
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_a_per_head_mla_targets_kv_is_booked_as_its_caches_hold_it(bits):
+    """DeepSeek-V2 caches the latent expanded: per head a key of nope + rope (64) and a value of v_head_dim (32),
+    which the per-head K and V of hidden / heads (16) under-books 3x; quantized (kv_quant.make_caches, as the
+    engine makes them) in a group that divides both."""
+    from mlx_lm.models import deepseek_v2
+
+    from provider.engine.kv_quant import make_caches
+    from provider.memory.estimate import KVQuant, kv_shape
+
+    quant = KVQuant(bits, 64) if bits else None
+    model = deepseek_v2.Model(deepseek_v2.ModelArgs.from_dict(DEEPSEEK_V2))
+    mx.eval(model.parameters())
+    caches = make_caches(model, DEEPSEEK_V2, quant)
+    tokens = mx.array([[(7 * i) % 300 + 1 for i in range(40)]])
+    for _ in range(9):
+        tokens = mx.argmax(model(tokens, cache=caches)[:, -1:], axis=-1)
+    n = caches[0].offset
+    arrays = [x for c in caches for a in (c.keys, c.values) for x in (a if isinstance(a, tuple) else (a,))]
+    assert n == 48 and kv_shape(DEEPSEEK_V2, 4, quant).bytes_for(n) == sum(x[..., :n, :].nbytes for x in arrays)

@@ -7,6 +7,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .mla import latent_unquantized, mla_elements, mla_head_dim
+
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 # Tensors mlx-lm's sanitize drops for text serving: vision/audio towers and, in Gemma 4,
@@ -109,13 +111,14 @@ def full_head_dim(config: dict) -> int:
     """The head dimension of the full-attention layers' K and V (Gemma 4's own `global_head_dim`)."""
     tc = text_config(config)
     heads = tc.get("num_attention_heads", 1)
-    return tc.get("global_head_dim") or tc.get("head_dim") or tc.get("hidden_size", 0) // max(heads, 1)
+    return (mla_head_dim(tc) or tc.get("global_head_dim") or tc.get("head_dim")
+            or tc.get("hidden_size", 0) // max(heads, 1))
 
 
 def full_layer_quant(config: dict, quant: KVQuant | None) -> KVQuant | None:
     """How a full-attention layer's KV is stored under `quant` (provider.engine.kv_quant makes the caches by this):
     in `quant`'s bits, in the group quant_group gives, or in full precision (None)."""
-    if quant is None:
+    if quant is None or latent_unquantized(text_config(config)):  # an MLA latent stays in full precision
         return None
     group = quant_group(full_head_dim(config), quant.group_size)
     return None if group is None else KVQuant(quant.bits, group)
@@ -148,8 +151,9 @@ def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -
     """K and V bytes per token, per non-shared layer; sliding layers separately (they stop at the window). With
     `quant`, each layer's KV as the quantized cache stores it: full-attention layers by full_layer_quant,
     sliding-window layers by sliding_layer_quant. A hybrid's recurrent layers hold no K/V but a state per row
-    (bytes_per_row), in full precision whatever `quant` says."""
+    (bytes_per_row), in full precision whatever `quant` says. An MLA layer holds what provider.memory.mla says."""
     tc = text_config(config)
+    mla = mla_elements(tc)
     heads = tc.get("num_attention_heads", 1)
     kv_heads = tc.get("num_key_value_heads") or heads
     head_dim = sliding_head_dim(config)
@@ -165,6 +169,8 @@ def kv_shape(config: dict, dtype_bytes: int = 2, quant: KVQuant | None = None) -
             continue
         if kind == "sliding_attention" and window:
             sliding += 2 * _kv_bytes(kv_heads * head_dim, dtype_bytes, sliding_quant)
+        elif mla:  # MLA: its latent (or per-head expansion) as keys and positional key as values, not K and V
+            full += sum(_kv_bytes(n, dtype_bytes, full_quant) for n in mla)
         else:  # Gemma 4's full layers have their own head size and KV head count
             h = tc.get("num_global_key_value_heads") or kv_heads
             full += (1 if tc.get("attention_k_eq_v") else 2) * _kv_bytes(h * full_head_dim(config), dtype_bytes,
