@@ -187,6 +187,7 @@ HEAD_FIXTURES = {
     "mimo-mtp-tiny": "fixtures_mtp_mimo:make_mimo_mtp_tiny",
     "glm4_moe-mtp-tiny": "fixtures_mtp_glm4:make_glm4_moe_mtp_tiny",
     "deepseek_v32-mtp-tiny": "fixtures_mtp_glm4:make_deepseek_v32_mtp_tiny",
+    "mimo_v2_flash-mtp-tiny": "fixtures_mtp_mimo_v2:make_mimo_v2_flash_mtp_tiny",
     "llama-eagle3-tiny": "fixtures_eagle3:make_llama_eagle3_tiny",  # its EAGLE-3 drafter beside it (drafter_dir)
     "qwen3-dflash-tiny": "fixtures_dflash:make_qwen3_dflash_tiny",  # its DFlash drafter beside it (drafter_dir)
 }

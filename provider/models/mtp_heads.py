@@ -26,7 +26,7 @@ from types import ModuleType
 import mlx.core as mx
 from mlx import nn
 
-_MODULES = ("qwen3_5_mtp", "nemotron_h_mtp", "glm4_moe_lite_mtp", "mimo_mtp")
+_MODULES = ("qwen3_5_mtp", "nemotron_h_mtp", "glm4_moe_lite_mtp", "mimo_mtp", "mimo_v2_mtp")
 
 
 class OwnHead(nn.Module):
