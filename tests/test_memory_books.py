@@ -431,7 +431,7 @@ def _mla_held(config: dict, prompt: int = 40, decoded: int = 8) -> tuple[int, in
     return subs[0].offset, held, sum(s.nbytes for s in subs)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe_lite", "deepseek_v3", "glm_moe_dsa", "deepseek_v32"])
+@pytest.mark.parametrize("family", ["glm4_moe_lite", "deepseek_v3", "mistral4", "glm_moe_dsa", "deepseek_v32"])
 def test_an_mla_targets_kv_is_booked_as_its_caches_hold_it(family):
     from provider.memory.estimate import KVQuant, full_layer_quant, kv_shape
     from provider.models.fixtures_mtp_glm import glm_config
@@ -440,6 +440,9 @@ def test_an_mla_targets_kv_is_booked_as_its_caches_hold_it(family):
     ids = {"<|im_end|>": 2}
     config = (glm5_config(ids) if family in ("glm_moe_dsa", "deepseek_v32") else glm_config(ids)) | {
         "model_type": family}
+    if family == "mistral4":  # its attention scales queries by Llama 4's rule, from these
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.1,
+                                     "original_max_position_embeddings": 2048}
     positions, held, buffers = _mla_held(config)
     assert positions == 48
     books = kv_shape(config, dtype_bytes=4)
