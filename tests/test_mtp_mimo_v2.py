@@ -71,6 +71,76 @@ def test_the_cached_head_slides_its_window(target):
     assert not mx.allclose(head(embed(tokens), hidden, None)[:, -1], want[:, -1], atol=1e-3).item()
 
 
+def _reference(w: dict, config: dict, embeddings: mx.array, hidden: mx.array) -> mx.array:
+    """MiMo-V2-Flash's MTP step (SGLang's MiMoV2ModelNextN) over pairs at positions 0..L-1, from the published
+    tensors `w` (prefix off), in plain MLX operations: eh_proj(concat[enorm(e), hnorm(h)]); grouped-query attention
+    with the sliding layers' sizes (keys swa_head_dim, values swa_v_head_dim), rotate-half RoPE with base
+    swa_rope_theta on the first partial_rotary_factor of each head, causal within the window (i - j < window), a
+    per-head sink logit in the softmax's denominator; a SwiGLU MLP after pre_mlp_layernorm; final_layernorm."""
+    eps, heads, kv = config["layernorm_epsilon"], config["swa_num_attention_heads"], config["swa_num_key_value_heads"]
+    d, dv, window = config["swa_head_dim"], config["swa_v_head_dim"], config["sliding_window_size"]
+
+    def rms(x, g):
+        return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+    def linear(x, name):
+        return x @ w[name + ".weight"].T
+
+    def rope(x):  # [B, n, L, d]: the first r dims rotated, the rest passed
+        r = int(d * config["partial_rotary_factor"])
+        angles = mx.arange(x.shape[2])[:, None] * (config["swa_rope_theta"] ** (-mx.arange(0, r, 2) / r))[None]
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        x1, x2 = x[..., : r // 2], x[..., r // 2: r]
+        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:]], axis=-1)
+
+    B, L, _ = embeddings.shape
+    x = linear(mx.concatenate([rms(embeddings, w["enorm.weight"]), rms(hidden, w["hnorm.weight"])], axis=-1),
+               "eh_proj")
+    h = rms(x, w["input_layernorm.weight"])
+    q, k, v = (linear(h, f"self_attn.{p}_proj").reshape(B, L, n, size).transpose(0, 2, 1, 3)
+               for p, n, size in (("q", heads, d), ("k", kv, d), ("v", kv, dv)))
+    q, k = rope(q), rope(k)
+    k, v = mx.repeat(k, heads // kv, axis=1), mx.repeat(v, heads // kv, axis=1)
+    i, j = mx.arange(L)[:, None], mx.arange(L)[None]
+    scores = mx.where((j <= i) & (i - j < window), q @ k.transpose(0, 1, 3, 2) * d ** -0.5, -mx.inf)
+    sink = mx.broadcast_to(w["self_attn.attention_sink_bias"].reshape(1, heads, 1, 1), (B, heads, L, 1))
+    probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :L]
+    x = x + linear((probs @ v).transpose(0, 2, 1, 3).reshape(B, L, heads * dv), "self_attn.o_proj")
+    h = rms(x, w["pre_mlp_layernorm.weight"])
+    gate = linear(h, "mlp.gate_proj")
+    x = x + linear(gate * mx.sigmoid(gate) * linear(h, "mlp.up_proj"), "mlp.down_proj")
+    return rms(x, w["final_layernorm.weight"])
+
+
+def test_the_head_computes_the_published_step(target):
+    """The head as loaded here against `_reference` on a prompt's pairs (a distilled prompt then 30 held-out tokens,
+    past the window): in one read without a cache, and read in chunks of 8 into its cache then stepped 3 times on
+    its own drafts (the reference rerun each time): the same hidden states within float32 rounding, the same drafts."""
+    import json
+
+    config = json.loads((target / "config.json").read_text())
+    w = {k[len(MTP):]: v for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(MTP)}
+    model, tap, head = mtp_checks.loaded(target, load_head)
+    ids = mx.array([train_prompts()[0] + mtp_checks.prompts(target)[-1][:30]])
+    model(ids)
+    hidden, embed = tap.last, model.model.embed_tokens
+    tokens = mx.concatenate([ids[:, 1:], mx.array([[77]])], axis=1)
+    want = _reference(w, config, embed(tokens), hidden)
+    assert mx.allclose(head(embed(tokens), hidden, None), want, atol=2e-5, rtol=1e-4).item()
+    cache = head.make_cache()
+    for i in range(0, tokens.shape[1], 8):
+        h = head(embed(tokens[:, i:i + 8]), hidden[:, i:i + 8], cache)
+    assert mx.allclose(h[:, -1], want[:, -1], atol=2e-5, rtol=1e-4).item()
+    h = h[:, -1:]
+    for _ in range(3):
+        token = model.lm_head(h).argmax(-1)
+        tokens, hidden = mx.concatenate([tokens, token], axis=1), mx.concatenate([hidden, h], axis=1)
+        want = _reference(w, config, embed(tokens), hidden)[:, -1:]
+        h = head(embed(token), h, cache)
+        assert mx.allclose(h, want, atol=2e-5, rtol=1e-4).item()
+        assert model.lm_head(h).argmax(-1).item() == model.lm_head(want).argmax(-1).item()
+
+
 def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
     """The distribution test (mtp_checks.sampled_as_plain): the first 6 tokens at T = 0.7 with top_p and top_k,
     k = 3, 800 samples a side, both branches hundreds of times; and its biased control told apart."""
