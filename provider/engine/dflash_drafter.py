@@ -19,21 +19,8 @@ import mlx.core as mx
 
 from ..models.dflash_head import DFlashHead
 from ..models.gemma4_target import Target
+from .acceptance import draw_drafts
 from .spec_rounds import SpecRow
-
-
-def _draw(rows: list[SpecRow], logits: mx.array, qs: list[list]) -> mx.array:
-    """Each row's draft from its own logits [B, V], by its own choice (drafters._draw, which this module cannot
-    import: drafters.drafter_for imports this one)."""
-    tokens = []
-    for i, row in enumerate(rows):
-        own = logits[i:i + 1]
-        token, q = row.choice.draft(own if row.grammar is None else row.grammar.draft(own))
-        if row.grammar is not None:
-            row.grammar.drafted(token.item())
-        tokens.append(token)
-        qs[i].append(q)
-    return mx.concatenate(tokens)[:, None]
 
 
 class DFlashDrafter:
@@ -82,7 +69,7 @@ class DFlashDrafter:
         logits = self.head.logits(h[:, 1:], self.lm_head)  # [B, k, V]
         drafted, qs = [], [[] for _ in rows]
         for j in range(k):
-            drafted.append(_draw(rows, logits[:, j, :], qs))
+            drafted.append(draw_drafts(rows, logits[:, j, :], qs))
         return mx.concatenate(drafted, axis=1), qs
 
     def accepted(self, row: SpecRow, n: int, k: int, drafts: list[int], bonus: int) -> None:

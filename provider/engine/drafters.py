@@ -18,22 +18,8 @@ from ..models.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
 from ..models.gemma4_target import Target
 from ..models.mtp_heads import OwnHead
 from ..types import SpecMode
+from .acceptance import draw_drafts
 from .spec_rounds import SpecRow, merged, rollback, split
-
-
-def _draw(rows: list[SpecRow], logits: mx.array, qs: list[list]) -> mx.array:
-    """Each row's draft from its own logits [B, V], by its own choice; returns the drafts [B, 1]. A constrained
-    row drafts under its grammar's mask, and the grammar takes the draft at once (the next mask depends on it):
-    its draft is read back here, one sync per draft position."""
-    tokens = []
-    for i, row in enumerate(rows):
-        own = logits[i:i + 1]
-        token, q = row.choice.draft(own if row.grammar is None else row.grammar.draft(own))
-        if row.grammar is not None:
-            row.grammar.drafted(token.item())
-        tokens.append(token)
-        qs[i].append(q)
-    return mx.concatenate(tokens)[:, None]
 
 
 class DraftModelDrafter:
@@ -63,7 +49,7 @@ class DraftModelDrafter:
         batch = merged([r.draft["cache"] for r in rows])
         x, drafted, qs = mx.array([r.draft["pending"] for r in rows]), [], [[] for _ in rows]
         for _ in range(k):
-            x = _draw(rows, self.model(x, cache=batch)[:, -1, :], qs)
+            x = draw_drafts(rows, self.model(x, cache=batch)[:, -1, :], qs)
             drafted.append(x)
         for row, own in zip(rows, split(batch, len(rows))):
             row.draft["cache"] = own
@@ -103,7 +89,7 @@ class MTPDrafter:
         drafted, qs = [], [[] for _ in rows]
         for _ in range(k):
             logits, h = self.assistant.step(self.target.scaled_embedding(token), h, kv, position, masks)
-            token = _draw(rows, logits[:, -1, :], qs)
+            token = draw_drafts(rows, logits[:, -1, :], qs)
             drafted.append(token)
         return mx.concatenate(drafted, axis=1), qs
 
@@ -179,7 +165,7 @@ class HeadDrafter:
         h = mx.take_along_axis(h, mx.array(widths)[:, None, None] - 1, axis=1)  # each row's last real pair
         drafted, qs = [], [[] for _ in rows]
         for step in range(k):
-            token = _draw(rows, self._logits(h)[:, -1, :], qs)
+            token = draw_drafts(rows, self._logits(h)[:, -1, :], qs)
             drafted.append(token)
             if step < k - 1:
                 h = self.head(self.embed(token), h, cache)
