@@ -61,7 +61,9 @@ BROKEN = {
     "quantized": ({"tensors": lambda w: w | {"fc.scales": mx.ones((64, 2))}}, "does not load: fc.scales"),
     "quantized weight": ({"tensors": lambda w: w | {"fc.weight": mx.zeros((64, 128), dtype=mx.uint32)}},
                          "dtype U32"),
-    "a DSpark drafter": ({"config": lambda c: c | {"architectures": ["DSparkDraftModel"]}}, "variant dspark"),
+    "DSpark without its Markov head": ({"config": lambda c: c | {"architectures": ["DSparkDraftModel"]}},
+                                       "has no tensor markov_head.markov_w1.weight"),
+    "DFlash2": ({"config": lambda c: c | {"architectures": ["DFlash2DraftModel"]}}, "variant dflash2"),
     "causal blocks": ({"config": lambda c: c | {"dflash_config": c["dflash_config"] | {"causal": True}}},
                       "causal blocks"),
 }

@@ -4,7 +4,8 @@ Each row has the drafter's context cache of its own (the K/V of every committed 
 and `pending`, the features of positions committed since its last round. A round, per row: the pending features
 into the cache, then one forward of the block [last, mask x k] at the positions after the context, whose block
 positions 1..k give the k draft distributions at once; each row then draws its drafts position by position, under
-its grammar (the mask of position j follows the drafts before it; the logits do not). After the verify, the tapped
+its grammar (the mask of position j follows the drafts before it; the logits do not, but for a DSpark drafter's
+Markov correction by the draft before each, models.dspark_head). After the verify, the tapped
 outputs of the row's `last` and accepted drafts become its pending features: the cache held the context only, so
 nothing is rolled back.
 
@@ -58,18 +59,22 @@ class DFlashDrafter:
 
     def propose(self, rows: list[SpecRow], k: int, caches: list) -> tuple[mx.array, list[list]]:
         self._index = {id(r): i for i, r in enumerate(rows)}
-        mask = self.head.mask_token_id
         for row in rows:
             d = row.draft
             if d["pending"] is not None:
                 self.head.context(d["pending"], d["cache"], self._position(row))
                 d["pending"] = None
-        h = self.head.block_rows(self.embed(mx.array([[r.last] + [mask] * k for r in rows])),
+        h = self.head.block_rows(self.embed(mx.array([self.head.block_tokens(r.last, k) for r in rows])),
                                  [r.draft["cache"] for r in rows], [self._position(r) for r in rows])
-        logits = self.head.logits(h[:, 1:], self.lm_head)  # [B, k, V]
+        logits = self.head.draft_logits(h, self.lm_head)  # [B, k, V]
+        markov, previous = self.head.markov_head, mx.array([r.last for r in rows])
         drafted, qs = [], [[] for _ in rows]
         for j in range(k):
-            drafted.append(draw_drafts(rows, logits[:, j, :], qs))
+            # DSpark: position j's logits corrected by the token before it (the anchor, then each row's own draft),
+            # so q_j is exactly the distribution d_j is drawn from.
+            drafted.append(draw_drafts(rows, logits[:, j, :] if markov is None else markov(logits[:, j, :], previous),
+                                       qs))
+            previous = drafted[-1][:, 0]
         return mx.concatenate(drafted, axis=1), qs
 
     def accepted(self, row: SpecRow, n: int, k: int, drafts: list[int], bonus: int) -> None:

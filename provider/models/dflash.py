@@ -10,8 +10,9 @@ or without a `model.` prefix; no embedding and no LM head (the target's are used
 
 The target layer ids are the target's decoder layers whose *outputs* the drafter reads (z-lab's
 hidden_states[id + 1], mlx-vlm's capture_layer_ids). mlx-vlm's DSpark (a low-rank Markov correction that makes
-each block position's logits depend on the previous draft, and a confidence head) and DFlash2 (a dynamic causal
-convolution and a candidate selector) build on the same model but draft otherwise: they are refused here.
+each block position's logits depend on the previous draft, and a confidence head) is served as this kind
+(models.dspark holds its own checks); DFlash2 (a dynamic causal convolution and a candidate selector) builds on the
+same model but drafts otherwise: it is refused here.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import math
 from pathlib import Path
 
 from ..memory.estimate import DTYPE_BYTES, text_config
+from . import dspark
 from .checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
-_VARIANTS = ("dspark", "dflash2", "laguna", "gemma4")  # mlx-vlm's other block drafters: not served
+# mlx-vlm's other block drafters: only DSpark served (last: Gemma4DSparkModel is a Gemma 4 one)
+_VARIANTS = ("dflash2", "laguna", "gemma4", "dspark")
 
 
 def is_dflash(config: dict) -> bool:
@@ -44,6 +47,9 @@ def flat_config(config: dict) -> dict:
     flat["causal"] = bool(inner.get("causal", config.get("dflash_query_causal", False)))
     flat["variant"] = next((v for v in _VARIANTS if v in str(config.get("model_type", "")).lower()
                             or any(v in str(a).lower() for a in config.get("architectures") or [])), None)
+    if flat["variant"] in (None, "dspark") and dspark.is_dspark(config):  # also a projector_type or a markov_rank
+        flat["variant"] = "dspark"
+        dspark.add_keys(config, flat)
     flat["model_type"] = "qwen3"
     flat.setdefault("head_dim", (flat.get("hidden_size") or 0) // max(1, flat.get("num_attention_heads") or 1))
     flat.setdefault("num_key_value_heads", flat.get("num_attention_heads"))
@@ -71,7 +77,7 @@ def expected_shapes(flat: dict) -> dict[str, tuple[int, ...]]:
                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                    p + "mlp.down_proj.weight": (h, i)}
-    return shapes
+    return shapes | (dspark.expected_shapes(flat) if flat.get("variant") == "dspark" else {})
 
 
 def canonical(name: str) -> str:
@@ -80,8 +86,10 @@ def canonical(name: str) -> str:
 
 def _served(flat: dict) -> str | None:
     """Why a well-formed config drafts otherwise than the rounds the node runs, or None."""
-    if flat["variant"]:
-        return f"DFlash variant {flat['variant']} is not served (only plain DFlash blocks)"
+    if flat["variant"] == "dspark" and dspark.check(flat):
+        return dspark.check(flat)
+    if flat["variant"] not in (None, "dspark"):
+        return f"DFlash variant {flat['variant']} is not served (only DFlash and DSpark blocks)"
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
         return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
     if any(t != "full_attention" for t in flat.get("layer_types") or []):
@@ -119,7 +127,7 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     mask = flat.get("mask_token_id")
     if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < flat["vocab_size"]:
         return f"DFlash mask_token_id {mask!r} is not a token of the vocabulary"
-    if flat["block_size"] < 2:
+    if flat["block_size"] < 2 and flat["variant"] != "dspark":  # DSpark's counts proposals: checked by dspark
         return f"DFlash block_size {flat['block_size']} drafts nothing"
     try:
         tensors = {canonical(k): v for k, v in open_checkpoint(drafter).tensors.items()}
@@ -140,6 +148,12 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
 
 
 def weight_bytes(drafter: Path) -> int:
-    """What the drafter holds loaded (models.dflash_head): every tensor but rotary tables."""
+    """What the drafter holds loaded (models.dflash_head): every tensor but rotary tables and a DSpark confidence
+    head (never loaded)."""
     return sum(DTYPE_BYTES.get(dtype, 4) * math.prod(shape) for name, (dtype, shape)
-               in open_checkpoint(drafter).tensors.items() if "rotary_emb" not in name)
+               in open_checkpoint(drafter).tensors.items() if loaded(name))
+
+
+def loaded(name: str) -> bool:
+    """Whether the drafter's load keeps the tensor `name`."""
+    return "rotary_emb" not in name and not canonical(name).startswith(dspark.CONFIDENCE)

@@ -27,7 +27,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .dflash import canonical, flat_config
+from .dflash import canonical, flat_config, loaded
+from .dspark_head import MarkovCorrection
 
 
 class DFlashAttention(nn.Module):
@@ -42,8 +43,8 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.q_norm = nn.RMSNorm(d, eps=flat.get("rms_norm_eps", 1e-6))
         self.k_norm = nn.RMSNorm(d, eps=flat.get("rms_norm_eps", 1e-6))
-        self.rope = initialize_rope(d, flat.get("rope_theta", 10000.0), False, flat.get("rope_scaling"),
-                                    flat.get("max_position_embeddings", 32768))
+        self.rope = initialize_rope(d, flat.get("rope_theta", 10000.0), flat.get("rope_traditional", False),
+                                    flat.get("rope_scaling"), flat.get("max_position_embeddings", 32768))
 
     def _kv(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
         b, n, _ = x.shape
@@ -100,6 +101,10 @@ class DFlashHead(nn.Module):
         self.norm = nn.RMSNorm(h, eps=flat.get("rms_norm_eps", 1e-6))
         self.mask_token_id, self.block_size = flat["mask_token_id"], flat["block_size"]
         self.softcap = flat.get("final_logit_softcapping")
+        # DSpark (models.dspark): the Markov correction, and whether the anchor's position drafts the first token
+        dspark = flat.get("variant") == "dspark"
+        self.markov_head = MarkovCorrection(flat["vocab_size"], flat["markov_rank"]) if dspark else None
+        self.from_anchor = int(dspark and bool(flat["sample_from_anchor"]))
         self.tap = None  # verification.hidden_tap.LayerTap on the target, set by load_dflash
 
     def make_cache(self) -> list:
@@ -133,6 +138,14 @@ class DFlashHead(nn.Module):
             h = layer(h, ctx, mx.array(offsets), mask[:, None, None, :])
         return self.norm(h)
 
+    def block_tokens(self, last: int, k: int) -> list[int]:
+        """A round's block for k drafts: [last, mask x k], or [last, mask x (k - 1)] when the anchor drafts."""
+        return [last] + [self.mask_token_id] * (k - self.from_anchor)
+
+    def draft_logits(self, hidden: mx.array, lm_head) -> mx.array:
+        """The block's final hidden [B, L, H] -> the k draft positions' (base) logits [B, k, V]."""
+        return self.logits(hidden if self.from_anchor else hidden[:, 1:], lm_head)
+
     def logits(self, hidden: mx.array, lm_head) -> mx.array:
         out = lm_head(hidden)
         return out if self.softcap is None else mx.tanh(out / self.softcap) * self.softcap
@@ -146,7 +159,7 @@ def load_dflash(path: Path, model) -> DFlashHead:
     flat = flat_config(json.loads((path / "config.json").read_text()))
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
-        weights |= {canonical(k): v for k, v in mx.load(str(f)).items() if "rotary_emb" not in k}
+        weights |= {canonical(k): v for k, v in mx.load(str(f)).items() if loaded(k)}
     head = DFlashHead(flat)
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())

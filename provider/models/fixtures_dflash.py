@@ -93,8 +93,9 @@ def block_logits(head, embed, lm_head, features: mx.array, seqs: mx.array, ancho
     return head.logits(head.block(embed(block), cache, anchor)[:, 1:], lm_head)
 
 
-def distil(model, head, seqs: mx.array, steps: int) -> float:
-    """Blocks anchored along the target's own continuations learn them. Returns the training accuracy."""
+def distil(model, head, seqs: mx.array, steps: int, logits_fn=None) -> float:
+    """Blocks anchored along the target's own continuations learn them (`logits_fn`: a block's logits as
+    `block_logits` gives them, a DSpark drafter's for fixtures_dspark). Returns the training accuracy."""
     from mlx import nn
 
     from ..verification.hidden_tap import install_layers
@@ -103,15 +104,15 @@ def distil(model, head, seqs: mx.array, steps: int) -> float:
     model(seqs)
     features = mx.stop_gradient(tap.last)
     embed, lm_head = model.model.embed_tokens, model.model.embed_tokens.as_linear
-    k = BLOCK - 1
+    k, block_logits_of = BLOCK - 1, logits_fn or block_logits
     anchors = list(range(3, seqs.shape[1] - k, 3))  # 6 blocks a sequence: seconds, not minutes
 
     def loss_fn(h):
-        losses = [nn.losses.cross_entropy(block_logits(h, embed, lm_head, features, seqs, a, k),
+        losses = [nn.losses.cross_entropy(block_logits_of(h, embed, lm_head, features, seqs, a, k),
                                           seqs[:, a + 1:a + 1 + k]).mean() for a in anchors]
         return sum(losses) / len(losses)
 
     fit(head, loss_fn, steps)
-    hits = [(block_logits(head, embed, lm_head, features, seqs, a, k).argmax(-1) == seqs[:, a + 1:a + 1 + k]).mean()
-            for a in anchors]
+    hits = [(block_logits_of(head, embed, lm_head, features, seqs, a, k).argmax(-1) == seqs[:, a + 1:a + 1 + k])
+            .mean() for a in anchors]
     return mx.mean(mx.stack(hits)).item()
