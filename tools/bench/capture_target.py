@@ -16,6 +16,7 @@ class CaptureTarget:
     def __init__(self, model):
         self.lm = model
         self.model = model.model  # the drafter binds the target's embedding from here
+        self.args = model.args  # DSpark's bind checks the target's hidden size, vocabulary and depth against these
         self.lm_head = getattr(model, "lm_head", None) or model.model.embed_tokens.as_linear
         self.forwards = 0
 

@@ -1,5 +1,6 @@
 """mlx-vlm's own DFlash speculative generation on an mlx-lm target (Qwen3, or any with model.embed_tokens / layers /
-norm): the baseline bench_mtp_families.py measures the node's DFlash drafter against (`--fixture qwen3-dflash-tiny`).
+norm): the baseline bench_mtp_families.py measures the node's DFlash drafter against (`--fixture qwen3-dflash-tiny`),
+and its DSpark drafter (`--fixture qwen3-dspark-tiny`: mlx-vlm's DSparkDraftModel, as its get_model_type decides).
 
 mlx-vlm runs DFlash on targets of its own model zoo that capture layers; capture_target's `CaptureTarget` lets its
 round loop (`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers
@@ -21,16 +22,20 @@ from tools.bench.capture_target import CaptureTarget, argmax, timed
 
 
 def load_drafter(drafter: Path, target: CaptureTarget):
-    """mlx-vlm's DFlashDraftModel on the checkpoint's weights, bound to the target."""
-    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel, ModelConfig
+    """mlx-vlm's DFlashDraftModel (DSparkDraftModel for a DSpark checkpoint) on the checkpoint's weights, bound to
+    the target."""
+    from mlx_vlm.speculative.drafters import dspark, qwen3_dflash
+    from mlx_vlm.utils import get_model_type
 
-    model = DFlashDraftModel(ModelConfig.from_dict(json.loads((drafter / "config.json").read_text())))
+    config = json.loads((drafter / "config.json").read_text())
+    family = dspark if get_model_type(config) == "dspark" else qwen3_dflash
+    model = family.Model(family.ModelConfig.from_dict(config))
     weights = {}
     for f in sorted(drafter.glob("*.safetensors")):
         weights |= dict(mx.load(str(f)))
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     model.bind(target)
-    model.prefer_requested_block_size = True
+    model.prefer_requested_block_size = True  # DSpark's confidence-driven adaptive size too
     return model
 
 
