@@ -138,34 +138,9 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
     if drafter_path is None:
         return lm, active_delta
     try:
-        if drafting.mode is SpecMode.MTP and drafter_path == path:  # the head inside the target's checkpoint
-            from .mtp_heads import head_module
-
-            lm.drafter = head_module(lm.config).load_head(path, lm.model)
-            if group is not None and lm.drafter.lm_head is None:  # it drafts on rank 0 alone, from a whole LM head
-                from .split_lm_head import whole_lm_head
-
-                lm.drafter_lm_head = whole_lm_head(path, lm.model)
-        elif drafting.mode is SpecMode.MTP and _dflash(drafter_path):  # its books: an own context KV a row
-            from .dflash_head import load_dflash
-            from .footprint import dflash_kv_shape
-
-            lm.drafter = load_dflash(drafter_path, lm.model)
-            lm.draft_kv_shape = dflash_kv_shape(drafter_path, read_config(drafter_path))
-        elif drafting.mode is SpecMode.MTP and _eagle3(drafter_path):  # its books: an own KV a row, as a head's
-            from .eagle3_head import load_eagle3
-            from .footprint import eagle3_kv_shape
-
-            lm.drafter = load_eagle3(drafter_path, lm.model)
-            lm.draft_kv_shape = eagle3_kv_shape(drafter_path, read_config(drafter_path))
-        elif drafting.mode is SpecMode.MTP:
-            from .gemma4_assistant import load_assistant
-
-            lm.drafter = load_assistant(drafter_path)
-        else:
-            draft = load(f"{model_id}:draft", drafter_path)
-            warm_up(draft)  # evaluate lazily built arrays on this (loading) thread
-            lm.drafter = draft.model
+        load_drafter = next(loader for mode, matches, loader in DRAFTER_KINDS
+                            if (mode is None or mode is drafting.mode) and matches(lm, drafter_path))
+        load_drafter(lm, drafter_path, group)
         lm.drafter_mode = drafting.mode
     except Exception as e:
         lm.drafter = lm.drafter_lm_head = None  # what part of it loaded is neither served nor booked
@@ -174,16 +149,76 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
     return lm, active_delta
 
 
-def _dflash(drafter_path: Path) -> bool:
+# The kinds of drafter, each a row (mode, matches(lm, drafter_path), load(lm, drafter_path, group)). The first row of
+# the plan's mode (None: any) whose files match loads it: its loader sets lm.drafter and, where the drafter keeps a
+# KV of its own, lm.draft_kv_shape (its books). The last row of a mode matches anything, so new kinds go above it.
+
+
+def _in_target(lm: LoadedModel, drafter_path: Path) -> bool:
+    return drafter_path == lm.path
+
+
+def _dflash(lm: LoadedModel, drafter_path: Path) -> bool:
     from .dflash import is_dflash
 
     return is_dflash(read_config(drafter_path))
 
 
-def _eagle3(drafter_path: Path) -> bool:
+def _eagle3(lm: LoadedModel, drafter_path: Path) -> bool:
     from .eagle3 import is_eagle3
 
     return is_eagle3(read_config(drafter_path))
+
+
+def _anything(lm: LoadedModel, drafter_path: Path) -> bool:
+    return True
+
+
+def _load_native_head(lm: LoadedModel, drafter_path: Path, group) -> None:
+    from .mtp_heads import head_module
+
+    lm.drafter = head_module(lm.config).load_head(drafter_path, lm.model)
+    if group is not None and lm.drafter.lm_head is None:  # it drafts on rank 0 alone, from a whole LM head
+        from .split_lm_head import whole_lm_head
+
+        lm.drafter_lm_head = whole_lm_head(drafter_path, lm.model)
+
+
+def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own context KV a row
+    from .dflash_head import load_dflash
+    from .footprint import dflash_kv_shape
+
+    lm.drafter = load_dflash(drafter_path, lm.model)
+    lm.draft_kv_shape = dflash_kv_shape(drafter_path, read_config(drafter_path))
+
+
+def _load_eagle3(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own KV a row, as a head's
+    from .eagle3_head import load_eagle3
+    from .footprint import eagle3_kv_shape
+
+    lm.drafter = load_eagle3(drafter_path, lm.model)
+    lm.draft_kv_shape = eagle3_kv_shape(drafter_path, read_config(drafter_path))
+
+
+def _load_assistant(lm: LoadedModel, drafter_path: Path, group) -> None:
+    from .gemma4_assistant import load_assistant
+
+    lm.drafter = load_assistant(drafter_path)
+
+
+def _load_draft_model(lm: LoadedModel, drafter_path: Path, group) -> None:
+    draft = load(f"{lm.id}:draft", drafter_path)
+    warm_up(draft)  # evaluate lazily built arrays on this (loading) thread
+    lm.drafter = draft.model
+
+
+DRAFTER_KINDS = (
+    (SpecMode.MTP, _in_target, _load_native_head),  # the head inside the target's checkpoint
+    (SpecMode.MTP, _dflash, _load_dflash),
+    (SpecMode.MTP, _eagle3, _load_eagle3),
+    (SpecMode.MTP, _anything, _load_assistant),  # a Gemma 4 assistant
+    (None, _anything, _load_draft_model),  # a smaller model of the same vocabulary
+)
 
 
 def load(model_id: str, path: Path, group=None, split: str = "auto") -> LoadedModel:
