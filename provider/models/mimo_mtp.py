@@ -29,19 +29,23 @@ from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
 FAMILIES = {"mimo"}
 PREFIX = "model.mtp_layers.0."
 DEPTH_KEY = "num_nextn_predict_layers"
-_OWN = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")  # beside the decoder layer
 
 
-class MiMoMTPHead(OwnHead):
-    def __init__(self, args):
+class PairProjectionHead(OwnHead):
+    """A MiMo-style MTP layer: the pair's embedding and hidden each RMS-normed, projected from their concatenation
+    to the hidden size, one decoder layer (`block`) and a final norm. A subclass names the first three parts as its
+    checkpoint does (PARTS), orders the concatenation (HIDDEN_FIRST), and may mask the embeddings and the scores."""
+
+    PARTS: tuple[str, str, str]  # the embedding's norm, the hidden's norm, the projection
+    HIDDEN_FIRST: bool
+
+    def __init__(self, hidden: int, eps: float, make_block):
         super().__init__()
-        from mlx_lm.models.mimo import TransformerBlock
-
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        self.token_layernorm = nn.RMSNorm(hidden, eps=eps)
-        self.hidden_layernorm = nn.RMSNorm(hidden, eps=eps)
-        self.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = TransformerBlock(args)
+        embedding_norm, hidden_norm, projection = self.PARTS
+        setattr(self, embedding_norm, nn.RMSNorm(hidden, eps=eps))
+        setattr(self, hidden_norm, nn.RMSNorm(hidden, eps=eps))
+        setattr(self, projection, nn.Linear(2 * hidden, hidden, bias=False))
+        self.block = make_block()  # after the projection: the order seeded fixtures draw their weights in
         self.final_layernorm = nn.RMSNorm(hidden, eps=eps)
 
     def make_cache(self) -> list:
@@ -51,10 +55,37 @@ class MiMoMTPHead(OwnHead):
         """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden
         [B, L, H] (before the LM head), the pairs' K/V appended to `cache` (None: causal over the L pairs alone)."""
         c = cache[0] if cache else None
-        embeddings = at_position_zero_zeroed(embeddings, 0 if c is None else c.offset)
-        x = self.input_proj(mx.concatenate([self.hidden_layernorm(hidden), self.token_layernorm(embeddings)], axis=-1))
-        x = self.block(x, create_attention_mask(x, c), c)
-        return self.final_layernorm(x)
+        embedding_norm, hidden_norm, projection = (getattr(self, name) for name in self.PARTS)
+        normed = [embedding_norm(self.masked_embeddings(embeddings, c)), hidden_norm(hidden)]
+        x = projection(mx.concatenate(normed[::-1] if self.HIDDEN_FIRST else normed, axis=-1))
+        return self.final_layernorm(self.block(x, self.mask(x, c), c))
+
+    def masked_embeddings(self, embeddings: mx.array, cache) -> mx.array:
+        return embeddings
+
+    def mask(self, x: mx.array, cache):
+        return create_attention_mask(x, cache)
+
+    def load_from(self, path: Path, prefix: str, model, dtype: mx.Dtype | None, block_name=lambda name: name):
+        """This head with the checkpoint's layer under `prefix` (the decoder layer's tensors named by
+        `block_name`), in `dtype` (None: the target's)."""
+        own = (*self.PARTS, "final_layernorm")
+        weights = {k if k.startswith(own) else "block." + block_name(k): v
+                   for k, v in read_prefixed(path, prefix).items()}
+        return finish_load(self, weights, dtype or target_dtype(model), model.args.hidden_size)
+
+
+class MiMoMTPHead(PairProjectionHead):
+    PARTS = ("token_layernorm", "hidden_layernorm", "input_proj")
+    HIDDEN_FIRST = True  # DeepSeek's order reversed
+
+    def __init__(self, args):
+        from mlx_lm.models.mimo import TransformerBlock
+
+        super().__init__(args.hidden_size, args.rms_norm_eps, lambda: TransformerBlock(args))
+
+    def masked_embeddings(self, embeddings: mx.array, cache) -> mx.array:
+        return at_position_zero_zeroed(embeddings, 0 if cache is None else cache.offset)
 
 
 def at_position_zero_zeroed(embeddings: mx.array, offset) -> mx.array:
@@ -85,6 +116,4 @@ def head_tensors(names) -> list[str]:
 
 def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> MiMoMTPHead:
     """The head from the target's own checkpoint (only `model.mtp_layers.0.*` is read), in the target's dtype."""
-    head = MiMoMTPHead(model.args)
-    weights = {k if k.startswith(_OWN) else "block." + k: v for k, v in read_prefixed(path, PREFIX).items()}
-    return finish_load(head, weights, dtype or target_dtype(model), model.args.hidden_size)
+    return MiMoMTPHead(model.args).load_from(path, PREFIX, model, dtype)

@@ -21,41 +21,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-from mlx import nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
-from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .mimo_mtp import PairProjectionHead
 
 FAMILIES = {"mimo_v2_flash"}
 PREFIX = "model.mtp.layers.0."
 DEPTH_KEY = "num_nextn_predict_layers"
-_OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # beside the decoder layer
 
 
-class MiMoV2MTPHead(OwnHead):
+class MiMoV2MTPHead(PairProjectionHead):
+    PARTS = ("enorm", "hnorm", "eh_proj")
+    HIDDEN_FIRST = False
+
     def __init__(self, args):
-        super().__init__()
         from mlx_lm.models.mimo_v2_flash import DecoderLayer
 
-        hidden, eps = args.hidden_size, args.layernorm_epsilon
+        super().__init__(args.hidden_size, args.layernorm_epsilon,
+                         lambda: DecoderLayer(args, is_moe=False, is_sliding_window=True))
         self.window = args.sliding_window_size
-        self.enorm = nn.RMSNorm(hidden, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = DecoderLayer(args, is_moe=False, is_sliding_window=True)
-        self.final_layernorm = nn.RMSNorm(hidden, eps=eps)
 
-    def make_cache(self) -> list:
-        return [KVCache()]
-
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden
-        [B, L, H] (before the LM head), the pairs' K/V appended to `cache` (None: causal over the L pairs alone)."""
-        c = cache[0] if cache else None
-        x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
-        mask = create_attention_mask(x, c, window_size=self.window, return_array=True)  # sinks: an array mask
-        return self.final_layernorm(self.block(x, mask, c))
+    def mask(self, x: mx.array, cache):
+        return create_attention_mask(x, cache, window_size=self.window, return_array=True)  # sinks: an array mask
 
 
 def serves(config: dict) -> bool:
@@ -78,14 +65,8 @@ def head_tensors(names) -> list[str]:
     return [n for n in names if n.startswith(PREFIX)]
 
 
-def _name(name: str) -> str:
-    if name.startswith(_OWN):
-        return name
-    return "block." + name.replace("pre_mlp_layernorm", "post_attention_layernorm")
-
-
 def load_head(path: Path, model, dtype: mx.Dtype | None = None) -> MiMoV2MTPHead:
-    """The head from the target's own checkpoint (only `model.mtp.layers.0.*` is read), in the target's dtype."""
-    head = MiMoV2MTPHead(model.args)
-    weights = {_name(k): v for k, v in read_prefixed(path, PREFIX).items()}
-    return finish_load(head, weights, dtype or target_dtype(model), model.args.hidden_size)
+    """The head from the target's own checkpoint (only `model.mtp.layers.0.*` is read), in the target's dtype; the
+    layer's `pre_mlp_layernorm` is mlx-lm's `post_attention_layernorm`."""
+    return MiMoV2MTPHead(model.args).load_from(
+        path, PREFIX, model, dtype, lambda name: name.replace("pre_mlp_layernorm", "post_attention_layernorm"))
