@@ -92,6 +92,61 @@ def booked_once(target, config, load_head):
     return model, head
 
 
+def books_as_held(target, config, load_head, per_token: int, own_parts: bool, pairs: int = 5):
+    """`booked_once`; the head's embedding and LM head its own (`own_parts`) or the target's; its KV booked as
+    `per_token` bytes a token, which is what its cache holds after `pairs` pairs (`cache_holds`). Returns the head."""
+    from provider.models.footprint import head_kv_shape
+
+    _, head = booked_once(target, config, load_head)
+    assert (head.lm_head is not None, "embed_tokens" in head) == (own_parts, own_parts)
+    assert head_kv_shape(target, config).bytes_per_token_full == per_token
+    cache_holds(head, per_token, pairs)
+    return head
+
+
+def cache_holds(head, per_token: int, pairs: int = 5, width: int = 64) -> None:
+    """After `pairs` zero pairs of `width`, the head's fresh cache (each of a CacheList's) holds `per_token` bytes a
+    pair in its keys and values, byte for byte."""
+    cache = head.make_cache()
+    head(mx.zeros((1, pairs, width)), mx.zeros((1, pairs, width)), cache)
+    assert [c.offset for c in _flat(cache)] == [pairs] * len(_flat(cache))
+    assert sum(x[..., :c.offset, :].nbytes for c in _flat(cache) for x in (c.keys, c.values)) == pairs * per_token
+
+
+def computes_the_reference(target, prefix: str, load_head, reference, held_out: int, own_parts: bool = False):
+    """The head as `load_head` loads it against `reference(w, config, embeddings, hidden)`, the family's published
+    step in plain MLX operations from its tensors `w` (`prefix` off), on a prompt's pairs (a distilled prompt then
+    `held_out` held-out tokens): in one read without a cache, and read in chunks of 8 into its cache then stepped 3
+    times on its own drafts (the reference rerun over the whole sequence each time): the same hidden states within
+    float32 rounding and the same draft tokens. It embeds and reads out with its own parts (`own_parts`) or the
+    target's. Returns the tensors and the head."""
+    import json
+
+    config = json.loads((target / "config.json").read_text())
+    w = {k[len(prefix):]: v for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(prefix)}
+    model, tap, head = loaded(target, load_head)
+    ids = mx.array([train_prompts()[0] + prompts(target)[-1][:held_out]])
+    model(ids)
+    hidden = tap.last
+    embed, lm_head = (head.embed_tokens, head.lm_head) if own_parts else (model.model.embed_tokens, model.lm_head)
+    tokens = mx.concatenate([ids[:, 1:], mx.array([[77]])], axis=1)
+    want = reference(w, config, embed(tokens), hidden)
+    assert mx.allclose(head(embed(tokens), hidden, None), want, atol=2e-5, rtol=1e-4).item()
+    cache = head.make_cache()
+    for i in range(0, tokens.shape[1], 8):
+        h = head(embed(tokens[:, i:i + 8]), hidden[:, i:i + 8], cache)
+    assert mx.allclose(h[:, -1], want[:, -1], atol=2e-5, rtol=1e-4).item()
+    h = h[:, -1:]
+    for _ in range(3):
+        token = lm_head(h).argmax(-1)
+        tokens, hidden = mx.concatenate([tokens, token], axis=1), mx.concatenate([hidden, h], axis=1)
+        want = reference(w, config, embed(tokens), hidden)[:, -1:]
+        h = head(embed(token), h, cache)
+        assert mx.allclose(h, want, atol=2e-5, rtol=1e-4).item()
+        assert lm_head(h).argmax(-1).item() == lm_head(want).argmax(-1).item()
+    return w, head
+
+
 def loaded(target, load_head):
     """The target as mlx-lm loads it, its hidden-state tap, and its head as the family's `load_head` loads it."""
     model, _ = load(str(target))

@@ -6,14 +6,11 @@ shipping its own embed_tokens and shared_head.head, distilled briefly on its tar
 attention (partial RoPE, q/k norms, biased q/k/v) + MoE; deepseek_v32's is MLA with DSA's indexer (index_topk 8) +
 MoE. Greedy output must equal plain decoding; sampled output must be distributed as plain sampling."""
 
-import json
-
 import mlx.core as mx
 import pytest
 
 from provider.jobs import SamplingParams
 from provider.models.fixtures_mtp import train_prompts
-from provider.models.footprint import head_kv_shape
 from provider.models.glm4_moe_lite_mtp import load_head
 from tests import mtp_checks
 
@@ -33,16 +30,11 @@ def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path
     config = mtp_checks.found_but_not_when_stripped(target, tmp_path / "stripped", lambda k: k.startswith(NEXTN))
     assert config["num_nextn_predict_layers"] == 1
     # Booked once, as the drafter: the nextn layer's tensors (its own embedding and LM head too) + activations.
-    _, head = mtp_checks.booked_once(target, config, load_head)
-    assert head.lm_head is not None and "embed_tokens" in head  # the layer's own
     # glm4_moe: K and V of 2 KV heads of 16 a token; deepseek_v32: the latent (32), the rotated k_pe (8), the
     # indexer's key (16) and the zeros mlx-lm stores as its values (16). float32: what the cache holds after 5 pairs.
+    # The layer's own embedding and LM head.
     per_token = 2 * 2 * 16 * 4 if config["model_type"] == "glm4_moe" else (32 + 8 + 2 * 16) * 4
-    assert head_kv_shape(target, config).bytes_per_token_full == per_token
-    cache = head.make_cache()
-    head(mx.zeros((1, 5, 64)), mx.zeros((1, 5, 64)), cache)
-    caches = cache[0].caches if hasattr(cache[0], "caches") else cache
-    assert sum(x[..., :5, :].nbytes for c in caches for x in (c.keys, c.values)) == 5 * per_token
+    mtp_checks.books_as_held(target, config, load_head, per_token, own_parts=True)
 
 
 @pytest.mark.parametrize("broken", ["eh_proj cut", "attention gone", "own embedding without its head"])
@@ -132,25 +124,5 @@ def test_the_glm4_moe_head_computes_the_published_step(target):
     float32 rounding and the same draft tokens."""
     if "glm4" not in target.name:
         pytest.skip("deepseek_v32's layer is GLM-5's, checked against mlx-vlm's drafter in test_mtp_glm5")
-    config = json.loads((target / "config.json").read_text())
-    w = {k[len(NEXTN):]: v for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(NEXTN)}
-    model, tap, head = mtp_checks.loaded(target, load_head)
-    ids = mx.array([train_prompts()[0] + mtp_checks.prompts(target)[-1][:40]])
-    model(ids)
-    hidden, embed, lm_head = tap.last, head.embed_tokens, head.lm_head
-    assert mx.array_equal(embed.weight, w["embed_tokens.weight"]).item()
-    tokens = mx.concatenate([ids[:, 1:], mx.array([[77]])], axis=1)
-    want = _reference(w, config, embed(tokens), hidden)
-    assert mx.allclose(head(embed(tokens), hidden, None), want, atol=2e-5, rtol=1e-4).item()
-    cache = head.make_cache()
-    for i in range(0, tokens.shape[1], 8):
-        h = head(embed(tokens[:, i:i + 8]), hidden[:, i:i + 8], cache)
-    assert mx.allclose(h[:, -1], want[:, -1], atol=2e-5, rtol=1e-4).item()
-    h = h[:, -1:]
-    for _ in range(3):
-        token = lm_head(h).argmax(-1)
-        tokens, hidden = mx.concatenate([tokens, token], axis=1), mx.concatenate([hidden, h], axis=1)
-        want = _reference(w, config, embed(tokens), hidden)[:, -1:]
-        h = head(embed(token), h, cache)
-        assert mx.allclose(h, want, atol=2e-5, rtol=1e-4).item()
-        assert lm_head(h).argmax(-1).item() == lm_head(want).argmax(-1).item()
+    w, head = mtp_checks.computes_the_reference(target, NEXTN, load_head, _reference, 40, own_parts=True)
+    assert mx.array_equal(head.embed_tokens.weight, w["embed_tokens.weight"]).item()

@@ -8,13 +8,11 @@ sampling; the head must compute what mlx-vlm's glm_moe_dsa_mtp drafter computes 
 
 import json
 
-import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
 from provider.jobs import SamplingParams
 from provider.models.fixtures_mtp import train_prompts
-from provider.models.footprint import head_kv_shape
 from provider.models.glm4_moe_lite_mtp import load_head
 from tests import mtp_checks
 
@@ -31,15 +29,10 @@ def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path
     config = mtp_checks.found_but_not_when_stripped(target, tmp_path / "stripped", lambda k: k.startswith(NEXTN))
     assert "index_topk" in config and config["num_nextn_predict_layers"] == 1
     # Booked once, as the drafter: the nextn layer's tensors (no embedding or LM head of its own) + activations.
-    _, head = mtp_checks.booked_once(target, config, load_head)
-    assert head.lm_head is None and "embed_tokens" not in head  # the target's are used
     # Per token, the latent (kv_lora_rank 32), the rotated k_pe (8) and the indexer's key (16) with the zeros mlx-lm
-    # stores as its values (16), float32: what the head's cache holds after 5 pairs, byte for byte.
-    assert head_kv_shape(target, config).bytes_per_token_full == (32 + 8 + 2 * 16) * 4
-    cache = head.make_cache()
-    head(mx.zeros((1, 5, 64)), mx.zeros((1, 5, 64)), cache)
-    held = sum(x[..., :5, :].nbytes for c in cache[0].caches for x in (c.keys, c.values))
-    assert held == 5 * head_kv_shape(target, config).bytes_per_token_full
+    # stores as its values (16), float32: what the head's cache holds after 5 pairs, byte for byte. The target's
+    # embedding and LM head.
+    mtp_checks.books_as_held(target, config, load_head, (32 + 8 + 2 * 16) * 4, own_parts=False)
 
 
 @pytest.mark.parametrize("broken", ["eh_proj cut", "indexer gone", "own embedding without its head"])

@@ -5,7 +5,6 @@ distilled briefly on its target. mlx-vlm has no MiMo drafter: the head is checke
 from vLLM's published step (mimo_mtp.py) in plain MLX operations, not mlx-lm's layer. Greedy output must equal plain
 decoding; sampled output must be distributed as plain sampling."""
 
-import json
 import math
 
 import mlx.core as mx
@@ -15,7 +14,7 @@ from mlx_lm import load
 from provider.jobs import SamplingParams
 from provider.models import capability
 from provider.models.fixtures_mtp import train_prompts
-from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.models.footprint import drafter_footprint
 from provider.models.mimo_mtp import load_head
 from provider.types import SpecMode
 from tests import mtp_checks
@@ -32,13 +31,9 @@ def target(head_fixture):
 def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
     config = mtp_checks.found_but_not_when_stripped(target, tmp_path / "stripped", lambda k: ".mtp_layers." in k)
     # mlx-lm's mimo sanitize drops the layer (the target's books hold none of it); the head is booked once.
-    _, head = mtp_checks.booked_once(target, config, load_head)
-    assert head.lm_head is None and "embed_tokens" not in head
-    # K and V, 2 KV heads of 64 / 4, float32, a token: what the head's cache holds after 5 pairs.
-    assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4
-    cache = head.make_cache()
-    head(mx.zeros((1, 5, 64)), mx.zeros((1, 5, 64)), cache)
-    assert sum(x[..., :5, :].nbytes for x in (cache[0].keys, cache[0].values)) == 5 * 2 * 2 * 16 * 4
+    # K and V, 2 KV heads of 64 / 4, float32, a token: what the head's cache holds after 5 pairs. The target's
+    # embedding and LM head.
+    head = mtp_checks.books_as_held(target, config, load_head, 2 * 2 * 16 * 4, own_parts=False)
     # Two MTP layers declared and shipped: served with the first, which alone is read and booked.
     def second_layer(w):
         return w | {k.replace(".mtp_layers.0.", ".mtp_layers.1."): v * 2 for k, v in w.items() if k.startswith(MTP)}
@@ -121,27 +116,7 @@ def test_the_head_computes_the_published_step(target):
     in one read without a cache, and read in chunks of 8 into its cache then stepped 3 times on its own drafts (the
     reference rerun over the whole sequence each time): the same hidden states within float32 rounding and the
     same draft tokens."""
-    config = json.loads((target / "config.json").read_text())
-    w = {k[len(MTP):]: v for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(MTP)}
-    model, tap, head = mtp_checks.loaded(target, load_head)
-    ids = mx.array([train_prompts()[0] + mtp_checks.prompts(target)[-1][:40]])
-    model(ids)
-    hidden, embed = tap.last, model.model.embed_tokens
-    tokens = mx.concatenate([ids[:, 1:], mx.array([[77]])], axis=1)
-    want = _reference(w, config, embed(tokens), hidden)
-    assert mx.allclose(head(embed(tokens), hidden, None), want, atol=2e-5, rtol=1e-4).item()
-    cache = head.make_cache()
-    for i in range(0, tokens.shape[1], 8):
-        h = head(embed(tokens[:, i:i + 8]), hidden[:, i:i + 8], cache)
-    assert mx.allclose(h[:, -1], want[:, -1], atol=2e-5, rtol=1e-4).item()
-    h = h[:, -1:]
-    for _ in range(3):
-        token = model.lm_head(h).argmax(-1)
-        tokens, hidden = mx.concatenate([tokens, token], axis=1), mx.concatenate([hidden, h], axis=1)
-        want = _reference(w, config, embed(tokens), hidden)[:, -1:]
-        h = head(embed(token), h, cache)
-        assert mx.allclose(h, want, atol=2e-5, rtol=1e-4).item()
-        assert (model.lm_head(h).argmax(-1) == model.lm_head(want).argmax(-1)).all().item()
+    mtp_checks.computes_the_reference(target, MTP, load_head, _reference, 40)
 
 
 def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):

@@ -11,7 +11,6 @@ import pytest
 
 from provider.jobs import SamplingParams
 from provider.models.fixtures_mtp import train_prompts
-from provider.models.footprint import head_kv_shape
 from provider.models.mimo_v2_mtp import load_head
 from tests import mtp_checks
 
@@ -26,13 +25,9 @@ def target(head_fixture):
 
 def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
     config = mtp_checks.found_but_not_when_stripped(target, tmp_path / "stripped", lambda k: k.startswith("model.mtp."))
-    _, head = mtp_checks.booked_once(target, config, load_head)
-    assert head.lm_head is None and "embed_tokens" not in head  # the target's are used
-    # 2 KV heads a token, keys of 16 and values of 8 (the sliding layers' sizes), float32; every position kept.
-    assert head_kv_shape(target, config).bytes_per_token_full == 2 * (16 + 8) * 4
-    cache = head.make_cache()
-    head(mx.zeros((1, 12, 64)), mx.zeros((1, 12, 64)), cache)
-    assert sum(x[..., :12, :].nbytes for x in (cache[0].keys, cache[0].values)) == 12 * 2 * (16 + 8) * 4
+    # 2 KV heads a token, keys of 16 and values of 8 (the sliding layers' sizes), float32; every position kept (12
+    # pairs, past the window). The target's embedding and LM head.
+    mtp_checks.books_as_held(target, config, load_head, 2 * (16 + 8) * 4, own_parts=False, pairs=12)
 
 
 @pytest.mark.parametrize("broken", ["eh_proj cut", "sinks gone", "pre_mlp_layernorm gone"])
@@ -116,29 +111,7 @@ def test_the_head_computes_the_published_step(target):
     """The head as loaded here against `_reference` on a prompt's pairs (a distilled prompt then 30 held-out tokens,
     past the window): in one read without a cache, and read in chunks of 8 into its cache then stepped 3 times on
     its own drafts (the reference rerun each time): the same hidden states within float32 rounding, the same drafts."""
-    import json
-
-    config = json.loads((target / "config.json").read_text())
-    w = {k[len(MTP):]: v for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(MTP)}
-    model, tap, head = mtp_checks.loaded(target, load_head)
-    ids = mx.array([train_prompts()[0] + mtp_checks.prompts(target)[-1][:30]])
-    model(ids)
-    hidden, embed = tap.last, model.model.embed_tokens
-    tokens = mx.concatenate([ids[:, 1:], mx.array([[77]])], axis=1)
-    want = _reference(w, config, embed(tokens), hidden)
-    assert mx.allclose(head(embed(tokens), hidden, None), want, atol=2e-5, rtol=1e-4).item()
-    cache = head.make_cache()
-    for i in range(0, tokens.shape[1], 8):
-        h = head(embed(tokens[:, i:i + 8]), hidden[:, i:i + 8], cache)
-    assert mx.allclose(h[:, -1], want[:, -1], atol=2e-5, rtol=1e-4).item()
-    h = h[:, -1:]
-    for _ in range(3):
-        token = model.lm_head(h).argmax(-1)
-        tokens, hidden = mx.concatenate([tokens, token], axis=1), mx.concatenate([hidden, h], axis=1)
-        want = _reference(w, config, embed(tokens), hidden)[:, -1:]
-        h = head(embed(token), h, cache)
-        assert mx.allclose(h, want, atol=2e-5, rtol=1e-4).item()
-        assert model.lm_head(h).argmax(-1).item() == model.lm_head(want).argmax(-1).item()
+    mtp_checks.computes_the_reference(target, MTP, load_head, _reference, 30)
 
 
 def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
