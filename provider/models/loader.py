@@ -214,7 +214,7 @@ def _load_draft_model(lm: LoadedModel, drafter_path: Path, group) -> None:
 
 DRAFTER_KINDS = (
     (SpecMode.MTP, _in_target, _load_native_head),  # the head inside the target's checkpoint
-    (SpecMode.MTP, _dflash, _load_dflash),
+    (SpecMode.MTP, _dflash, _load_dflash),  # DFlash block drafters, DSpark ones (models.dspark) among them
     (SpecMode.MTP, _eagle3, _load_eagle3),
     (SpecMode.MTP, _anything, _load_assistant),  # a Gemma 4 assistant
     (None, _anything, _load_draft_model),  # a smaller model of the same vocabulary
