@@ -86,8 +86,9 @@ def canonical(name: str) -> str:
 
 def _served(flat: dict) -> str | None:
     """Why a well-formed config drafts otherwise than the rounds the node runs, or None."""
-    if flat["variant"] == "dspark" and dspark.check(flat):
-        return dspark.check(flat)
+    why = dspark.check(flat) if flat["variant"] == "dspark" else None
+    if why:
+        return why
     if flat["variant"] not in (None, "dspark"):
         return f"DFlash variant {flat['variant']} is not served (only DFlash and DSpark blocks)"
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
