@@ -48,6 +48,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import CacheList, KVCache
 
+from ..memory.mla import mla_elements
 from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"glm4_moe_lite", "deepseek_v3", "glm_moe_dsa", "glm4_moe", "deepseek_v32"}
@@ -124,15 +125,14 @@ def depth(config: dict) -> int:
 
 
 def kv_elements(config: dict) -> int:
-    """What mlx-lm's MLA attention caches a token: the normed KV latent (kv_lora_rank) as keys and the rotated
-    positional key (qk_rope_head_dim) as values, shared by all heads, not per-head K and V; with DSA, the indexer's
-    key (index_head_dim) too, and as its values a zero array as large (mlx-lm's Indexer writes zeros_like keys)."""
+    """K and V elements a token: glm4_moe's per-head K and V (grouped-query attention); the MLA families' what the
+    target's MLA layers cache (provider.memory.mla: the normed latent and the rotated k_pe, with DSA the indexer's
+    key and its zero values), the head's layer being one of theirs."""
     tc = _config(config)
-    if tc.get("model_type", config.get("model_type")) == "glm4_moe":  # GQA: per-head K and V
+    tc = tc | {"model_type": tc.get("model_type", config.get("model_type"))}  # a text_config may not name it
+    if tc["model_type"] == "glm4_moe":
         return 2 * int(tc["num_key_value_heads"]) * int(tc["head_dim"])
-    sparse = _MODULE.get(tc.get("model_type", config.get("model_type"))) == "deepseek_v32"
-    indexer = 2 * int(tc["index_head_dim"]) if sparse else 0
-    return int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"]) + indexer
+    return sum(mla_elements(tc))
 
 
 def _prefix(config: dict) -> str:
