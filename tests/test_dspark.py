@@ -190,3 +190,10 @@ def test_the_books_are_what_loads(target, tmp_path):
                        tensors=lambda w: {k: v for k, v in w.items() if "markov" not in k})
     assert dflash.weight_bytes(drafter) - dflash.weight_bytes(no_markov) == markov
     assert not hasattr(head, "confidence_head")
+
+
+def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):
+    """Two rows under JSON schemas (each draft drawn under the grammar's mask, the next position corrected by that
+    draft), a free row and a sampled constrained row, together: greedy rows emit their plain tokens, the constrained
+    ones validate."""
+    drafter_checks.grammar_rows_as_plain_together(target, NAME, drafter_dir(target))
