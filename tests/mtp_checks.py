@@ -147,6 +147,20 @@ def computes_the_reference(target, prefix: str, load_head, reference, held_out: 
     return w, head
 
 
+def rms_norm(eps: float):
+    """RMSNorm in plain MLX operations, for the families' references: (x, g) -> x / rms(x) * g."""
+    return lambda x, g: x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+
+def rotate_half(x: mx.array, theta: float, rotated: int) -> mx.array:
+    """Rotate-half RoPE in plain MLX operations, for the families' references: x [B, n, L, d] at positions 0..L-1,
+    the first `rotated` dims of each head rotated with base `theta`, the rest passed."""
+    angles = mx.arange(x.shape[2])[:, None] * (theta ** (-mx.arange(0, rotated, 2) / rotated))[None]
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    x1, x2 = x[..., : rotated // 2], x[..., rotated // 2: rotated]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotated:]], axis=-1)
+
+
 def loaded(target, load_head):
     """The target as mlx-lm loads it, its hidden-state tap, and its head as the family's `load_head` loads it."""
     model, _ = load(str(target))

@@ -77,8 +77,7 @@ def _reference(w: dict, config: dict, embeddings: mx.array, hidden: mx.array) ->
     shared_head.norm."""
     eps, heads, kv, d = (config[k] for k in ("rms_norm_eps", "num_attention_heads", "num_key_value_heads", "head_dim"))
 
-    def rms(x, g):
-        return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * g
+    rms = mtp_checks.rms_norm(eps)
 
     def linear(x, name, bias=False):
         return x @ w[name + ".weight"].T + (w[name + ".bias"] if bias else 0)
@@ -88,11 +87,7 @@ def _reference(w: dict, config: dict, embeddings: mx.array, hidden: mx.array) ->
         return linear(gate * mx.sigmoid(gate) * linear(x, name + ".up_proj"), name + ".down_proj")
 
     def rope(x):  # [B, n, L, d]: the first r dims rotated, the rest passed
-        r = int(d * config["partial_rotary_factor"])
-        angles = mx.arange(x.shape[2])[:, None] * (config["rope_theta"] ** (-mx.arange(0, r, 2) / r))[None]
-        cos, sin = mx.cos(angles), mx.sin(angles)
-        x1, x2 = x[..., : r // 2], x[..., r // 2: r]
-        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:]], axis=-1)
+        return mtp_checks.rotate_half(x, config["rope_theta"], int(d * config["partial_rotary_factor"]))
 
     B, L, _ = embeddings.shape
     x = linear(mx.concatenate([rms(embeddings, w["enorm.weight"]), rms(hidden, w["hnorm.weight"])], axis=-1),

@@ -80,18 +80,13 @@ def _reference(w: dict, config: dict, embeddings: mx.array, hidden: mx.array) ->
     eps, heads, kv = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"]
     d = config["hidden_size"] // heads
 
-    def rms(x, g):
-        return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * g
+    rms = mtp_checks.rms_norm(eps)
 
     def linear(x, name, bias=False):
         return x @ w[name + ".weight"].T + (w[name + ".bias"] if bias else 0)
 
-    def rope(x):  # [B, n, L, d]
-        inv = config["rope_theta"] ** (-mx.arange(0, d, 2) / d)
-        angles = mx.arange(x.shape[2])[:, None] * inv[None]
-        cos, sin = mx.cos(angles), mx.sin(angles)
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    def rope(x):  # [B, n, L, d]: every dim rotated
+        return mtp_checks.rotate_half(x, config["rope_theta"], d)
 
     B, L, _ = embeddings.shape
     embeddings = mx.concatenate([mx.zeros_like(embeddings[:, :1]), embeddings[:, 1:]], axis=1)

@@ -75,18 +75,13 @@ def _reference(w: dict, config: dict, embeddings: mx.array, hidden: mx.array) ->
     eps, heads, kv = config["layernorm_epsilon"], config["swa_num_attention_heads"], config["swa_num_key_value_heads"]
     d, dv, window = config["swa_head_dim"], config["swa_v_head_dim"], config["sliding_window_size"]
 
-    def rms(x, g):
-        return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * g
+    rms = mtp_checks.rms_norm(eps)
 
     def linear(x, name):
         return x @ w[name + ".weight"].T
 
     def rope(x):  # [B, n, L, d]: the first r dims rotated, the rest passed
-        r = int(d * config["partial_rotary_factor"])
-        angles = mx.arange(x.shape[2])[:, None] * (config["swa_rope_theta"] ** (-mx.arange(0, r, 2) / r))[None]
-        cos, sin = mx.cos(angles), mx.sin(angles)
-        x1, x2 = x[..., : r // 2], x[..., r // 2: r]
-        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:]], axis=-1)
+        return mtp_checks.rotate_half(x, config["swa_rope_theta"], int(d * config["partial_rotary_factor"]))
 
     B, L, _ = embeddings.shape
     x = linear(mx.concatenate([rms(embeddings, w["enorm.weight"]), rms(hidden, w["hnorm.weight"])], axis=-1),
