@@ -7,12 +7,30 @@ from provider import logs
 from provider.models import fixtures
 
 
+def _run_root(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this run shares (the workers' base temps' parent), so that
+    what takes seconds to build (distilled heads) is built once per run instead of once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _built_once(out: Path, build) -> Path:
+    """`build()` into `out` unless a worker has finished it: under a lock, with a marker written last."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out.parent / f"{out.name}.built").exists():
+            build()
+            (out.parent / f"{out.name}.built").touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir(tmp_path_factory) -> Path:
-    """Every fixture checkpoint, built once per test session with the real factory."""
-    root = tmp_path_factory.mktemp("fixtures")
-    fixtures.write_all(root)
-    return root
+    """Every fixture checkpoint, built once per test run with the real factory."""
+    root = _run_root(tmp_path_factory) / "fixtures"
+    return _built_once(root, lambda: fixtures.write_all(root))
 
 
 @pytest.fixture(scope="session")
@@ -20,8 +38,8 @@ def head_fixture(tmp_path_factory):
     """head_fixture(name): a target with its own MTP head (fixtures_mtp.HEAD_FIXTURES), built when first asked."""
     from provider.models.fixtures_mtp import build_head_fixture
 
-    root = tmp_path_factory.mktemp("heads")
-    return lambda name: build_head_fixture(name, root)
+    root = _run_root(tmp_path_factory) / "heads"
+    return lambda name: _built_once(root / name, lambda: build_head_fixture(name, root))
 
 
 @pytest.fixture(autouse=True)
