@@ -186,7 +186,8 @@ def test_what_agents_send_beyond_the_documented_fields_is_left_out_and_said(serv
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "x"},
                                                   {"type": "text", "text": "Hello."}]},
                 {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}]}]
-    m = client.messages.create(model=MODEL, max_tokens=32000, messages=messages, tools=tools,
+    # A stop sequence ends the answer early: what is checked is the clamp, not two thousand tokens decoded.
+    m = client.messages.create(model=MODEL, max_tokens=32000, messages=messages, tools=tools, stop_sequences=[" "],
                                thinking={"type": "enabled", "budget_tokens": 1024}, metadata={"user_id": "u"},
                                extra_body={"context_management": {"edits": []}, "temperature": 0},
                                output_config={"effort": "low"}, extra_headers={"anthropic-beta": "x"}, timeout=120)
