@@ -131,35 +131,6 @@ def test_constrained_sampled_speculation_is_distributed_as_constrained_plain_sam
         assert all(r["p"] >= 1e-3 for r in rows), rows
 
 
-@pytest.mark.heavy
-def test_the_demo_pair_under_a_grammar_samples_exactly_like_constrained_plain_sampling():
-    """The bundled pair (the MTP assistant drafting under the grammar's masks) at T = 0.7, k = 2, 800 samples a
-    side of the first 5 tokens under a grammar of lowercase words: not told apart from constrained plain
-    sampling; the biased control is."""
-    from provider.models.capability import vocab_size
-    from tools.harness.distribution import PROMPT, load_demo_pair
-
-    model, tok, make_drafter = load_demo_pair()
-    width = vocab_size(json.loads((DEMO_TARGET / "config.json").read_text()))
-    compiler = Compiler(tok, width)
-
-    def grammar():
-        return RowGrammar(compiler.matcher("start: /[a-z ]{1,60}/", "response_format"), width, width,
-                          set(tok.eos_token_ids), "lark")
-
-    prompt = tok.encode(PROMPT)
-    params = SamplingParams(max_tokens=5, temperature=0.7, seed=1)
-    plain = plain_samples(model, prompt, params, 800, 5, grammar=grammar)
-    spec, stats = speculative_samples(model, make_drafter, prompt, params, 800, 5, k=2, seed0=20_000,
-                                      grammar=grammar)
-    assert 0.1 < stats.accepted / stats.judged < 0.95
-    rows = compare(plain, spec, 5)
-    assert all(r["p"] >= 1e-3 for r in rows), rows
-    biased, _ = speculative_samples(model, make_drafter, prompt, params, 150, 5, k=2, choice=AcceptEveryDraft,
-                                    seed0=10**6, grammar=grammar)
-    assert min(r["p"] for r in compare(plain, biased, 5)) < 1e-3  # the test has the power to see a bias
-
-
 # --- a grammar's failures, typed; `auto` free until a call begins (issue 37) ----------------------------------
 
 def _compiler(fixtures_dir, **limits):
