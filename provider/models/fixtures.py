@@ -315,9 +315,9 @@ def _qwen_config(model_type: str, ids: dict[str, int], layers: int, **extra) -> 
             "max_position_embeddings": 1024, "eos_token_id": ids["<|im_end|>"]} | extra
 
 
-def make_qwen3_tiny(out: Path) -> None:
+def make_qwen3_tiny(out: Path, **sizes) -> None:  # sizes: config keys over the tiny ones
     ids = build_tokenizer(_mkdir(out), 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
-    config = _qwen_config("qwen3", ids, 2, head_dim=16, tie_word_embeddings=True)
+    config = _qwen_config("qwen3", ids, 2, head_dim=16, tie_word_embeddings=True) | sizes
     _save(out, config, _random_weights(config, seed=4))
 
 

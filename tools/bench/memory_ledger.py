@@ -40,6 +40,12 @@ row's head K/V:
   same phase plain, to tell the head's part from the hybrid target's. (MLX's CPU build steps the Gated DeltaNet
   one position at a time: this model reads ~10 prompt tokens a second here, so the phase is kept small.)
 
+then, on a sixth node serving a Qwen3 (4 layers, 8 KV heads x 32, fp32) with an untrained DFlash drafter
+(`--drafter`), speculation as phase m's, the ledger booking the drafter's tensors, its activations and each row's
+context K/V (2 layers x K,V x 8 x 32: 4 KiB a committed token):
+
+- f: a drafter with a KV of its own: 16 ~500-token prompts at once, then phase m's load.
+
 For each phase it prints the sample with the most MLX memory active (`memory.mlx_active_bytes`) beside the ledger
 at that sample (`memory.reserved_bytes` = models + jobs' KV + prefix caches, with its parts), the same at idle,
 and a verdict for the target: active <= ledger x 1.10 + 16 MiB at every sample. Images are decoded and prepared
@@ -338,6 +344,13 @@ def phase_m(load: Load, rng: random.Random) -> None:
     load.start(load.prompt(600, rng), 16)
 
 
+def phase_f(load: Load, rng: random.Random) -> None:
+    for _ in range(16):
+        load.start(load.prompt(500, rng), 48)
+    load.join(time.monotonic() + PHASE_TIMEOUT)
+    phase_m(load, rng)
+
+
 def print_turns(turns: list[dict]) -> None:
     print("  agent      turn   prompt   cached  from cache  seconds")
     for t in sorted(turns, key=lambda t: (t["agent"], t["turn"])):
@@ -353,6 +366,8 @@ AGENT_PHASES = [("e", f"2 agents at once (messages, responses), {AGENT_TURNS} tu
                  phase_e)]
 SPEC_PHASES = [("m", ("its own MTP head: 8 x ~200-token prompts, then 8 short decoding and a ~600-token prompt "
                       "joining"), phase_m)]
+DFLASH_PHASES = [("f", "a DFlash drafter (its own context K/V a row): 16 x ~500-token prompts, then phase m's load",
+                   phase_f)]
 QUANT_PHASES = [("q", "kv_bits 4: 8 x ~800-token prompts, 15 short decoding and a ~1,500-token prompt joining",
                  phase_q)]
 
@@ -396,12 +411,26 @@ def build_hybrid(out: Path) -> tuple[Path, list[int]]:
     return out, []
 
 
+def build_dflash(out: Path) -> tuple[Path, Path]:
+    """The fixture factory's Qwen3 at a size where the books show (4 layers, 8 KV heads x 32, fp32: 8 KiB of KV
+    a token, a 4k context) and an untrained 2-layer DFlash drafter on it, whose context K/V per committed token
+    is 4 KiB (memory does not depend on what it drafts). Returns the target and the drafter."""
+    from provider.models.fixtures import make_qwen3_tiny
+    from provider.models.fixtures_dflash import drafter_dir, write_drafter
+
+    make_qwen3_tiny(out, num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=16,
+                    num_key_value_heads=16, head_dim=64, max_position_embeddings=4096)
+    write_drafter(out, drafter_dir(out), json.loads((out / "config.json").read_text()), seed=0, train=False)
+    return out, drafter_dir(out)
+
+
 def rss_bound(s: dict, outside: float) -> float:
     return s["memory"]["reserved_bytes"] * 1.10 + RSS_SLACK + outside
 
 
 def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.Random, warm: list[dict] | None,
-          results: list[dict], samples: list[dict], kv_bits: int = 0, speculation: str = "off") -> None:
+          results: list[dict], samples: list[dict], kv_bits: int = 0, speculation: str = "off",
+          extra: tuple[str, ...] = ()) -> None:
     """One node on `model`, warmed up, then each phase and its idle period, with their verdicts printed."""
     from tokenizers import Tokenizer
 
@@ -409,7 +438,7 @@ def serve(model: Path, no_eos: list[int], home: Path, phases: list, rng: random.
     env = {"PROVIDER_MEMORY_BUDGET_GB": "12", "PROVIDER_PREFIX_CACHE_GB": "1", "PROVIDER_SPECULATION": speculation,
            "PROVIDER_MAX_CONCURRENT_JOBS": "32", "PROVIDER_KV_BITS": str(kv_bits)}
     home.mkdir()
-    srv = LocalServer(model, home, env=env)
+    srv = LocalServer(model, home, *extra, env=env)
     threading.Thread(target=lambda: [None for _ in srv.proc.stdout], daemon=True).start()  # keep stdout drained
     sampler = Sampler(srv)
     try:
@@ -490,8 +519,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write every /health sample and the verdicts as JSON")
-    ap.add_argument("--phases", default="abcdeqm", help="the phases to run (default: all)")
-    ap.add_argument("--m-speculation", choices=("on", "off"), default="on", help="phase m's speculation policy")
+    ap.add_argument("--phases", default="abcdeqmf", help="the phases to run (default: all)")
+    ap.add_argument("--m-speculation", choices=("on", "off"), default="on",
+                    help="phases m and f's speculation policy")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     results: list[dict] = []
@@ -526,6 +556,13 @@ def main() -> int:
                   f"speculation {args.m_speculation}, k = 3; /health every 50 ms")
             serve(model, no_eos, Path(tmp) / "home-m", speculating, rng, None, results, samples,
                   speculation=args.m_speculation)
+        dflash = [p for p in DFLASH_PHASES if p[0] in args.phases]
+        if dflash:
+            model, drafter = build_dflash(Path(tmp) / "qwen3-kv-heavy")
+            print(f"model {model.name}: Qwen3, 4 layers, 8 KV heads x 32, fp32 (8 KiB KV/token), with an untrained "
+                  f"2-layer DFlash drafter (4 KiB context K/V a token); speculation {args.m_speculation}, k = 3")
+            serve(model, [], Path(tmp) / "home-f", dflash, rng, None, results, samples,
+                  speculation=args.m_speculation, extra=("--drafter", str(drafter)))
     if args.out:
         args.out.write_text(json.dumps({"seed": args.seed, "phases": results, "samples": samples}, indent=1))
     verdicts = ", ".join(f"{r['phase']} {r['verdict']}" for r in results)
