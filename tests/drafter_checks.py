@@ -16,6 +16,7 @@ from provider.models import capability
 from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import drafter_footprint
 from provider.types import SpecMode
+from provider.verification.hidden_tap import model_layers
 from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
 
@@ -82,7 +83,7 @@ def served_plain(target, name: str, bad) -> None:
     assert (spec.rounds, spec.mode.value, spec.reason) == (0, "off", "no_drafter"), spec
     assert ids == mtp_checks.plain(target, prompt, n)
     model, _ = load(str(target))
-    assert not any(hasattr(type(layer), "layer_tap") for layer in model.model.layers)
+    assert not any(hasattr(type(layer), "layer_tap") for layer in model_layers(model))
 
 
 def greedy_as_plain(target, name: str, drafter, n: int = 16):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..models.dflash_head import DFlashHead
+from ..models.dflash_head import DFlashHead, target_embedding
 from ..models.gemma4_target import Target
 from .acceptance import draw_drafts
 from .spec_rounds import SpecRow
@@ -29,9 +29,7 @@ class DFlashDrafter:
 
     def __init__(self, head: DFlashHead, target: Target):
         self.head, self.target = head, target
-        lm = target.lm
-        self.embed = lm.model.embed_tokens
-        self.lm_head = getattr(lm, "lm_head", None) or self.embed.as_linear
+        self.embed, self.lm_head = target_embedding(target.lm)
         self._index: dict[int, int] = {}  # each row's index in the round's verify, by identity (HeadDrafter's)
 
     def begin(self, row: SpecRow) -> None:

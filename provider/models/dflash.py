@@ -25,8 +25,9 @@ from . import dspark
 from .checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
-# mlx-vlm's other block drafters: only DSpark served (last: Gemma4DSparkModel is a Gemma 4 one)
+# mlx-vlm's other block drafters: DSpark and Gemma 4's DFlash served (last: Gemma4DSparkModel is a Gemma 4 one)
 _VARIANTS = ("dflash2", "laguna", "gemma4", "dspark")
+GEMMA4_MASK = 4  # mlx-vlm's Gemma4DFlashConfig default mask_token_id
 
 
 def is_dflash(config: dict) -> bool:
@@ -50,6 +51,9 @@ def flat_config(config: dict) -> dict:
     if flat["variant"] in (None, "dspark") and dspark.is_dspark(config):  # also a projector_type or a markov_rank
         flat["variant"] = "dspark"
         dspark.add_keys(config, flat)
+    if flat["variant"] == "gemma4" and "Gemma4DSparkModel" not in (config.get("architectures") or []):
+        flat["variant"] = "gemma4_dflash"  # mlx-vlm's gemma4_dflash: a DFlash drafter, the mask token 4 by default
+        flat.setdefault("mask_token_id", GEMMA4_MASK)
     flat["model_type"] = "qwen3"
     flat.setdefault("head_dim", (flat.get("hidden_size") or 0) // max(1, flat.get("num_attention_heads") or 1))
     flat.setdefault("num_key_value_heads", flat.get("num_attention_heads"))
@@ -89,8 +93,8 @@ def _served(flat: dict) -> str | None:
     why = dspark.check(flat) if flat["variant"] == "dspark" else None
     if why:
         return why
-    if flat["variant"] not in (None, "dspark"):
-        return f"DFlash variant {flat['variant']} is not served (only DFlash and DSpark blocks)"
+    if flat["variant"] not in (None, "dspark", "gemma4_dflash"):
+        return f"DFlash variant {flat['variant']} is not served (only DFlash, Gemma 4 DFlash and DSpark blocks)"
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
         return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
     if any(t != "full_attention" for t in flat.get("layer_types") or []):
@@ -111,8 +115,13 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     why = _served(flat)
     if why:
         return why
-    if str(tc.get("model_type", "")).startswith("gemma"):  # its embedding is scaled inside the target's forward
+    gemma4 = str(tc.get("model_type", "")).startswith("gemma4")
+    if str(tc.get("model_type", "")).startswith("gemma") and not gemma4:
+        # Gemma 4 scales its embedding by sqrt(H) as a Python float (the drafter's embedding does it alike:
+        # models.dflash_head.target_embedding); Gemma 3 rounds the scale to bfloat16 first: not matched here
         return f"DFlash drafters for {tc.get('model_type')} targets are not served"
+    if flat["variant"] == "gemma4_dflash" and not gemma4:
+        return f"a Gemma 4 DFlash drafter does not draft for {tc.get('model_type')} targets"
     if flat["hidden_size"] != tc.get("hidden_size"):
         return f"DFlash hidden_size {flat['hidden_size']} != target hidden_size {tc.get('hidden_size')}"
     if flat["vocab_size"] != tc.get("vocab_size"):

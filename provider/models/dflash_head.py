@@ -151,6 +151,17 @@ class DFlashHead(nn.Module):
         return out if self.softcap is None else mx.tanh(out / self.softcap) * self.softcap
 
 
+def target_embedding(model) -> tuple:
+    """(embed, lm_head) of the target as the drafter reads them: the block's token embeddings scaled as the target's
+    forward scales its own (Gemma 4 by sqrt(H), mlx-vlm's DFlash bind likewise), the target's LM head or its tied
+    embedding, unscaled (the drafter's own final softcap, if any, is applied after it)."""
+    lm = getattr(model, "language_model", model)
+    embedding = lm.model.embed_tokens
+    scale = getattr(embedding, "embed_scale", getattr(lm.model, "embed_scale", 1.0))
+    embed = embedding if scale == 1.0 else (lambda tokens: embedding(tokens) * scale)
+    return embed, getattr(lm, "lm_head", None) or embedding.as_linear
+
+
 def load_dflash(path: Path, model) -> DFlashHead:
     """The drafter at `path` for the loaded target `model` (paired already: models.dflash.check_pair), in its own
     dtype, and the target's layer tap installed (only now: a target without a DFlash drafter has none)."""

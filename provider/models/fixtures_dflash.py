@@ -93,19 +93,21 @@ def block_logits(head, embed, lm_head, features: mx.array, seqs: mx.array, ancho
     return head.logits(head.block(embed(block), cache, anchor)[:, 1:], lm_head)
 
 
-def distil(model, head, seqs: mx.array, steps: int, logits_fn=None) -> float:
+def distil(model, head, seqs: mx.array, steps: int, logits_fn=None, layer_ids=None, stride: int = 3) -> float:
     """Blocks anchored along the target's own continuations learn them (`logits_fn`: a block's logits as
-    `block_logits` gives them, a DSpark drafter's for fixtures_dspark). Returns the training accuracy."""
+    `block_logits` gives them, a DSpark drafter's for fixtures_dspark; `layer_ids` the tapped layers, LAYER_IDS by
+    default; `stride` between anchors). Returns the training accuracy."""
     from mlx import nn
 
     from ..verification.hidden_tap import install_layers
+    from .dflash_head import target_embedding
 
-    tap = install_layers(model, LAYER_IDS)
+    tap = install_layers(model, layer_ids or LAYER_IDS)
     model(seqs)
     features = mx.stop_gradient(tap.last)
-    embed, lm_head = model.model.embed_tokens, model.model.embed_tokens.as_linear
+    embed, lm_head = target_embedding(model)  # as the node's rounds read them (Gemma 4's embedding scaled)
     k, block_logits_of = BLOCK - 1, logits_fn or block_logits
-    anchors = list(range(3, seqs.shape[1] - k, 3))  # 6 blocks a sequence: seconds, not minutes
+    anchors = list(range(3, seqs.shape[1] - k, stride))  # 6 blocks a sequence by default: seconds, not minutes
 
     def loss_fn(h):
         losses = [nn.losses.cross_entropy(block_logits_of(h, embed, lm_head, features, seqs, a, k),

@@ -135,7 +135,7 @@ def install_layers(model, layers: list[int]) -> LayerTap:
 
         def __call__(self, *args, _base=base, _slot=slot, **kwargs):
             out = _base.__call__(self, *args, **kwargs)
-            tap.record(_slot, out)
+            tap.record(_slot, out[0] if isinstance(out, tuple) else out)  # Gemma 4's: (h, shared K/V, offset)
             return out
 
         layer.__class__ = type(f"LayerTapped{base.__name__}", (base,), {"__call__": __call__, "layer_tap": tap})
