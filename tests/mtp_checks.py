@@ -92,13 +92,16 @@ def booked_once(target, config, load_head):
     return model, head
 
 
-def books_as_held(target, config, load_head, per_token: int, own_parts: bool, pairs: int = 5):
-    """`booked_once`; the head's embedding and LM head its own (`own_parts`) or the target's; its KV booked as
-    `per_token` bytes a token, which is what its cache holds after `pairs` pairs (`cache_holds`). Returns the head."""
+def books_as_held(target, config, load_head, per_token: int, own_parts: bool, pairs: int = 5,
+                  own_lm_head: bool | None = None):
+    """`booked_once`; the head's embedding and LM head its own (`own_parts`) or the target's (its LM head alone
+    its own: `own_lm_head`); its KV booked as `per_token` bytes a token, which is what its cache holds after `pairs`
+    pairs (`cache_holds`). Returns the head."""
     from provider.models.footprint import head_kv_shape
 
     _, head = booked_once(target, config, load_head)
-    assert (head.lm_head is not None, "embed_tokens" in head) == (own_parts, own_parts)
+    assert (head.lm_head is not None, "embed_tokens" in head) == \
+        (own_parts if own_lm_head is None else own_lm_head, own_parts)
     assert head_kv_shape(target, config).bytes_per_token_full == per_token
     cache_holds(head, per_token, pairs)
     return head
@@ -119,7 +122,8 @@ def computes_the_reference(target, prefix: str, load_head, reference, held_out: 
     `held_out` held-out tokens): in one read without a cache, and read in chunks of 8 into its cache then stepped 3
     times on its own drafts (the reference rerun over the whole sequence each time): the same hidden states within
     float32 rounding and the same draft tokens. It embeds and reads out with its own parts (`own_parts`) or the
-    target's. Returns the tensors and the head."""
+    target's (its own LM head wherever it ships one), through its readout, fed the target's hidden its tap reads
+    (the final norm's output without one). Returns the tensors and the head."""
     import json
 
     config = json.loads((target / "config.json").read_text())
@@ -127,8 +131,13 @@ def computes_the_reference(target, prefix: str, load_head, reference, held_out: 
     model, tap, head = loaded(target, load_head)
     ids = mx.array([train_prompts()[0] + prompts(target)[-1][:held_out]])
     model(ids)
-    hidden = tap.last
-    embed, lm_head = (head.embed_tokens, head.lm_head) if own_parts else (model.model.embed_tokens, model.lm_head)
+    hidden = (head.tap or tap).last
+    embed = head.embed_tokens if own_parts else model.model.embed_tokens
+    own_lm_head = head.lm_head or model.lm_head
+
+    def lm_head(h):
+        return own_lm_head(head.readout(h))
+
     tokens = mx.concatenate([ids[:, 1:], mx.array([[77]])], axis=1)
     want = reference(w, config, embed(tokens), hidden)
     assert mx.allclose(head(embed(tokens), hidden, None), want, atol=2e-5, rtol=1e-4).item()

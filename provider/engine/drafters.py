@@ -183,12 +183,15 @@ class HeadDrafter:
         row.draft["pending"] = [(t, verified[i:i + 1, j:j + 1]) for j, t in enumerate(tokens)]
 
     def _latest(self) -> mx.array:
-        """The hidden states the head reads of the target's latest forward on this thread [B, L, H]."""
-        return self.target.tap.last
+        """The hidden states the head reads of the target's latest forward on this thread [B, L, H]: the final
+        norm's output, or what the head's own tap records (Step-3.5's: that norm's input)."""
+        return (self.head.tap or self.target.tap).last
 
     def _start_hidden(self, row: SpecRow) -> mx.array:
         """Of the row's first token's forward (Speculator.begin), the hidden that produced it [1, 1, H]."""
-        return row.hidden
+        if self.head.tap is None:
+            return row.hidden
+        return self.head.tap.next_row()[:, None]  # begin starts its rows in its forward's batch order, right after it
 
     def _logits(self, h: mx.array) -> mx.array:
         """The head's hidden [B, L, H] -> draft logits over the target's vocabulary [B, L, V]."""

@@ -162,7 +162,7 @@ def distil_head(out: Path, load_head, parts, steps: int, seed: int):
     seqs = [p + [t for (t, _), _ in zip(generate_step(mx.array(p), model), range(TRAIN_TOKENS))] for p in prompts]
     tokens = mx.array(seqs)
     model(tokens)
-    hidden = mx.stop_gradient(tap.last)
+    hidden = mx.stop_gradient((head.tap or tap).last)  # what the head reads: a tap of its own if it installed one
     embed_tokens, lm_head = parts(model)
     embed = embed_tokens(tokens[:, 1:-1])
 
@@ -188,6 +188,7 @@ HEAD_FIXTURES = {
     "glm4_moe-mtp-tiny": "fixtures_mtp_glm4:make_glm4_moe_mtp_tiny",
     "deepseek_v32-mtp-tiny": "fixtures_mtp_glm4:make_deepseek_v32_mtp_tiny",
     "mimo_v2_flash-mtp-tiny": "fixtures_mtp_mimo_v2:make_mimo_v2_flash_mtp_tiny",
+    "step3p5-mtp-tiny": "fixtures_mtp_step3p5:make_step3p5_mtp_tiny",
     "llama-eagle3-tiny": "fixtures_eagle3:make_llama_eagle3_tiny",  # its EAGLE-3 drafter beside it (drafter_dir)
     "qwen3-dflash-tiny": "fixtures_dflash:make_qwen3_dflash_tiny",  # its DFlash drafter beside it (drafter_dir)
     "qwen3-dspark-tiny": "fixtures_dspark:make_qwen3_dspark_tiny",  # its DSpark drafter beside it (likewise)

@@ -13,7 +13,9 @@ A head module provides:
 
 An `OwnHead` maps (token t+1's embedding, the hidden at t) pairs to the hidden that the next head step takes
 (`__call__`), and that hidden to what the LM head reads (`readout`); `lm_head` is the head's own output
-projection where the checkpoint ships one, else None (the target's is used). provider.engine.drafters runs it.
+projection where the checkpoint ships one, else None (the target's is used); `tap` None, or the tap a head that
+reads another of the target's states (Step-3.5: its final norm's input) installed at load.
+provider.engine.drafters runs it.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from types import ModuleType
 import mlx.core as mx
 from mlx import nn
 
-_MODULES = ("qwen3_5_mtp", "nemotron_h_mtp", "glm4_moe_lite_mtp", "mimo_mtp", "mimo_v2_mtp")
+_MODULES = ("qwen3_5_mtp", "nemotron_h_mtp", "glm4_moe_lite_mtp", "mimo_mtp", "mimo_v2_mtp",
+            "step3p5_mtp")
 
 
 class OwnHead(nn.Module):
     lm_head = None
+    tap = None  # a HiddenTap of its own on the target, for a head fed another state than the final norm's output
 
     def make_cache(self) -> list:
         raise NotImplementedError
