@@ -39,6 +39,28 @@ class CaptureTarget:
             c.trim(int(block_size) - 1 - int(accepted))
 
 
+class TapCaptureTarget(CaptureTarget):
+    """A target whose decoder layers cannot be stepped one by one from outside (Gemma 4: per-layer inputs, KV-shared
+    layers fed by earlier ones, sliding and full masks): its own forward runs whole, the captured layers' outputs
+    read from a layer tap (hidden_tap.install_layers: a class swap that keeps each output, nothing else changed).
+    Its embedding is the text model's (mlx-vlm's drafter binds it and its embed_scale from `model`)."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        from provider.verification.hidden_tap import install_layers
+
+        lm = getattr(model, "language_model", model)
+        self.lm, self.model, self.args = model, lm.model, lm.args
+        self.lm_head = getattr(lm, "lm_head", None) or lm.model.embed_tokens.as_linear
+        self.tap = install_layers(model, layer_ids)
+        self.forwards = 0
+
+    def __call__(self, inputs, cache=None, capture_layer_ids=(), **_):
+        self.forwards += 1
+        logits = self.lm(inputs, cache=cache)
+        assert list(capture_layer_ids) == list(self.tap.layers)
+        return SimpleNamespace(logits=logits, hidden_states=list(self.tap._local.outs), gdn_states=None)
+
+
 def argmax(logits):
     import mlx.core as mx
 

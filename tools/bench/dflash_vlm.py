@@ -1,6 +1,7 @@
 """mlx-vlm's own DFlash speculative generation on an mlx-lm target (Qwen3, or any with model.embed_tokens / layers /
-norm): the baseline bench_mtp_families.py measures the node's DFlash drafter against (`--fixture qwen3-dflash-tiny`),
-and its DSpark drafter (`--fixture qwen3-dspark-tiny`: mlx-vlm's DSparkDraftModel, as its get_model_type decides).
+norm; Gemma 4 through TapCaptureTarget): the baseline bench_mtp_families.py measures the node's DFlash drafter
+against (`--fixture qwen3-dflash-tiny`, `gemma4-dflash-tiny`: mlx-vlm's Gemma4DFlashDraftModel), and its DSpark
+drafter (`--fixture qwen3-dspark-tiny`: mlx-vlm's DSparkDraftModel, as its get_model_type decides).
 
 mlx-vlm runs DFlash on targets of its own model zoo that capture layers; capture_target's `CaptureTarget` lets its
 round loop (`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers
@@ -18,17 +19,19 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from tools.bench.capture_target import CaptureTarget, argmax, timed
+from tools.bench.capture_target import CaptureTarget, TapCaptureTarget, argmax, timed
 
 
 def load_drafter(drafter: Path, target: CaptureTarget):
     """mlx-vlm's DFlashDraftModel (DSparkDraftModel for a DSpark checkpoint) on the checkpoint's weights, bound to
     the target."""
-    from mlx_vlm.speculative.drafters import dspark, qwen3_dflash
+    import importlib
+
     from mlx_vlm.utils import get_model_type
 
     config = json.loads((drafter / "config.json").read_text())
-    family = dspark if get_model_type(config) == "dspark" else qwen3_dflash
+    # as mlx-vlm's loader picks it: qwen3_dflash, dspark, gemma4_dflash (model_type gemma4 + dflash_config)
+    family = importlib.import_module(f"mlx_vlm.speculative.drafters.{get_model_type(config)}")
     model = family.Model(family.ModelConfig.from_dict(config))
     weights = {}
     for f in sorted(drafter.glob("*.safetensors")):
@@ -46,9 +49,11 @@ def runs(path: Path, drafter: Path, ps: list[list[int]], n: int, k: int) -> tupl
     from mlx_vlm.speculative.dflash import _dflash_rounds
 
     model, _ = load(str(path))
-    target = CaptureTarget(model)
+    config = json.loads((drafter / "config.json").read_text())
+    ids = list((config.get("dflash_config") or {}).get("target_layer_ids") or config["target_layer_ids"])
+    target = CaptureTarget(model) if hasattr(model, "model") else TapCaptureTarget(model, ids)
     draft = load_drafter(drafter, target)
-    ids = list(draft.config.target_layer_ids)
+    assert list(draft.config.target_layer_ids) == ids
 
     def one(p: list[int]) -> list[int]:
         cache = make_prompt_cache(model)
