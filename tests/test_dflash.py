@@ -66,6 +66,12 @@ BROKEN = {
     "DFlash2": ({"config": lambda c: c | {"architectures": ["DFlash2DraftModel"]}}, "variant dflash2"),
     "causal blocks": ({"config": lambda c: c | {"dflash_config": c["dflash_config"] | {"causal": True}}},
                       "causal blocks"),
+    # mlx-vlm's Laguna DFlash (sliding-window context, causal blocks, gated attention) and MuseGlimmer's assistant
+    # (model_type muse_glimmer_assistant, its DFlash keys at the top level): refused, not taken for a draft model
+    "Laguna": ({"config": lambda c: c | {"model_type": "laguna"}}, "variant laguna"),
+    "MuseGlimmer assistant": ({"config": lambda c: {k: v for k, v in c.items() if k != "dflash_config"} | {
+        "model_type": "muse_glimmer_assistant", "architectures": ["MuseGlimmerAssistantModel"]}},
+                              "variant muse_glimmer"),
 }
 
 

@@ -26,14 +26,15 @@ from .checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
 # mlx-vlm's other block drafters: DSpark and Gemma 4's DFlash served (last: Gemma4DSparkModel is a Gemma 4 one)
-_VARIANTS = ("dflash2", "laguna", "gemma4", "dspark")
+_VARIANTS = ("dflash2", "laguna", "gemma4", "dspark", "muse_glimmer")
 GEMMA4_MASK = 4  # mlx-vlm's Gemma4DFlashConfig default mask_token_id
 
 
 def is_dflash(config: dict) -> bool:
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     return (any("dflash" in str(a).lower() or "dspark" in str(a).lower() for a in archs)
-            or isinstance(config.get("dflash_config"), dict) or config.get("model_type") in ("dspark", "dflash2"))
+            or isinstance(config.get("dflash_config"), dict)
+            or config.get("model_type") in ("dspark", "dflash2", "muse_glimmer_assistant"))
 
 
 def flat_config(config: dict) -> dict:
