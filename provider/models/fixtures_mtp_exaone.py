@@ -1,0 +1,84 @@
+"""Fixture factory: a tiny K-EXAONE (`exaone_moe`: sliding-window and global attention layers with q/k norms, a dense
+first layer then MoE layers with a shared expert) with its MTP layer in the published layout.
+
+`exaone_moe-mtp-tiny`: `model.*` and `lm_head.weight`, experts one tensor per expert, the router's
+`mlp.e_score_correction_bias`; and the MTP layer as `mtp.fc` [H, 2H], `mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` (a sliding-window attention with a dense MLP) and `mtp.norm`, with
+`num_nextn_predict_layers: 1`, `mtp_layer_types: ["sliding_attention"]`; no embedding or LM head of its own. The
+window is 8. Random, seeded weights (routers random, the LM head scaled so its logits are as peaked as a trained
+model's); the head distilled briefly on its target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
+from .fixtures_mtp import HF_METADATA, distil_head
+
+
+def exaone_config(ids: dict[str, int], vocab: int = 384) -> dict:
+    return {"architectures": ["ExaoneMoEForCausalLM"], "model_type": "exaone_moe", "vocab_size": vocab,
+            "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+            "num_experts_per_tok": 2, "num_shared_experts": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048,
+            "sliding_window": 8, "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "is_moe_layer": [False, True, True, True], "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_theta": 1e6, "tie_word_embeddings": False,
+            "num_nextn_predict_layers": 1, "mtp_layer_types": ["sliding_attention"], "mtp_sliding_windows": [8],
+            "eos_token_id": ids["<|im_end|>"], "torch_dtype": "float32"}
+
+
+def published_target(model) -> dict[str, mx.array]:
+    out = {}
+    for name, value in tree_flatten(model.parameters()):
+        if "embed" in name:
+            value = value * 0.5  # fewer near-ties
+        elif name == "lm_head.weight":
+            value = value * 4  # logits as peaked as a trained model's: sampled drafts accepted often enough
+        elif name.endswith("mlp.gate.weight"):
+            value = 0.5 * mx.random.normal(value.shape)  # mlx-lm initialises routers to zeros: every expert tied
+        if ".switch_mlp." in name:  # [E, out, in] -> one tensor per expert
+            base, proj = name.split(".switch_mlp.")
+            out |= {f"{base}.experts.{e}.{proj}": value[e] for e in range(value.shape[0])}
+        else:
+            out[name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")] = value
+    return out
+
+
+def published_head(head) -> dict[str, mx.array]:
+    """The head's parameters as the published MTP layer: `mtp.*`, its block `mtp.layers.0.*`, its final norm
+    `mtp.norm`."""
+    return {"mtp." + name.replace("block.", "layers.0.", 1).replace("final_layernorm.", "norm.", 1): v
+            for name, v in tree_flatten(head.parameters())}
+
+
+def make_exaone_moe_mtp_tiny(out: Path, seed: int = 39, steps: int = 100) -> None:
+    from mlx_lm.models import exaone_moe
+
+    from .exaone_moe_mtp import ExaoneMoeMTPHead
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = exaone_config(build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False))
+    mx.random.seed(seed)
+    model = exaone_moe.Model(exaone_moe.ModelArgs.from_dict(config))
+    weights = published_target(model) | published_head(ExaoneMoeMTPHead(model.args, config))
+    _save(out, config, weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+    if steps:
+        train_head(out, steps)
+
+
+def train_head(out: Path, steps: int, seed: int = 12) -> float:
+    """The MTP layer distilled on its target's greedy continuations (fixtures_mtp.distil_head), written back in the
+    published layout. Returns its training accuracy."""
+    from .exaone_moe_mtp import load_head
+
+    head, accuracy = distil_head(out, load_head, lambda m: (m.model.embed_tokens, m.lm_head), steps, seed)
+    weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+    return accuracy
