@@ -179,3 +179,43 @@ def grammar_rows_as_plain_together(target, name: str, drafter) -> None:
         if i != 2:  # the sampled row too: its draft distributions are never NaN, all its drafts valid
             jsonschema.validate(json.loads(text), schemas[min(i, 1)])
     assert together[2][2].telemetry.speculation.accepted > 0
+
+
+def sampled_rows_proposed(target, load_head, drafter_class, k: int = 4):
+    """Three sampled rows (temperature 1) of the first training prompts, read and begun, drafting k together in the
+    engine's `drafter_class` (a DFlash one). Returns (model, head, drafter, rows, drafts [3, k], qs)."""
+    from provider.engine.acceptance import SampledChoice
+    from provider.engine.spec_rounds import Speculator
+    from provider.models.gemma4_target import Target
+    from provider.telemetry import SpecTelemetry
+
+    model, _ = load(str(target))
+    head = load_head(target, model)
+    drafter = drafter_class(head, Target(model))
+    spec = Speculator(model, drafter)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    rows = [spec.new_row(p, stats=SpecTelemetry("s", k=k), choice=SampledChoice(params, i))
+            for i, p in enumerate(train_prompts()[:3])]
+    for row in rows:
+        while not spec.read(row, 2048):
+            pass
+    spec.begin(rows)
+    drafts, qs = drafter.propose(rows, k, [])
+    return model, head, drafter, rows, drafts, qs
+
+
+def mlx_vlm_drafter(drafter, model, family: str, change=None):
+    """mlx-vlm's drafter of `family` (a module of mlx_vlm.speculative.drafters) on the checkpoint's weights (its
+    config rewritten by `change`), bound to the mlx-lm target `model` by DFlashDraftModel's bind (the families' own
+    binds ask the target for mlx-vlm's cache rollback)."""
+    import importlib
+
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
+
+    module = importlib.import_module(f"mlx_vlm.speculative.drafters.{family}")
+    config = json.loads((drafter / "config.json").read_text())
+    theirs = module.Model(module.ModelConfig.from_dict(change(config) if change else config))
+    weights = dict(mx.load(str(drafter / "model.safetensors")))
+    theirs.load_weights(list(theirs.sanitize(weights).items()), strict=True)
+    DFlashDraftModel.bind(theirs, model)
+    return theirs

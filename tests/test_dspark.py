@@ -7,8 +7,6 @@ position drafting the first token), distilled for seconds. Greedy output must eq
 must be distributed as plain sampling: each draft is drawn from the logits corrected by the draft before it, and
 that distribution is its q."""
 
-import json
-
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -98,24 +96,8 @@ def test_each_drafts_q_is_its_positions_distribution_given_the_draft_before_it(t
     the block position's logits corrected by the draft before it (the anchor for the first), recomputed here for the
     row alone, and each draft lies in it. With the drafts drawn otherwise than their q the sampled rounds are not
     exact; with the previous token held at the anchor, or no correction, the drafts are worse."""
-    from provider.engine.acceptance import SampledChoice
-    from provider.engine.spec_rounds import Speculator
-    from provider.jobs import SamplingParams
-    from provider.models.gemma4_target import Target
-    from provider.telemetry import SpecTelemetry
-
-    model, _ = load(str(target))
-    head = load_head(target, model)
-    drafter = DFlashDrafter(head, Target(model))
-    spec, k = Speculator(model, drafter), 4
-    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
-    rows = [spec.new_row(p, stats=SpecTelemetry("s", k=k), choice=SampledChoice(params, i))
-            for i, p in enumerate(train_prompts()[:3])]
-    for row in rows:
-        while not spec.read(row, 2048):
-            pass
-    spec.begin(rows)
-    drafts, qs = drafter.propose(rows, k, [])
+    model, head, drafter, rows, drafts, qs = drafter_checks.sampled_rows_proposed(target, load_head, DFlashDrafter)
+    k = drafts.shape[1]
     embed = model.model.embed_tokens
     for i, row in enumerate(rows):
         cache, position = row.draft["cache"], drafter._position(row)
@@ -128,19 +110,6 @@ def test_each_drafts_q_is_its_positions_distribution_given_the_draft_before_it(t
             assert want[0, previous[j + 1]].item() > 0
 
 
-def _mlx_vlm_drafter(drafter, model, from_anchor: bool):
-    from mlx_vlm.speculative.drafters.dspark import DSparkDraftModel, ModelConfig
-    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
-
-    config = json.loads((drafter / "config.json").read_text())
-    config["dflash_config"]["sample_from_anchor"] = from_anchor
-    theirs = DSparkDraftModel(ModelConfig.from_dict(config))
-    weights = dict(mx.load(str(drafter / "model.safetensors")))
-    theirs.load_weights(list(theirs.sanitize(weights).items()), strict=True)
-    DFlashDraftModel.bind(theirs, model)  # DSpark's own bind asks the target for mlx-vlm's cache rollback
-    return theirs
-
-
 @pytest.mark.parametrize("from_anchor", [True, False])
 def test_the_drafter_drafts_as_mlx_vlms_dspark_drafter(target, from_anchor):
     """mlx-vlm's DSparkDraftModel on the same weights and tapped layers: at every block position the same corrected
@@ -149,7 +118,8 @@ def test_the_drafter_drafts_as_mlx_vlms_dspark_drafter(target, from_anchor):
     model, _ = load(str(target))
     ours = load_head(target, model)
     ours.from_anchor = int(from_anchor)
-    theirs = _mlx_vlm_drafter(drafter_dir(target), model, from_anchor)
+    theirs = drafter_checks.mlx_vlm_drafter(drafter_dir(target), model, "dspark",
+                                            _inner(sample_from_anchor=from_anchor))
     embed, k = model.model.embed_tokens, 4
     ids = mx.array([train_prompts()[1] + list(range(40, 60))])
     model(ids)
