@@ -63,7 +63,8 @@ BROKEN = {
                          "dtype U32"),
     "DSpark without its Markov head": ({"config": lambda c: c | {"architectures": ["DSparkDraftModel"]}},
                                        "has no tensor markov_head.markov_w1.weight"),
-    "DFlash2": ({"config": lambda c: c | {"architectures": ["DFlash2DraftModel"]}}, "variant dflash2"),
+    "DFlash2 without its selector": ({"config": lambda c: c | {"architectures": ["DFlash2DraftModel"]}},
+                                     "malformed DFlash2 config: conv_kernel_size is 0"),
     "causal blocks": ({"config": lambda c: c | {"dflash_config": c["dflash_config"] | {"causal": True}}},
                       "causal blocks"),
     # mlx-vlm's Laguna DFlash (sliding-window context, causal blocks, gated attention) and MuseGlimmer's assistant

@@ -149,15 +149,16 @@ def choice_for(params: SamplingParams, limit: int | None = None,
     return CoupledChoice(params, seed, limit) if seed is not None else SampledChoice(params, limit=limit)
 
 
-def draw_drafts(rows: list, logits: mx.array, qs: list[list]) -> mx.array:
+def draw_drafts(rows: list, logits: mx.array, qs: list[list], select=None) -> mx.array:
     """Each row's (spec_rounds.SpecRow) draft from its own logits [B, V], by its own choice; returns the drafts
     [B, 1], and adds each row's q to its list in `qs`. A constrained row drafts under its grammar's mask, and the
     grammar takes the draft at once (the next mask depends on it): its draft is read back here, one sync per draft
-    position. Every drafter draws through here."""
+    position. `select(i, logits [1, V])`: what row i's draft is drawn from, given its (masked) logits (a DFlash2
+    drafter's candidates). Every drafter draws through here."""
     tokens = []
     for i, row in enumerate(rows):
-        own = logits[i:i + 1]
-        token, q = row.choice.draft(own if row.grammar is None else row.grammar.draft(own))
+        own = logits[i:i + 1] if row.grammar is None else row.grammar.draft(logits[i:i + 1])
+        token, q = row.choice.draft(own if select is None else select(i, own))
         if row.grammar is not None:
             row.grammar.drafted(token.item())
         tokens.append(token)

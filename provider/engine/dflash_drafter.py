@@ -5,7 +5,8 @@ and `pending`, the features of positions committed since its last round. A round
 into the cache, then one forward of the block [last, mask x k] at the positions after the context, whose block
 positions 1..k give the k draft distributions at once; each row then draws its drafts position by position, under
 its grammar (the mask of position j follows the drafts before it; the logits do not, but for a DSpark drafter's
-Markov correction by the draft before each, models.dspark_head). After the verify, the tapped
+Markov correction by the draft before each, models.dspark_head, and for a DFlash2 drafter's candidate selector,
+which scores the top-k by the draft before each, models.dflash2_head). After the verify, the tapped
 outputs of the row's `last` and accepted drafts become its pending features: the cache held the context only, so
 nothing is rolled back.
 
@@ -66,12 +67,13 @@ class DFlashDrafter:
                                  [r.draft["cache"] for r in rows], [self._position(r) for r in rows])
         logits = self.head.draft_logits(h, self.lm_head)  # [B, k, V]
         markov, previous = self.head.markov_head, mx.array([r.last for r in rows])
+        selecting = getattr(self.head, "selecting", None)  # DFlash2's candidate selector
         drafted, qs = [], [[] for _ in rows]
         for j in range(k):
-            # DSpark: position j's logits corrected by the token before it (the anchor, then each row's own draft),
-            # so q_j is exactly the distribution d_j is drawn from.
+            # DSpark: position j's logits corrected by the token before it (the anchor, then each row's own draft);
+            # DFlash2: its candidates scored given that token. So q_j is exactly the distribution d_j is drawn from.
             drafted.append(draw_drafts(rows, logits[:, j, :] if markov is None else markov(logits[:, j, :], previous),
-                                       qs))
+                                       qs, selecting and selecting(h, j, previous)))
             previous = drafted[-1][:, 0]
         return mx.concatenate(drafted, axis=1), qs
 

@@ -11,8 +11,8 @@ or without a `model.` prefix; no embedding and no LM head (the target's are used
 The target layer ids are the target's decoder layers whose *outputs* the drafter reads (z-lab's
 hidden_states[id + 1], mlx-vlm's capture_layer_ids). mlx-vlm's DSpark (a low-rank Markov correction that makes
 each block position's logits depend on the previous draft, and a confidence head) is served as this kind
-(models.dspark holds its own checks); DFlash2 (a dynamic causal convolution and a candidate selector) builds on the
-same model but drafts otherwise: it is refused here.
+(models.dspark holds its own checks), and so is DFlash2 (grouped dynamic causal convolutions around each layer's
+attention and MLP, and a candidate selector: models.dflash2).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from ..memory.estimate import DTYPE_BYTES, text_config
-from . import dspark
+from . import dflash2, dspark
 from .checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
@@ -52,6 +52,8 @@ def flat_config(config: dict) -> dict:
     if flat["variant"] in (None, "dspark") and dspark.is_dspark(config):  # also a projector_type or a markov_rank
         flat["variant"] = "dspark"
         dspark.add_keys(config, flat)
+    if flat["variant"] == dflash2.VARIANT:
+        dflash2.add_keys(config, flat)
     if flat["variant"] == "gemma4" and "Gemma4DSparkModel" not in (config.get("architectures") or []):
         flat["variant"] = "gemma4_dflash"  # mlx-vlm's gemma4_dflash: a DFlash drafter, the mask token 4 by default
         flat.setdefault("mask_token_id", GEMMA4_MASK)
@@ -82,20 +84,21 @@ def expected_shapes(flat: dict) -> dict[str, tuple[int, ...]]:
                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                    p + "mlp.down_proj.weight": (h, i)}
-    return shapes | (dspark.expected_shapes(flat) if flat.get("variant") == "dspark" else {})
+    extra = {"dspark": dspark.expected_shapes, dflash2.VARIANT: dflash2.expected_shapes}.get(flat.get("variant"))
+    return shapes | (extra(flat) if extra else {})
 
 
 def canonical(name: str) -> str:
-    return name.removeprefix("model.")
+    return dflash2.canonical(name.removeprefix("model."))
 
 
 def _served(flat: dict) -> str | None:
     """Why a well-formed config drafts otherwise than the rounds the node runs, or None."""
-    why = dspark.check(flat) if flat["variant"] == "dspark" else None
+    why = {"dspark": dspark.check, dflash2.VARIANT: dflash2.check}.get(flat["variant"], lambda _: None)(flat)
     if why:
         return why
-    if flat["variant"] not in (None, "dspark", "gemma4_dflash"):
-        return f"DFlash variant {flat['variant']} is not served (only DFlash, Gemma 4 DFlash and DSpark blocks)"
+    if flat["variant"] not in (None, "dspark", "gemma4_dflash", dflash2.VARIANT):
+        return f"DFlash variant {flat['variant']} is not served (only DFlash, Gemma 4 DFlash, DSpark and DFlash2)"
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
         return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
     if any(t != "full_attention" for t in flat.get("layer_types") or []):

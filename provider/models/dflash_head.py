@@ -162,16 +162,17 @@ def target_embedding(model) -> tuple:
     return embed, getattr(lm, "lm_head", None) or embedding.as_linear
 
 
-def load_dflash(path: Path, model) -> DFlashHead:
+def load_dflash(path: Path, model, head_class=DFlashHead) -> DFlashHead:
     """The drafter at `path` for the loaded target `model` (paired already: models.dflash.check_pair), in its own
-    dtype, and the target's layer tap installed (only now: a target without a DFlash drafter has none)."""
+    dtype, and the target's layer tap installed (only now: a target without a DFlash drafter has none);
+    `head_class`: a DFlashHead's subclass (models.dflash2_head's)."""
     from ..verification.hidden_tap import install_layers
 
     flat = flat_config(json.loads((path / "config.json").read_text()))
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights |= {canonical(k): v for k, v in mx.load(str(f)).items() if loaded(k)}
-    head = DFlashHead(flat)
+    head = head_class(flat)
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
     head.tap = install_layers(model, sorted(flat["target_layer_ids"]))

@@ -194,6 +194,7 @@ HEAD_FIXTURES = {
     "llama-eagle3-tiny": "fixtures_eagle3:make_llama_eagle3_tiny",  # its EAGLE-3 drafter beside it (drafter_dir)
     "qwen3-dflash-tiny": "fixtures_dflash:make_qwen3_dflash_tiny",  # its DFlash drafter beside it (drafter_dir)
     "qwen3-dspark-tiny": "fixtures_dspark:make_qwen3_dspark_tiny",  # its DSpark drafter beside it (likewise)
+    "qwen3-dflash2-tiny": "fixtures_dflash2:make_qwen3_dflash2_tiny",  # its DFlash2 drafter beside it (likewise)
     "gemma4-dflash-tiny": "fixtures_gemma4_dflash:make_gemma4_dflash_tiny",  # a Gemma 4 DFlash drafter beside it
 }
 

@@ -164,6 +164,12 @@ def _dflash(lm: LoadedModel, drafter_path: Path) -> bool:
     return is_dflash(read_config(drafter_path))
 
 
+def _dflash2(lm: LoadedModel, drafter_path: Path) -> bool:
+    from .dflash2 import is_dflash2
+
+    return is_dflash2(read_config(drafter_path))
+
+
 def _eagle3(lm: LoadedModel, drafter_path: Path) -> bool:
     from .eagle3 import is_eagle3
 
@@ -192,6 +198,14 @@ def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its boo
     lm.draft_kv_shape = dflash_kv_shape(drafter_path, read_config(drafter_path))
 
 
+def _load_dflash2(lm: LoadedModel, drafter_path: Path, group) -> None:  # DFlash's books: its context KV alike
+    from .dflash2_head import load_dflash2
+    from .footprint import dflash_kv_shape
+
+    lm.drafter = load_dflash2(drafter_path, lm.model)
+    lm.draft_kv_shape = dflash_kv_shape(drafter_path, read_config(drafter_path))
+
+
 def _load_eagle3(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own KV a row, as a head's
     from .eagle3_head import load_eagle3
     from .footprint import eagle3_kv_shape
@@ -214,6 +228,7 @@ def _load_draft_model(lm: LoadedModel, drafter_path: Path, group) -> None:
 
 DRAFTER_KINDS = (
     (SpecMode.MTP, _in_target, _load_native_head),  # the head inside the target's checkpoint
+    (SpecMode.MTP, _dflash2, _load_dflash2),  # DFlash2 (models.dflash2): DFlash's layers, convolved, and a selector
     (SpecMode.MTP, _dflash, _load_dflash),  # DFlash block drafters, DSpark ones (models.dspark) among them
     (SpecMode.MTP, _eagle3, _load_eagle3),
     (SpecMode.MTP, _anything, _load_assistant),  # a Gemma 4 assistant
