@@ -1,7 +1,9 @@
 """mlx-vlm's own DFlash speculative generation on an mlx-lm target (Qwen3, or any with model.embed_tokens / layers /
 norm; Gemma 4 through TapCaptureTarget): the baseline bench_mtp_families.py measures the node's DFlash drafter
-against (`--fixture qwen3-dflash-tiny`, `gemma4-dflash-tiny`: mlx-vlm's Gemma4DFlashDraftModel), and its DSpark
-drafter (`--fixture qwen3-dspark-tiny`: mlx-vlm's DSparkDraftModel, as its get_model_type decides).
+against (`--fixture qwen3-dflash-tiny`, `gemma4-dflash-tiny`: mlx-vlm's Gemma4DFlashDraftModel), its DSpark
+drafter (`--fixture qwen3-dspark-tiny`: mlx-vlm's DSparkDraftModel, as its get_model_type decides) and its DFlash2
+drafter (`--fixture qwen3-dflash2-tiny`: DFlash2DraftModel; its greedy drafts go through its candidate selector, as
+CaptureTarget offers no speculative_argmax_from_hidden, which would skip it).
 
 mlx-vlm runs DFlash on targets of its own model zoo that capture layers; capture_target's `CaptureTarget` lets its
 round loop (`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers
@@ -23,14 +25,14 @@ from tools.bench.capture_target import CaptureTarget, TapCaptureTarget, argmax, 
 
 
 def load_drafter(drafter: Path, target: CaptureTarget):
-    """mlx-vlm's DFlashDraftModel (DSparkDraftModel for a DSpark checkpoint) on the checkpoint's weights, bound to
-    the target."""
+    """mlx-vlm's DFlashDraftModel (DSparkDraftModel, DFlash2DraftModel for those checkpoints) on the checkpoint's
+    weights, bound to the target."""
     import importlib
 
     from mlx_vlm.utils import get_model_type
 
     config = json.loads((drafter / "config.json").read_text())
-    # as mlx-vlm's loader picks it: qwen3_dflash, dspark, gemma4_dflash (model_type gemma4 + dflash_config)
+    # as mlx-vlm's loader picks it: qwen3_dflash, dspark, dflash2, gemma4_dflash (model_type gemma4 + dflash_config)
     family = importlib.import_module(f"mlx_vlm.speculative.drafters.{get_model_type(config)}")
     model = family.Model(family.ModelConfig.from_dict(config))
     weights = {}
