@@ -131,6 +131,18 @@ def train_head(out: Path, steps: int = 80, seed: int = 12) -> float:
     return accuracy
 
 
+def write_and_distil(out: Path, config: dict, weights: dict, load_head, publish, steps: int, seed: int = 12) -> None:
+    """The target's and head's tensors `weights` written with `config` in the published layout; with `steps`, the
+    head `load_head` loads distilled (`distil_head`, through the target's embedding and LM head) and written back
+    as `publish(head)` lays it out (the families whose head reads the target's parts: MiMo, ERNIE, K-EXAONE)."""
+    _save(out, config, weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+    if steps:
+        head, _ = distil_head(out, load_head, lambda m: (m.model.embed_tokens, m.lm_head), steps, seed)
+        weights = dict(mx.load(str(out / "model.safetensors"))) | publish(head)
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
+
+
 def fit(module, loss_fn, steps: int, lr: float = 3e-3) -> None:
     """`steps` Adam steps on `module`'s trainable parameters against `loss_fn(module)` (every fixture's drafter or
     head is distilled this way)."""

@@ -16,8 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
-from .fixtures_mtp import HF_METADATA, distil_head
+from .fixtures_mtp import chatml_tokenizer, write_and_distil
 
 
 def ernie_config(ids: dict[str, int], vocab: int = 384) -> dict:
@@ -53,25 +52,10 @@ def published_head(head) -> dict[str, mx.array]:
 def make_ernie4_5_moe_mtp_tiny(out: Path, seed: int = 37, steps: int = 100) -> None:
     from mlx_lm.models import ernie4_5_moe
 
-    from .ernie4_5_mtp import Ernie45MTPHead
+    from .ernie4_5_mtp import Ernie45MTPHead, load_head
 
-    out.mkdir(parents=True, exist_ok=True)
-    config = ernie_config(build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False))
+    config = ernie_config(chatml_tokenizer(out))
     mx.random.seed(seed)
     model = ernie4_5_moe.Model(ernie4_5_moe.ModelArgs.from_dict(config))
     weights = published_target(model) | published_head(Ernie45MTPHead(model.args))
-    _save(out, config, weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    if steps:
-        train_head(out, steps)
-
-
-def train_head(out: Path, steps: int, seed: int = 12) -> float:
-    """The MTP layer distilled on its target's greedy continuations (fixtures_mtp.distil_head), written back in the
-    published layout. Returns its training accuracy."""
-    from .ernie4_5_mtp import load_head
-
-    head, accuracy = distil_head(out, load_head, lambda m: (m.model.embed_tokens, m.lm_head), steps, seed)
-    weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    return accuracy
+    write_and_distil(out, config, weights, load_head, published_head, steps)

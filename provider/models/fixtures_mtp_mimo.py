@@ -16,8 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
-from .fixtures_mtp import HF_METADATA, distil_head
+from .fixtures_mtp import chatml_tokenizer, write_and_distil
 
 
 def mimo_config(ids: dict[str, int], vocab: int = 384, **sizes) -> dict:
@@ -36,26 +35,11 @@ def published_head(head) -> dict[str, mx.array]:
 def make_mimo_mtp_tiny(out: Path, seed: int = 31, train: bool = True, steps: int = 80) -> None:
     from mlx_lm.models import mimo
 
-    from .mimo_mtp import MiMoMTPHead
+    from .mimo_mtp import MiMoMTPHead, load_head
 
-    out.mkdir(parents=True, exist_ok=True)
-    config = mimo_config(build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False))
+    config = mimo_config(chatml_tokenizer(out))
     mx.random.seed(seed)
     model = mimo.Model(mimo.ModelArgs.from_dict(config))
     weights = {k: v * 0.5 if "embed" in k else v for k, v in tree_flatten(model.parameters())}  # fewer near-ties
     weights |= published_head(MiMoMTPHead(model.args))
-    _save(out, config, weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    if train:
-        train_head(out, steps)
-
-
-def train_head(out: Path, steps: int, seed: int = 12) -> float:
-    """The MTP layer distilled on its target's greedy continuations (fixtures_mtp.distil_head), written back in the
-    published layout. Returns its training accuracy."""
-    from .mimo_mtp import load_head
-
-    head, accuracy = distil_head(out, load_head, lambda m: (m.model.embed_tokens, m.lm_head), steps, seed)
-    weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    return accuracy
+    write_and_distil(out, config, weights, load_head, published_head, steps if train else 0)

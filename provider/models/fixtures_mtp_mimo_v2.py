@@ -14,8 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .fixtures import CHATML_TEMPLATE, _save, build_tokenizer
-from .fixtures_mtp import HF_METADATA, distil_head
+from .fixtures_mtp import chatml_tokenizer, write_and_distil
 from .fixtures_mtp_glm import _hf_names, spread
 
 PREFIX = "model.mtp.layers.0."
@@ -44,24 +43,11 @@ def published_head(head) -> dict[str, mx.array]:
 def make_mimo_v2_flash_mtp_tiny(out: Path, seed: int = 33, steps: int = 120) -> None:
     from mlx_lm.models import mimo_v2_flash
 
-    from .mimo_v2_mtp import MiMoV2MTPHead
+    from .mimo_v2_mtp import MiMoV2MTPHead, load_head
 
-    out.mkdir(parents=True, exist_ok=True)
-    config = mimo_v2_config(build_tokenizer(out, 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False))
+    config = mimo_v2_config(chatml_tokenizer(out))
     mx.random.seed(seed)
     model = mimo_v2_flash.Model(mimo_v2_flash.ModelArgs.from_dict(config))
     weights = _hf_names(spread(dict(tree_flatten(model.parameters()))), config)
     weights |= published_head(MiMoV2MTPHead(model.args))
-    _save(out, config, weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    if steps:
-        train_head(out, steps)
-
-
-def train_head(out: Path, steps: int, seed: int = 12) -> float:
-    from .mimo_v2_mtp import load_head
-
-    head, accuracy = distil_head(out, load_head, lambda m: (m.model.embed_tokens, m.lm_head), steps, seed)
-    weights = dict(mx.load(str(out / "model.safetensors"))) | published_head(head)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=HF_METADATA)
-    return accuracy
+    write_and_distil(out, config, weights, load_head, published_head, steps)
