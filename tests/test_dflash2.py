@@ -94,7 +94,7 @@ def test_each_drafts_q_is_the_selectors_distribution_given_the_draft_before_it(t
     """Three sampled rows drafting k = 4 together in the engine's drafter: each draft's q is its row's sampler over
     the softmax of the block position's candidates' scores given the draft before it (the anchor for the first),
     recomputed here for the row alone: zero outside the top 32 of the base logits, and the draft one of them. With q
-    taken from the base logits (the draw the selector's) this fails."""
+    taken from the base logits (the draw the selector's), or the previous token held at the anchor, this fails."""
     model, head, drafter, rows, drafts, qs = drafter_checks.sampled_rows_proposed(target, load_head, DFlashDrafter)
     embed, k = model.model.embed_tokens, drafts.shape[1]
     for i, row in enumerate(rows):
