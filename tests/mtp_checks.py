@@ -4,19 +4,27 @@ Qwen3.5), test_mtp_qwen_moe.py, test_mtp_glm.py, test_mtp_nemotron.py. Each test
 
 import asyncio
 import itertools
+import json
+import shutil
 
 import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from provider.engine.acceptance import SampledChoice
 from provider.engine.drafters import HeadDrafter
 from provider.engine.spec_rounds import Speculator
-from provider.jobs import Job
+from provider.jobs import Job, SamplingParams
+from provider.memory import estimate
 from provider.models import capability
+from provider.models.checkpoint import open_checkpoint
 from provider.models.fixtures_mtp import train_prompts
+from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.gemma4_target import Target
 from provider.telemetry import SpecTelemetry
+from provider.types import SpecMode
 from provider.verification.hidden_tap import install
 from tests.helpers import collect, greedy, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
@@ -74,13 +82,6 @@ def booked_once(target, config, load_head):
     mlx-lm's load holds (its sanitize drops the head's tensors), to the byte; the checkpoint's tensors are that plus
     the head as `load_head` loads it; the drafter's footprint is that head plus activations. Returns the model and
     the head."""
-    from mlx.utils import tree_flatten
-
-    from provider.memory import estimate
-    from provider.models.checkpoint import open_checkpoint
-    from provider.models.footprint import drafter_footprint
-    from provider.types import SpecMode
-
     model, _ = load(str(target))
     held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     assert estimate.weight_bytes(config, open_checkpoint(target).tensors) == held
@@ -92,13 +93,24 @@ def booked_once(target, config, load_head):
     return model, head
 
 
+def first_layer_alone(target, out, more_layers, config_change: dict, load_head):
+    """A copy of `target` at `out` with more MTP layers (`more_layers` adds their tensors, `config_change` declares
+    them) is still capable, and served with the first, which alone is read and booked (footprint: that head plus
+    activations). Returns the head loaded from it."""
+    more = rewritten(target, out, more_layers, config_change)
+    config = capability.read_config(more)
+    assert capability.with_drafter(capability.detect(more, config), more, None, config).mtp_capable
+    head = load_head(more, load(str(more))[0])
+    assert drafter_footprint(more, config, SpecMode.MTP, 3, 512) - sum(v.nbytes for _, v in tree_flatten(
+        head.parameters())) == estimate.activation_bytes(config, 512, attention_only=True)
+    return head
+
+
 def books_as_held(target, config, load_head, per_token: int, own_parts: bool, pairs: int = 5,
                   own_lm_head: bool | None = None):
     """`booked_once`; the head's embedding and LM head its own (`own_parts`) or the target's (its LM head alone
     its own: `own_lm_head`); its KV booked as `per_token` bytes a token, which is what its cache holds after `pairs`
     pairs (`cache_holds`). Returns the head."""
-    from provider.models.footprint import head_kv_shape
-
     _, head = booked_once(target, config, load_head)
     assert (head.lm_head is not None, "embed_tokens" in head) == \
         (own_parts if own_lm_head is None else own_lm_head, own_parts)
@@ -124,8 +136,6 @@ def computes_the_reference(target, prefix: str, load_head, reference, held_out: 
     float32 rounding and the same draft tokens. It embeds and reads out with its own parts (`own_parts`) or the
     target's (its own LM head wherever it ships one), through its readout, fed the target's hidden its tap reads
     (the final norm's output without one). Returns the tensors and the head."""
-    import json
-
     config = json.loads((target / "config.json").read_text())
     w = {k[len(prefix):]: v for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(prefix)}
     model, tap, head = loaded(target, load_head)
@@ -208,9 +218,6 @@ def greedy_alone_and_together(target, name, ps, want, n, then=None, drafter=None
 def rewritten(target, out, change, config_change: dict | None = None):
     """A copy of the checkpoint at `target` whose tensors `change` rewrote (a dict in, a dict out; tagged "pt" as
     the fixtures are), its config updated by `config_change` if given. Returns its path."""
-    import json
-    import shutil
-
     shutil.copytree(target, out)
     weights = change(dict(mx.load(str(out / "model.safetensors"))))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
@@ -221,8 +228,6 @@ def rewritten(target, out, change, config_change: dict | None = None):
 
 def until_eos(path, tokens: list[int]) -> list[int]:
     """Plain decoding's tokens as the node emits them: it stops at the end token (mlx-lm's generate_step does not)."""
-    import json
-
     eos = json.loads((path / "config.json").read_text())["eos_token_id"]
     return tokens[:tokens.index(eos)] if eos in tokens else tokens
 
@@ -231,8 +236,6 @@ def refused_and_served_plain(bad, target, name: str, load_head) -> None:
     """A broken head in the checkpoint at `bad` (a copy of `target`): its headers still show a head (capability
     holds), `load_head` refuses it with a ValueError, and a node (auto) serves two held-out prompts plain with the
     reason, their output plain decoding's."""
-    import pytest
-
     head_found(bad, capability.read_config(bad))
     model, _ = load(str(bad))
     with pytest.raises(ValueError):
@@ -251,13 +254,25 @@ def refused_and_served_plain(bad, target, name: str, load_head) -> None:
         assert ids == until_eos(bad, plain(bad, p, 8))
 
 
-def greedy_as_plain(target, name: str, n: int = 16):
+def refused_when_broken(target, out, name: str, load_head, broken: str, cut: str, drop: dict) -> None:
+    """`refused_and_served_plain` on a copy of `target` at `out`, its head broken: the tensors named from
+    `drop[broken]` on dropped, or (`broken` not in `drop`) the tensor `cut` cut to 127 input columns."""
+    change = (lambda w: {k: v for k, v in w.items() if not k.startswith(drop[broken])}) if broken in drop else \
+        (lambda w: w | {cut: w[cut][:, :127]})
+    refused_and_served_plain(rewritten(target, out, change), target, name, load_head)
+
+
+def greedy_as_plain(target, name: str, n: int = 16, accepted: float | None = None):
     """`greedy_alone_and_together` on `prompts(target)` (1 to 90 tokens) against plain decoding's n tokens as the node
-    emits them, the 8 verified together. Returns (prompts, alone, together)."""
+    emits them, the 8 verified together; with `accepted`, more than that share of the drafts accepted on the four
+    prompts the head was distilled on (alone). Returns (prompts, alone, together)."""
     ps = prompts(target)
     want = [until_eos(target, plain(target, p, n)) for p in ps]
     alone, together, _ = greedy_alone_and_together(target, name, ps, want, n)
     assert together[0][2].telemetry.speculation.mean_batch > 2  # verified together with the others
+    if accepted is not None:
+        spec = [done.telemetry.speculation for _, _, done, _ in alone[:4]]
+        assert sum(s.accepted for s in spec) > accepted * sum(s.judged for s in spec), spec
     return ps, alone, together
 
 
@@ -326,10 +341,13 @@ def sampled(model, head, prompt, params, n, k, choice=SampledChoice, seed0=0, po
     return out, total
 
 
-def sampled_as_plain(target, load_head, prompt, params, drafter=HeadDrafter) -> None:
+def sampled_as_plain(target, load_head, prompt=None, params=None, drafter=HeadDrafter) -> None:
     """test_spec_sampling's distribution test with the head: the first 6 tokens, k = 3, 800 samples a side; a
     chi-square per position does not tell speculative sampling from the node's plain sampler, both of the round's
-    branches ran hundreds of times, and the test tells the biased control (every draft accepted, k = 2) apart."""
+    branches ran hundreds of times, and the test tells the biased control (every draft accepted, k = 2) apart.
+    By default on the first distilled prompt at T = 0.7 with top_p 0.95 and top_k 32 (most families' figures)."""
+    prompt = train_prompts()[0] if prompt is None else prompt
+    params = params or SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
     model, _, head = loaded(target, load_head)
     reference = plain_samples(model, prompt, params, 800, 6)
     spec, stats = sampled(model, head, prompt, params, 800, 3, drafter=drafter)

@@ -10,16 +10,8 @@ sampling."""
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm import load
 
-from provider.jobs import SamplingParams
-from provider.memory import estimate
-from provider.models import capability
-from provider.models.fixtures_mtp import train_prompts
-from provider.models.footprint import drafter_footprint
 from provider.models.step3p5_mtp import load_head
-from provider.types import SpecMode
 from tests import mtp_checks
 
 NAME = "step3p5-mtp-tiny"
@@ -44,16 +36,9 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
                     for i in (5, 6)}
 
     types = config["layer_types"] + ["sliding_attention"] * 2
-    three = mtp_checks.rewritten(target, tmp_path / "three", more_layers,
-                                 {"num_nextn_predict_layers": 3, "layer_types": types,
-                                  "rope_theta": config["rope_theta"] + [1e4] * 2})
-    config = capability.read_config(three)
-    assert capability.with_drafter(capability.detect(three, config), three, None, config).mtp_capable
-    model, _ = load(str(three))
-    loaded = load_head(three, model)
-    head_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
-    assert drafter_footprint(three, config, SpecMode.MTP, 3, 512) - head_bytes == \
-        estimate.activation_bytes(config, 512, attention_only=True)
+    loaded = mtp_checks.first_layer_alone(target, tmp_path / "three", more_layers,
+                                          {"num_nextn_predict_layers": 3, "layer_types": types,
+                                           "rope_theta": config["rope_theta"] + [1e4] * 2}, load_head)
     assert mx.array_equal(loaded.eh_proj.weight, head.eh_proj.weight).item()  # layer 4's
 
 
@@ -62,18 +47,13 @@ def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target,
     """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
     plain with the reason (auto), its output plain decoding's."""
     drop = {"g_proj gone": MTP + "self_attn.g_proj", "shared head's output gone": MTP + "transformer.shared_head.out"}
-    change = {
-        "eh_proj cut": lambda w: w | {MTP + "eh_proj.weight": w[MTP + "eh_proj.weight"][:, :127]},
-    }.get(broken, lambda w: {k: v for k, v in w.items() if not k.startswith(drop[broken])})
-    mtp_checks.refused_and_served_plain(mtp_checks.rewritten(target, tmp_path / "bad", change), target, NAME, load_head)
+    mtp_checks.refused_when_broken(target, tmp_path / "bad", NAME, load_head, broken, MTP + "eh_proj.weight", drop)
 
 
 def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
     """Prompts of 1 to 90 tokens (most past the window of 8) alone, then 8 together: plain decoding's tokens, and on
     the prompts the head was distilled on, most drafts accepted."""
-    _, alone, _ = mtp_checks.greedy_as_plain(target, NAME)
-    spec = [done.telemetry.speculation for _, _, done, _ in alone[:4]]
-    assert sum(s.accepted for s in spec) > 0.5 * sum(s.judged for s in spec), spec
+    mtp_checks.greedy_as_plain(target, NAME, accepted=0.5)
 
 
 def test_the_drafter_feeds_the_head_the_hidden_before_the_final_norm(target):
@@ -152,7 +132,5 @@ def test_the_head_computes_the_published_step(target):
 
 
 def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
-    """The distribution test (mtp_checks.sampled_as_plain): the first 6 tokens at T = 0.7 with top_p and top_k,
-    k = 3, 800 samples a side, both branches hundreds of times; and its biased control told apart."""
-    params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
-    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)
+    """mtp_checks.sampled_as_plain at its figures (T = 0.7), with its biased control."""
+    mtp_checks.sampled_as_plain(target, load_head)
