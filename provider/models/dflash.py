@@ -30,6 +30,9 @@ _VARIANTS = ("dflash2", "laguna", "gemma4", "dspark", "muse_glimmer")
 GEMMA4_MASK = 4  # mlx-vlm's Gemma4DFlashConfig default mask_token_id
 
 
+DEFAULT_ROPE_THETA = 10_000_000.0  # mlx-vlm's DFlashConfig default (z-lab's Qwen3 drafters)
+
+
 def is_dflash(config: dict) -> bool:
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     return (any("dflash" in str(a).lower() or "dspark" in str(a).lower() for a in archs)
@@ -57,6 +60,16 @@ def flat_config(config: dict) -> dict:
     if flat["variant"] == "gemma4" and "Gemma4DSparkModel" not in (config.get("architectures") or []):
         flat["variant"] = "gemma4_dflash"  # mlx-vlm's gemma4_dflash: a DFlash drafter, the mask token 4 by default
         flat.setdefault("mask_token_id", GEMMA4_MASK)
+    # RoPE as mlx-vlm's DFlashConfig reads it: rope_parameters carry the theta and the scaling, the theta is 1e7
+    # when none is given (not mlx-lm's 1e4), and the pairing is NeoX unless rope_is_neox_style says otherwise.
+    if isinstance(config.get("rope_parameters"), dict):
+        rope = dict(config["rope_parameters"])
+        flat["rope_theta"] = rope.pop("rope_theta", flat.get("rope_theta"))
+        flat["rope_scaling"] = rope
+    flat.pop("rope_parameters", None)
+    if flat.get("rope_theta") is None:
+        flat["rope_theta"] = DEFAULT_ROPE_THETA
+    flat["rope_traditional"] = not bool(config.get("rope_is_neox_style", True))
     flat["model_type"] = "qwen3"
     flat.setdefault("head_dim", (flat.get("hidden_size") or 0) // max(1, flat.get("num_attention_heads") or 1))
     flat.setdefault("num_key_value_heads", flat.get("num_attention_heads"))
@@ -119,6 +132,9 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     why = _served(flat)
     if why:
         return why
+    theta = flat["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        return f"malformed DFlash config: rope_theta is {theta!r}"
     gemma4 = str(tc.get("model_type", "")).startswith("gemma4")
     if str(tc.get("model_type", "")).startswith("gemma") and not gemma4:
         # Gemma 4 scales its embedding by sqrt(H) as a Python float (the drafter's embedding does it alike:

@@ -34,7 +34,6 @@ def add_keys(config: dict, flat: dict) -> None:
     inner = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
     for key, default in DEFAULTS.items():
         flat[key] = inner.get(key, config.get(key, default))
-    flat["rope_traditional"] = not bool(config.get("rope_is_neox_style", True))
 
 
 def _positive(value) -> bool:

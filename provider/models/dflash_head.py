@@ -43,7 +43,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.q_norm = nn.RMSNorm(d, eps=flat.get("rms_norm_eps", 1e-6))
         self.k_norm = nn.RMSNorm(d, eps=flat.get("rms_norm_eps", 1e-6))
-        self.rope = initialize_rope(d, flat.get("rope_theta", 10000.0), flat.get("rope_traditional", False),
+        self.rope = initialize_rope(d, flat["rope_theta"], flat.get("rope_traditional", False),
                                     flat.get("rope_scaling"), flat.get("max_position_embeddings", 32768))
 
     def _kv(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:

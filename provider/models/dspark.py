@@ -40,7 +40,6 @@ def add_keys(config: dict, flat: dict) -> None:
     raw = inner.get("block_size", config.get("block_size"))
     bonus_anchor = bool(config.get("dspark_bonus_anchor", False))
     flat["proposal_length"] = raw - 1 if bonus_anchor and isinstance(raw, int) else raw
-    flat["rope_traditional"] = not bool(config.get("rope_is_neox_style", True))
 
 
 def check(flat: dict) -> str | None:
