@@ -14,7 +14,7 @@ from mlx_lm import load
 
 from provider.engine.dflash_drafter import DFlashDrafter
 from provider.models import capability, dflash
-from provider.models.dflash_head import DFlashHead, load_dflash
+from provider.models.dflash_head import DFlashHead
 from provider.models.fixtures_dflash import drafter_dir
 from provider.models.fixtures_mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape
@@ -30,8 +30,7 @@ def target(head_fixture):
     return head_fixture(NAME)
 
 
-def load_head(target, model):
-    return load_dflash(drafter_dir(target), model)
+load_head = drafter_checks.load_dflash_beside
 
 
 def test_paired_as_dflash_from_config_and_headers_listed_and_registered(target):
