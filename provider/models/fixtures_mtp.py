@@ -91,6 +91,29 @@ def published_target(model, fused_experts: bool = False) -> dict[str, mx.array]:
     return weights
 
 
+def experts_apart(model, random_routers: bool = False) -> dict[str, mx.array]:
+    """A MoE target's tensors as ERNIE-4.5 and K-EXAONE publish them: experts one tensor per expert (not SwitchGLU's
+    stack), the embedding halved (fewer near-ties), the LM head scaled by 4 (logits as peaked as a trained model's:
+    sampled drafts accepted often enough); with `random_routers`, routers drawn anew in the parameters' order
+    (mlx-lm initialises them to zeros: every expert tied) and the correction bias named beside the router."""
+    out = {}
+    for name, value in tree_flatten(model.parameters()):
+        if "embed" in name:
+            value = value * 0.5
+        elif name == "lm_head.weight":
+            value = value * 4
+        elif random_routers and name.endswith("mlp.gate.weight"):
+            value = 0.5 * mx.random.normal(value.shape)
+        if ".switch_mlp." in name:  # [E, out, in] -> one tensor per expert
+            base, proj = name.split(".switch_mlp.")
+            out |= {f"{base}.experts.{e}.{proj}": value[e] for e in range(value.shape[0])}
+        elif random_routers:
+            out[name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")] = value
+        else:
+            out[name] = value
+    return out
+
+
 def published_head(head) -> dict[str, mx.array]:
     """The head's tensors as the published checkpoints ship them: `mtp.*`, every norm zero-centred, and a MoE
     layer's experts one tensor per expert (`experts.{e}.{gate,up,down}_proj.weight`, not SwitchGLU's stack)."""

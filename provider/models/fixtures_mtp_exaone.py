@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .fixtures_mtp import chatml_tokenizer, write_and_distil
+from .fixtures_mtp import chatml_tokenizer, experts_apart, write_and_distil
 
 
 def exaone_config(ids: dict[str, int], vocab: int = 384) -> dict:
@@ -30,23 +30,6 @@ def exaone_config(ids: dict[str, int], vocab: int = 384) -> dict:
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_theta": 1e6, "tie_word_embeddings": False,
             "num_nextn_predict_layers": 1, "mtp_layer_types": ["sliding_attention"], "mtp_sliding_windows": [8],
             "eos_token_id": ids["<|im_end|>"], "torch_dtype": "float32"}
-
-
-def published_target(model) -> dict[str, mx.array]:
-    out = {}
-    for name, value in tree_flatten(model.parameters()):
-        if "embed" in name:
-            value = value * 0.5  # fewer near-ties
-        elif name == "lm_head.weight":
-            value = value * 4  # logits as peaked as a trained model's: sampled drafts accepted often enough
-        elif name.endswith("mlp.gate.weight"):
-            value = 0.5 * mx.random.normal(value.shape)  # mlx-lm initialises routers to zeros: every expert tied
-        if ".switch_mlp." in name:  # [E, out, in] -> one tensor per expert
-            base, proj = name.split(".switch_mlp.")
-            out |= {f"{base}.experts.{e}.{proj}": value[e] for e in range(value.shape[0])}
-        else:
-            out[name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")] = value
-    return out
 
 
 def published_head(head) -> dict[str, mx.array]:
@@ -64,5 +47,5 @@ def make_exaone_moe_mtp_tiny(out: Path, seed: int = 39, steps: int = 100) -> Non
     config = exaone_config(chatml_tokenizer(out))
     mx.random.seed(seed)
     model = exaone_moe.Model(exaone_moe.ModelArgs.from_dict(config))
-    weights = published_target(model) | published_head(ExaoneMoeMTPHead(model.args, config))
+    weights = experts_apart(model, random_routers=True) | published_head(ExaoneMoeMTPHead(model.args, config))
     write_and_distil(out, config, weights, load_head, published_head, steps)
