@@ -37,8 +37,8 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
 
 @pytest.mark.parametrize("broken", ["mtp_linear_proj cut", "k_proj gone", "mtp_hidden_norm gone"])
 def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target, tmp_path, broken):
-    """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
-    plain with the reason (auto), its output plain decoding's."""
+    """mtp_linear_proj cut, a k_proj or mtp_hidden_norm gone: refused at load and the target served plain
+    (mtp_checks.refused_when_broken)."""
     drop = {"k_proj gone": "model.mtp_block.0.self_attn.k_proj", "mtp_hidden_norm gone": "model.mtp_hidden_norm.0."}
     mtp_checks.refused_when_broken(target, tmp_path / "bad", NAME, load_head, broken, "model.mtp_linear_proj.0.weight",
                                    drop)

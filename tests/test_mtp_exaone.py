@@ -35,8 +35,8 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
 
 @pytest.mark.parametrize("broken", ["fc cut", "k_norm gone", "norm gone"])
 def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target, tmp_path, broken):
-    """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
-    plain with the reason (auto), its output plain decoding's."""
+    """fc cut, a k_norm or the final norm gone: refused at load and the target served plain
+    (mtp_checks.refused_when_broken)."""
     drop = {"k_norm gone": MTP + "layers.0.self_attn.k_norm", "norm gone": MTP + "norm."}
     mtp_checks.refused_when_broken(target, tmp_path / "bad", NAME, load_head, broken, MTP + "fc.weight", drop)
 

@@ -39,8 +39,8 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
 
 @pytest.mark.parametrize("broken", ["input_proj cut", "q_proj bias gone"])
 def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target, tmp_path, broken):
-    """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
-    plain with the reason (auto), its output plain decoding's."""
+    """input_proj cut or q_proj's bias gone: refused at load and the target served plain
+    (mtp_checks.refused_when_broken)."""
     drop = {"q_proj bias gone": MTP + "self_attn.q_proj.bias"}
     mtp_checks.refused_when_broken(target, tmp_path / "bad", NAME, load_head, broken, MTP + "input_proj.weight", drop)
 

@@ -31,8 +31,8 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
 
 @pytest.mark.parametrize("broken", ["eh_proj cut", "sinks gone", "pre_mlp_layernorm gone"])
 def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target, tmp_path, broken):
-    """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
-    plain with the reason (auto), its output plain decoding's."""
+    """eh_proj cut, the attention sinks or pre_mlp_layernorm gone: refused at load and the target served plain
+    (mtp_checks.refused_when_broken)."""
     drop = {"sinks gone": MTP + "self_attn.attention_sink_bias", "pre_mlp_layernorm gone": MTP + "pre_mlp_layernorm"}
     mtp_checks.refused_when_broken(target, tmp_path / "bad", NAME, load_head, broken, MTP + "eh_proj.weight", drop)
 

@@ -44,8 +44,8 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
 
 @pytest.mark.parametrize("broken", ["eh_proj cut", "g_proj gone", "shared head's output gone"])
 def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target, tmp_path, broken):
-    """The header still says a head is there (capability holds); the load refuses it cleanly, and the node decodes
-    plain with the reason (auto), its output plain decoding's."""
+    """eh_proj cut, the head-wise gate or the shared head's output gone: refused at load and the target served plain
+    (mtp_checks.refused_when_broken)."""
     drop = {"g_proj gone": MTP + "self_attn.g_proj", "shared head's output gone": MTP + "transformer.shared_head.out"}
     mtp_checks.refused_when_broken(target, tmp_path / "bad", NAME, load_head, broken, MTP + "eh_proj.weight", drop)
 
