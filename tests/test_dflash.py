@@ -64,6 +64,7 @@ BROKEN = {
                                        "has no tensor markov_head.markov_w1.weight"),
     "DFlash2 without its selector": ({"config": lambda c: c | {"architectures": ["DFlash2DraftModel"]}},
                                      "malformed DFlash2 config: conv_kernel_size is 0"),
+    "no RoPE base": ({"config": lambda c: c | {"rope_theta": 0}}, "rope_theta is 0"),
     "causal blocks": ({"config": lambda c: c | {"dflash_config": c["dflash_config"] | {"causal": True}}},
                       "causal blocks"),
     # mlx-vlm's Laguna DFlash (sliding-window context, causal blocks, gated attention) and MuseGlimmer's assistant
@@ -79,6 +80,21 @@ BROKEN = {
 def test_a_malformed_drafter_is_refused_at_capability_time(target, tmp_path, case):
     change, why = BROKEN[case]
     drafter_checks.refused(target, broken(drafter_dir(target), tmp_path / "bad", **change), why)
+
+
+def test_rope_is_read_as_mlx_vlms_dflash_config_reads_it(target):
+    """No rope_theta (mlx-vlm's default 1e7, not mlx-lm's 1e4), rope_parameters' theta and scaling, and the
+    pairing (rope_is_neox_style): the drafter's RoPE is what mlx-vlm's DFlashConfig builds."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig
+
+    base = {k: v for k, v in capability.read_config(drafter_dir(target)).items() if k != "rope_theta"}
+    for change in ({}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                   {"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 1e6},
+                   {"rope_is_neox_style": False}):
+        config = base | change
+        flat, theirs = dflash.flat_config(config), DFlashConfig.from_dict(config)
+        assert (flat["rope_theta"], flat.get("rope_scaling")) == (theirs.rope_theta, theirs.rope_scaling), change
+        assert flat["rope_traditional"] == (not config.get("rope_is_neox_style", True)), change
 
 
 def test_a_refused_drafter_leaves_the_target_served_plain(target, tmp_path):
