@@ -50,7 +50,8 @@ def is_mtp_head(name: str, tc: dict) -> bool:
     if MTP.search(name):
         return True
     layer = LAYER_INDEX.match(name)
-    return bool(layer and tc.get("num_nextn_predict_layers") and int(layer.group(1)) >= tc.get("num_hidden_layers", 0))
+    layers = tc.get("num_hidden_layers", tc.get("num_layers", 0))  # LongCat-Flash names it num_layers
+    return bool(layer and tc.get("num_nextn_predict_layers") and int(layer.group(1)) >= layers)
 
 
 LAYER = re.compile(r"\.layers\.\d+\.")

@@ -61,7 +61,8 @@ def declared_mtp_layers(config: dict) -> int:
 
 
 def has_mtp_tensors(names: list[str], config: dict) -> bool:
-    layers = text_config(config).get("num_hidden_layers", 0)
+    tc = text_config(config)
+    layers = tc.get("num_hidden_layers", tc.get("num_layers", 0))  # LongCat-Flash names it num_layers
     for name in names:
         if name.startswith("mtp.") or ".mtp" in name or name.startswith("model.mtp"):
             return True

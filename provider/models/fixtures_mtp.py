@@ -226,6 +226,7 @@ HEAD_FIXTURES = {
     "step3p5-mtp-tiny": "fixtures_mtp_step3p5:make_step3p5_mtp_tiny",
     "ernie4_5_moe-mtp-tiny": "fixtures_mtp_ernie:make_ernie4_5_moe_mtp_tiny",
     "exaone_moe-mtp-tiny": "fixtures_mtp_exaone:make_exaone_moe_mtp_tiny",
+    "longcat_flash-mtp-tiny": "fixtures_mtp_longcat:make_longcat_flash_mtp_tiny",
     "llama-eagle3-tiny": "fixtures_eagle3:make_llama_eagle3_tiny",  # its EAGLE-3 drafter beside it (drafter_dir)
     "qwen3-dflash-tiny": "fixtures_dflash:make_qwen3_dflash_tiny",  # its DFlash drafter beside it (drafter_dir)
     "qwen3-dspark-tiny": "fixtures_dspark:make_qwen3_dspark_tiny",  # its DSpark drafter beside it (likewise)

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx import nn
 
 _MODULES = ("qwen3_5_mtp", "nemotron_h_mtp", "glm4_moe_lite_mtp", "mimo_mtp", "mimo_v2_mtp",
-            "step3p5_mtp", "ernie4_5_mtp", "exaone_moe_mtp")
+            "step3p5_mtp", "ernie4_5_mtp", "exaone_moe_mtp", "longcat_flash_mtp")
 
 
 class OwnHead(nn.Module):
