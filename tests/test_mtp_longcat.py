@@ -46,6 +46,19 @@ def test_a_malformed_head_is_refused_at_load_and_the_target_still_served(target,
                                    drop)
 
 
+def test_a_quantized_head_is_refused_at_load_and_the_target_still_served(target, tmp_path):
+    """eh_proj shipped quantized (weight, scales, biases): the head's layers are float ones, so the load refuses it
+    ("parameters not in model") and the target is served plain."""
+    name = MTP + "layers.0.eh_proj."
+
+    def quantized(w):
+        q, scales, biases = mx.quantize(w[name + "weight"], group_size=64, bits=4)
+        return w | {name + "weight": q, name + "scales": scales, name + "biases": biases}
+
+    mtp_checks.refused_and_served_plain(mtp_checks.rewritten(target, tmp_path / "q", quantized), target, NAME,
+                                        load_head)
+
+
 def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(target):
     """Prompts of 1 to 90 tokens alone then 8 together: plain decoding's tokens, and on the prompts the head was
     distilled on, most drafts accepted."""
