@@ -6,6 +6,8 @@ dense MLA layer, norm), distilled briefly on its target. mlx-vlm 0.7.10 has no L
 against vLLM's step written here in plain MLX operations. Greedy output must equal plain decoding; sampled output
 must be distributed as plain sampling."""
 
+import json
+
 import mlx.core as mx
 import pytest
 
@@ -34,6 +36,15 @@ def test_capability_and_books_from_config_and_the_mtp_tensors(target, tmp_path):
 
     loaded = mtp_checks.first_layer_alone(target, tmp_path / "two", second_layer, {"num_nextn_predict_layers": 2},
                                           load_head)
+
+    # The published config declares no MTP layer (transformers' LongcatFlashConfig has no such key; vLLM assumes
+    # one): its tensors decide, found with them and not without.
+    bare = {k: v for k, v in config.items() if k != "num_nextn_predict_layers"}
+    (undeclared := tmp_path / "undeclared").mkdir()
+    for f in target.iterdir():
+        (undeclared / f.name).write_bytes(f.read_bytes())
+    (undeclared / "config.json").write_text(json.dumps(bare))
+    mtp_checks.found_but_not_when_stripped(undeclared, tmp_path / "undeclared-stripped", lambda k: k.startswith(MTP))
     assert mx.array_equal(loaded.eh_proj.weight, head.eh_proj.weight).item()  # layer 0's
 
 

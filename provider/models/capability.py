@@ -13,6 +13,9 @@ ASSISTANT_TYPES = {"gemma4_assistant"}
 OWN_HEAD, ASSISTANT, DRAFT_MODEL = "own_mtp_head", "mtp_assistant", "draft_model"  # Capabilities.speculates_with
 GEMMA4_TYPES = {"gemma4", "gemma4_text"}
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+# Families whose configs declare no MTP layer although their checkpoints ship one (LongCat-Flash: vLLM assumes one
+# when the key is absent). The head's tensors still decide.
+UNDECLARED_MTP_LAYERS = {"longcat_flash": 1}
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,14 @@ def quantization(config: dict) -> str | None:
 
 
 def declared_mtp_layers(config: dict) -> int:
-    for cfg in (config, config.get("text_config") or {}):
+    configs = (config, config.get("text_config") or {})
+    for cfg in configs:
         for key in MTP_KEYS:
             if isinstance(cfg.get(key), int) and cfg[key] > 0:
                 return cfg[key]
-    return 0
+    if any(key in cfg for cfg in configs for key in MTP_KEYS):
+        return 0
+    return UNDECLARED_MTP_LAYERS.get(text_config(config).get("model_type"), 0)
 
 
 def has_mtp_tensors(names: list[str], config: dict) -> bool:

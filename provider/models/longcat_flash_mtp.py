@@ -81,7 +81,7 @@ def serves(config: dict) -> bool:
 def depth(config: dict) -> int:
     """The head's decoder layers the node loads: the first MTP layer, if any is declared (capability.detect reads
     the same key; vLLM assumes one when it is absent)."""
-    return min(int(config.get(DEPTH_KEY) or 0), 1)
+    return min(int(config.get(DEPTH_KEY, 1) or 0), 1)
 
 
 def kv_elements(config: dict) -> int:
