@@ -164,12 +164,6 @@ def _dflash(lm: LoadedModel, drafter_path: Path) -> bool:
     return is_dflash(read_config(drafter_path))
 
 
-def _dflash2(lm: LoadedModel, drafter_path: Path) -> bool:
-    from .dflash2 import is_dflash2
-
-    return is_dflash2(read_config(drafter_path))
-
-
 def _eagle3(lm: LoadedModel, drafter_path: Path) -> bool:
     from .eagle3 import is_eagle3
 
@@ -191,19 +185,17 @@ def _load_native_head(lm: LoadedModel, drafter_path: Path, group) -> None:
 
 
 def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own context KV a row
-    from .dflash_head import load_dflash
+    from .dflash2 import is_dflash2
+    from .dflash_head import DFlashHead, load_dflash
     from .footprint import dflash_kv_shape
 
-    lm.drafter = load_dflash(drafter_path, lm.model)
-    lm.draft_kv_shape = dflash_kv_shape(drafter_path, read_config(drafter_path))
-
-
-def _load_dflash2(lm: LoadedModel, drafter_path: Path, group) -> None:  # DFlash's books: its context KV alike
-    from .dflash2_head import load_dflash2
-    from .footprint import dflash_kv_shape
-
-    lm.drafter = load_dflash2(drafter_path, lm.model)
-    lm.draft_kv_shape = dflash_kv_shape(drafter_path, read_config(drafter_path))
+    config = read_config(drafter_path)
+    if is_dflash2(config):  # DFlash's layers, convolved, and a candidate selector (models.dflash2)
+        from .dflash2_head import DFlash2Head as head_class
+    else:
+        head_class = DFlashHead  # DSpark's Markov correction included (models.dspark)
+    lm.drafter = load_dflash(drafter_path, lm.model, head_class)
+    lm.draft_kv_shape = dflash_kv_shape(drafter_path, config)
 
 
 def _load_eagle3(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own KV a row, as a head's
@@ -228,8 +220,7 @@ def _load_draft_model(lm: LoadedModel, drafter_path: Path, group) -> None:
 
 DRAFTER_KINDS = (
     (SpecMode.MTP, _in_target, _load_native_head),  # the head inside the target's checkpoint
-    (SpecMode.MTP, _dflash2, _load_dflash2),  # DFlash2 (models.dflash2): DFlash's layers, convolved, and a selector
-    (SpecMode.MTP, _dflash, _load_dflash),  # DFlash block drafters, DSpark ones (models.dspark) among them
+    (SpecMode.MTP, _dflash, _load_dflash),  # DFlash block drafters, DSpark and DFlash2 ones among them
     (SpecMode.MTP, _eagle3, _load_eagle3),
     (SpecMode.MTP, _anything, _load_assistant),  # a Gemma 4 assistant
     (None, _anything, _load_draft_model),  # a smaller model of the same vocabulary
