@@ -62,7 +62,8 @@ BROKEN = {
     "other markov head": ({"config": _inner(markov_head_type="mlp")}, "markov_head_type 'mlp'"),
     "rank zero": ({"config": _inner(markov_rank=0, projector_type="dspark")}, "markov_rank is 0"),
     "labelled plain DFlash": ({"config": _plain_dflash}, "does not load: confidence_head.proj.bias"),
-    "a Gemma 4 DSpark drafter": ({"config": lambda c: c | {"architectures": ["Gemma4DSparkModel"]}}, "variant gemma4"),
+    "a Gemma 4 DSpark drafter": ({"config": lambda c: c | {"architectures": ["Gemma4DSparkModel"]}},
+                                 "a Gemma 4 drafter (gemma4_dspark) does not draft for qwen3 targets"),
     "sliding layers": ({"config": lambda c: c | {"layer_types": ["sliding_attention"] * 2}}, "sliding-window"),
 }
 

@@ -45,7 +45,8 @@ BROKEN = {
                                "target layer ids [2, 6]"),
     "mask id outside the vocabulary": ({"config": lambda c: c | {"dflash_config": c["dflash_config"] | {
         "mask_token_id": 512}}}, "mask_token_id 512"),
-    "Gemma 4 DSpark": ({"config": lambda c: c | {"architectures": ["Gemma4DSparkModel"]}}, "variant gemma4"),
+    "labelled Gemma 4 DSpark": ({"config": lambda c: c | {"architectures": ["Gemma4DSparkModel"]}},
+                                "mask_token_id None is not a token"),
 }
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..models.dflash_head import DFlashHead, target_embedding
+from ..models.dflash_head import DFlashHead
 from ..models.gemma4_target import Target
 from .acceptance import draw_drafts
 from .spec_rounds import SpecRow
@@ -30,7 +30,7 @@ class DFlashDrafter:
 
     def __init__(self, head: DFlashHead, target: Target):
         self.head, self.target = head, target
-        self.embed, self.lm_head = target_embedding(target.lm)
+        self.embed, self.lm_head = head.embedding(target.lm)  # the target's, or a Gemma 4 DSpark drafter's own
         self._index: dict[int, int] = {}  # each row's index in the round's verify, by identity (HeadDrafter's)
 
     def begin(self, row: SpecRow) -> None:

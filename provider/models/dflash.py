@@ -21,11 +21,11 @@ import math
 from pathlib import Path
 
 from ..memory.estimate import DTYPE_BYTES, text_config
-from . import dflash2, dspark
+from . import dflash2, dspark, gemma4_dspark
 from .checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
-# mlx-vlm's other block drafters: DSpark and Gemma 4's DFlash served (last: Gemma4DSparkModel is a Gemma 4 one)
+# mlx-vlm's other block drafters (DSpark last: Gemma4DSparkModel is a Gemma 4 one)
 _VARIANTS = ("dflash2", "laguna", "gemma4", "dspark", "muse_glimmer")
 GEMMA4_MASK = 4  # mlx-vlm's Gemma4DFlashConfig default mask_token_id
 
@@ -57,7 +57,10 @@ def flat_config(config: dict) -> dict:
         dspark.add_keys(config, flat)
     if flat["variant"] == dflash2.VARIANT:
         dflash2.add_keys(config, flat)
-    if flat["variant"] == "gemma4" and "Gemma4DSparkModel" not in (config.get("architectures") or []):
+    if flat["variant"] == "gemma4" and gemma4_dspark.is_gemma4_dspark(config):
+        flat["variant"] = gemma4_dspark.VARIANT  # a DSpark drafter with Gemma 4's layers (models.gemma4_dspark)
+        dspark.add_keys(config, flat)
+    elif flat["variant"] == "gemma4":
         flat["variant"] = "gemma4_dflash"  # mlx-vlm's gemma4_dflash: a DFlash drafter, the mask token 4 by default
         flat.setdefault("mask_token_id", GEMMA4_MASK)
     # RoPE as mlx-vlm's DFlashConfig reads it: rope_parameters carry the theta and the scaling, the theta is 1e7
@@ -70,6 +73,8 @@ def flat_config(config: dict) -> dict:
     if flat.get("rope_theta") is None:
         flat["rope_theta"] = DEFAULT_ROPE_THETA
     flat["rope_traditional"] = not bool(config.get("rope_is_neox_style", True))
+    if flat["variant"] == gemma4_dspark.VARIANT:  # its RoPE per layer type, its full-attention layers' geometry
+        gemma4_dspark.add_keys(config, flat)
     flat["model_type"] = "qwen3"
     flat.setdefault("head_dim", (flat.get("hidden_size") or 0) // max(1, flat.get("num_attention_heads") or 1))
     flat.setdefault("num_key_value_heads", flat.get("num_attention_heads"))
@@ -97,8 +102,10 @@ def expected_shapes(flat: dict) -> dict[str, tuple[int, ...]]:
                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                    p + "mlp.down_proj.weight": (h, i)}
-    extra = {"dspark": dspark.expected_shapes, dflash2.VARIANT: dflash2.expected_shapes}.get(flat.get("variant"))
-    return shapes | (extra(flat) if extra else {})
+    if flat.get("variant") == gemma4_dspark.VARIANT:  # Gemma 4's layers in place of Qwen3's
+        shapes = gemma4_dspark.expected_shapes(flat)
+    extra = {dflash2.VARIANT: dflash2.expected_shapes} | dict.fromkeys(dspark.VARIANTS, dspark.expected_shapes)
+    return shapes | (extra[flat["variant"]](flat) if flat.get("variant") in extra else {})
 
 
 def canonical(name: str) -> str:
@@ -107,11 +114,14 @@ def canonical(name: str) -> str:
 
 def _served(flat: dict) -> str | None:
     """Why a well-formed config drafts otherwise than the rounds the node runs, or None."""
-    why = {"dspark": dspark.check, dflash2.VARIANT: dflash2.check}.get(flat["variant"], lambda _: None)(flat)
+    checks = {"dspark": [dspark.check], gemma4_dspark.VARIANT: [dspark.check, gemma4_dspark.check],
+              dflash2.VARIANT: [dflash2.check]}.get(flat["variant"], [])
+    why = next((why for why in (check(flat) for check in checks) if why), None)
     if why:
         return why
-    if flat["variant"] not in (None, "dspark", "gemma4_dflash", dflash2.VARIANT):
-        return f"DFlash variant {flat['variant']} is not served (only DFlash, Gemma 4 DFlash, DSpark and DFlash2)"
+    if flat["variant"] not in (None, "dspark", "gemma4_dflash", gemma4_dspark.VARIANT, dflash2.VARIANT):
+        return (f"DFlash variant {flat['variant']} is not served (only DFlash, Gemma 4 DFlash, DSpark, Gemma 4 DSpark"
+                " and DFlash2)")
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
         return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
     if any(t != "full_attention" for t in flat.get("layer_types") or []):
@@ -140,8 +150,8 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
         # Gemma 4 scales its embedding by sqrt(H) as a Python float (the drafter's embedding does it alike:
         # models.dflash_head.target_embedding); Gemma 3 rounds the scale to bfloat16 first: not matched here
         return f"DFlash drafters for {tc.get('model_type')} targets are not served"
-    if flat["variant"] == "gemma4_dflash" and not gemma4:
-        return f"a Gemma 4 DFlash drafter does not draft for {tc.get('model_type')} targets"
+    if flat["variant"] in ("gemma4_dflash", gemma4_dspark.VARIANT) and not gemma4:
+        return f"a Gemma 4 drafter ({flat['variant']}) does not draft for {tc.get('model_type')} targets"
     if flat["hidden_size"] != tc.get("hidden_size"):
         return f"DFlash hidden_size {flat['hidden_size']} != target hidden_size {tc.get('hidden_size')}"
     if flat["vocab_size"] != tc.get("vocab_size"):
@@ -157,7 +167,7 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     mask = flat.get("mask_token_id")
     if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < flat["vocab_size"]:
         return f"DFlash mask_token_id {mask!r} is not a token of the vocabulary"
-    if flat["block_size"] < 2 and flat["variant"] != "dspark":  # DSpark's counts proposals: checked by dspark
+    if flat["block_size"] < 2 and flat["variant"] not in dspark.VARIANTS:  # DSpark's counts proposals: dspark.check
         return f"DFlash block_size {flat['block_size']} drafts nothing"
     try:
         tensors = {canonical(k): v for k, v in open_checkpoint(drafter).tensors.items()}

@@ -102,9 +102,10 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Head(DFlashHead):
+    layer_class = DFlash2Layer
+
     def __init__(self, flat: dict):
         super().__init__(flat)
-        self.layers = [DFlash2Layer(flat) for _ in range(flat["num_hidden_layers"])]
         self.candidate_selector = CandidateSelector(flat)
         self.input_scale, self.output_multiplier = flat["input_embedding_scale"], flat["output_multiplier"]
 

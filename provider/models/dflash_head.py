@@ -28,6 +28,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .dflash import canonical, flat_config, loaded
+from .dspark import VARIANTS as DSPARK_VARIANTS
 from .dspark_head import MarkovCorrection
 
 
@@ -36,7 +37,7 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = flat["hidden_size"], flat["head_dim"]
         self.n_heads, self.n_kv_heads, self.head_dim = flat["num_attention_heads"], flat["num_key_value_heads"], d
-        self.scale = d ** -0.5
+        self.scale = flat.get("attention_scale", d ** -0.5)  # Gemma 4's is 1 (models.gemma4_dspark)
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
@@ -92,20 +93,26 @@ def _left_padded(x: mx.array | None, n: int, width: int) -> mx.array:
 class DFlashHead(nn.Module):
     """The drafter: `context` takes committed positions' tapped features, `block` a round's block embeddings."""
 
+    layer_class = DFlashLayer
+
     def __init__(self, flat: dict):
         super().__init__()
         h = flat["hidden_size"]
         self.fc = nn.Linear(len(flat["target_layer_ids"]) * h, h, bias=False)
         self.hidden_norm = nn.RMSNorm(h, eps=flat.get("rms_norm_eps", 1e-6))
-        self.layers = [DFlashLayer(flat) for _ in range(flat["num_hidden_layers"])]
+        self.layers = [self.layer_class(flat) for _ in range(flat["num_hidden_layers"])]
         self.norm = nn.RMSNorm(h, eps=flat.get("rms_norm_eps", 1e-6))
         self.mask_token_id, self.block_size = flat["mask_token_id"], flat["block_size"]
         self.softcap = flat.get("final_logit_softcapping")
         # DSpark (models.dspark): the Markov correction, and whether the anchor's position drafts the first token
-        dspark = flat.get("variant") == "dspark"
+        dspark = flat.get("variant") in DSPARK_VARIANTS
         self.markov_head = MarkovCorrection(flat["vocab_size"], flat["markov_rank"]) if dspark else None
         self.from_anchor = int(dspark and bool(flat["sample_from_anchor"]))
         self.tap = None  # verification.hidden_tap.LayerTap on the target, set by load_dflash
+
+    def embedding(self, model) -> tuple:
+        """(embed, lm_head) the block is embedded and its logits read with: the target's."""
+        return target_embedding(model)
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]

@@ -18,6 +18,7 @@ anchor too.
 
 from __future__ import annotations
 
+VARIANTS = ("dspark", "gemma4_dspark")  # models.dflash's variants that carry the Markov correction
 MARKOV = "markov_head."
 CONFIDENCE = "confidence_head."  # read from headers and checked, never loaded
 
@@ -51,7 +52,7 @@ def check(flat: dict) -> str | None:
         return f"DSpark markov_head_type {flat['markov_head_type']!r} is not served (only vanilla)"
     if flat["projector_type"] not in (None, "dspark"):
         return f"DSpark projector_type {flat['projector_type']!r} is not served"
-    if flat.get("hidden_act", "silu") != "silu":
+    if flat["variant"] == "dspark" and flat.get("hidden_act", "silu") != "silu":  # Gemma 4's: models.gemma4_dspark
         return f"DSpark hidden_act {flat['hidden_act']!r} is not served (only silu)"
     p = flat["proposal_length"]
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:

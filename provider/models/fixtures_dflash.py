@@ -100,12 +100,11 @@ def distil(model, head, seqs: mx.array, steps: int, logits_fn=None, layer_ids=No
     from mlx import nn
 
     from ..verification.hidden_tap import install_layers
-    from .dflash_head import target_embedding
 
     tap = install_layers(model, layer_ids or LAYER_IDS)
     model(seqs)
     features = mx.stop_gradient(tap.last)
-    embed, lm_head = target_embedding(model)  # as the node's rounds read them (Gemma 4's embedding scaled)
+    embed, lm_head = head.embedding(model)  # as the node's rounds read them (Gemma 4's embedding scaled)
     k, block_logits_of = BLOCK - 1, logits_fn or block_logits
     anchors = list(range(3, seqs.shape[1] - k, stride))  # 6 blocks a sequence by default: seconds, not minutes
 

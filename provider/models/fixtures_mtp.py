@@ -232,6 +232,7 @@ HEAD_FIXTURES = {
     "qwen3-dspark-tiny": "fixtures_dspark:make_qwen3_dspark_tiny",  # its DSpark drafter beside it (likewise)
     "qwen3-dflash2-tiny": "fixtures_dflash2:make_qwen3_dflash2_tiny",  # its DFlash2 drafter beside it (likewise)
     "gemma4-dflash-tiny": "fixtures_gemma4_dflash:make_gemma4_dflash_tiny",  # a Gemma 4 DFlash drafter beside it
+    "gemma4-dspark-tiny": "fixtures_gemma4_dspark:make_gemma4_dspark_tiny",  # a Gemma 4 DSpark drafter beside it
 }
 
 

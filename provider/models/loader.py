@@ -185,13 +185,16 @@ def _load_native_head(lm: LoadedModel, drafter_path: Path, group) -> None:
 
 
 def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own context KV a row
-    from .dflash2 import is_dflash2
+    from .dflash import flat_config
     from .dflash_head import DFlashHead, load_dflash
     from .footprint import dflash_kv_shape
 
     config = read_config(drafter_path)
-    if is_dflash2(config):  # DFlash's layers, convolved, and a candidate selector (models.dflash2)
+    variant = flat_config(config)["variant"]
+    if variant == "dflash2":  # DFlash's layers, convolved, and a candidate selector (models.dflash2)
         from .dflash2_head import DFlash2Head as head_class
+    elif variant == "gemma4_dspark":  # Gemma 4's layers, its own embedding and LM head (models.gemma4_dspark)
+        from .gemma4_dspark_head import Gemma4DSparkHead as head_class
     else:
         head_class = DFlashHead  # DSpark's Markov correction included (models.dspark)
     lm.drafter = load_dflash(drafter_path, lm.model, head_class)

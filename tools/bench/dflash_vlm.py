@@ -3,7 +3,8 @@ norm; Gemma 4 through TapCaptureTarget): the baseline bench_mtp_families.py meas
 against (`--fixture qwen3-dflash-tiny`, `gemma4-dflash-tiny`: mlx-vlm's Gemma4DFlashDraftModel), its DSpark
 drafter (`--fixture qwen3-dspark-tiny`: mlx-vlm's DSparkDraftModel, as its get_model_type decides) and its DFlash2
 drafter (`--fixture qwen3-dflash2-tiny`: DFlash2DraftModel; its greedy drafts go through its candidate selector, as
-CaptureTarget offers no speculative_argmax_from_hidden, which would skip it).
+CaptureTarget offers no speculative_argmax_from_hidden, which would skip it) and a Gemma 4 DSpark drafter (`--fixture
+gemma4-dspark-tiny`: Gemma4DSparkDraftModel, its own embedding and LM head kept by its bind).
 
 mlx-vlm runs DFlash on targets of its own model zoo that capture layers; capture_target's `CaptureTarget` lets its
 round loop (`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers
@@ -39,6 +40,10 @@ def load_drafter(drafter: Path, target: CaptureTarget):
     for f in sorted(drafter.glob("*.safetensors")):
         weights |= dict(mx.load(str(f)))
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    if not all(hasattr(layer.self_attn, "v_proj") for layer in model.layers):
+        # A Gemma 4 DSpark drafter with keys as values: mlx-vlm 0.7.10's fused context projection reads the v_proj
+        # such a layer has not (AttributeError); None sends it down its own per-layer path, which computes the same.
+        model._project_context_kv = lambda ctx: None
     model.bind(target)
     model.prefer_requested_block_size = True  # DSpark's confidence-driven adaptive size too
     return model
