@@ -67,12 +67,13 @@ BROKEN = {
     "no RoPE base": ({"config": lambda c: c | {"rope_theta": 0}}, "rope_theta is 0"),
     "causal blocks": ({"config": lambda c: c | {"dflash_config": c["dflash_config"] | {"causal": True}}},
                       "causal blocks"),
-    # mlx-vlm's Laguna DFlash (sliding-window context, causal blocks, gated attention) and MuseGlimmer's assistant
-    # (model_type muse_glimmer_assistant, its DFlash keys at the top level): refused, not taken for a draft model
-    "Laguna": ({"config": lambda c: c | {"model_type": "laguna"}}, "variant laguna"),
+    # mlx-vlm's Laguna DFlash (model_type laguna with a dflash_config) and MuseGlimmer's assistant (model_type
+    # muse_glimmer_assistant, its DFlash keys at the top level): each taken for what it is, and refused when its keys
+    # or target are not its own (tests/test_laguna_dflash.py and test_muse_glimmer.py serve them)
+    "Laguna": ({"config": lambda c: c | {"model_type": "laguna"}}, "malformed Laguna DFlash config: sliding_window is None"),
     "MuseGlimmer assistant": ({"config": lambda c: {k: v for k, v in c.items() if k != "dflash_config"} | {
-        "model_type": "muse_glimmer_assistant", "architectures": ["MuseGlimmerAssistantModel"]}},
-                              "variant muse_glimmer"),
+        "model_type": "muse_glimmer_assistant", "architectures": ["MuseGlimmerAssistantModel"]} | c["dflash_config"]},
+                              "a muse_glimmer drafter does not draft for qwen3 targets"),
 }
 
 

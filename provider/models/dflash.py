@@ -11,8 +11,10 @@ or without a `model.` prefix; no embedding and no LM head (the target's are used
 The target layer ids are the target's decoder layers whose *outputs* the drafter reads (z-lab's
 hidden_states[id + 1], mlx-vlm's capture_layer_ids). mlx-vlm's DSpark (a low-rank Markov correction that makes
 each block position's logits depend on the previous draft, and a confidence head) is served as this kind
-(models.dspark holds its own checks), and so is DFlash2 (grouped dynamic causal convolutions around each layer's
-attention and MLP, and a candidate selector: models.dflash2).
+(models.dspark holds its own checks), and so are DFlash2 (grouped dynamic causal convolutions around each layer's
+attention and MLP, and a candidate selector: models.dflash2), Gemma 4 DSpark (models.gemma4_dspark), MuseGlimmer's
+assistant (a context window: models.muse_glimmer_assistant) and Laguna's DFlash (a window, a causal block, gated
+heads: models.laguna_dflash).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 from ..memory.estimate import DTYPE_BYTES, text_config
 from . import dflash2, dspark, gemma4_dspark
+from . import laguna_dflash as laguna
+from . import muse_glimmer_assistant as muse
 from .checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
@@ -75,6 +79,10 @@ def flat_config(config: dict) -> dict:
     flat["rope_traditional"] = not bool(config.get("rope_is_neox_style", True))
     if flat["variant"] == gemma4_dspark.VARIANT:  # its RoPE per layer type, its full-attention layers' geometry
         gemma4_dspark.add_keys(config, flat)
+    if flat["variant"] == muse.VARIANT:  # mlx-vlm's defaults, its context window, its RoPE
+        muse.add_keys(config, flat)
+    if flat["variant"] == laguna.VARIANT:  # its window, causal block, gate and RoPE
+        laguna.add_keys(config, flat)
     flat["model_type"] = "qwen3"
     flat.setdefault("head_dim", (flat.get("hidden_size") or 0) // max(1, flat.get("num_attention_heads") or 1))
     flat.setdefault("num_key_value_heads", flat.get("num_attention_heads"))
@@ -104,27 +112,37 @@ def expected_shapes(flat: dict) -> dict[str, tuple[int, ...]]:
                    p + "mlp.down_proj.weight": (h, i)}
     if flat.get("variant") == gemma4_dspark.VARIANT:  # Gemma 4's layers in place of Qwen3's
         shapes = gemma4_dspark.expected_shapes(flat)
-    extra = {dflash2.VARIANT: dflash2.expected_shapes} | dict.fromkeys(dspark.VARIANTS, dspark.expected_shapes)
+    extra = {dflash2.VARIANT: dflash2.expected_shapes, laguna.VARIANT: laguna.expected_shapes} | \
+        dict.fromkeys(dspark.VARIANTS, dspark.expected_shapes)
     return shapes | (extra[flat["variant"]](flat) if flat.get("variant") in extra else {})
 
 
 def canonical(name: str) -> str:
-    return dflash2.canonical(name.removeprefix("model."))
+    return muse.canonical(dflash2.canonical(name.removeprefix("model.")))
+
+
+def canonical_tensors(flat: dict, tensors: dict) -> dict:
+    """The drafter's tensors (arrays, or headers' (dtype, shape)) under DFlash's head's names, a Laguna drafter's
+    fused q/k/v split."""
+    named = {canonical(k): v for k, v in tensors.items()}
+    return laguna.split_qkv(flat, named) if flat.get("variant") == laguna.VARIANT else named
 
 
 def _served(flat: dict) -> str | None:
     """Why a well-formed config drafts otherwise than the rounds the node runs, or None."""
     checks = {"dspark": [dspark.check], gemma4_dspark.VARIANT: [dspark.check, gemma4_dspark.check],
-              dflash2.VARIANT: [dflash2.check]}.get(flat["variant"], [])
+              dflash2.VARIANT: [dflash2.check], muse.VARIANT: [muse.check],
+              laguna.VARIANT: [laguna.check]}.get(flat["variant"], [])
     why = next((why for why in (check(flat) for check in checks) if why), None)
     if why:
         return why
-    if flat["variant"] not in (None, "dspark", "gemma4_dflash", gemma4_dspark.VARIANT, dflash2.VARIANT):
-        return (f"DFlash variant {flat['variant']} is not served (only DFlash, Gemma 4 DFlash, DSpark, Gemma 4 DSpark"
-                " and DFlash2)")
+    if flat["variant"] not in (None, "dspark", "gemma4_dflash", gemma4_dspark.VARIANT, dflash2.VARIANT, muse.VARIANT,
+                               laguna.VARIANT):
+        return f"DFlash variant {flat['variant']} is not served"
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
         return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
-    if any(t != "full_attention" for t in flat.get("layer_types") or []):
+    windowed = flat["variant"] in (muse.VARIANT, laguna.VARIANT)  # their sliding layers: models.dflash_head's window
+    if not windowed and any(t != "full_attention" for t in flat.get("layer_types") or []):
         return "DFlash drafters with sliding-window layers are not served"
     if flat.get("attention_bias"):
         return "DFlash drafters with attention biases are not served"
@@ -152,6 +170,9 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
         return f"DFlash drafters for {tc.get('model_type')} targets are not served"
     if flat["variant"] in ("gemma4_dflash", gemma4_dspark.VARIANT) and not gemma4:
         return f"a Gemma 4 drafter ({flat['variant']}) does not draft for {tc.get('model_type')} targets"
+    for variant, family in ((muse.VARIANT, "muse_glimmer"), (laguna.VARIANT, "laguna")):
+        if flat["variant"] == variant and not str(tc.get("model_type", "")).startswith(family):
+            return f"a {family} drafter does not draft for {tc.get('model_type')} targets"
     if flat["hidden_size"] != tc.get("hidden_size"):
         return f"DFlash hidden_size {flat['hidden_size']} != target hidden_size {tc.get('hidden_size')}"
     if flat["vocab_size"] != tc.get("vocab_size"):
@@ -170,7 +191,7 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     if flat["block_size"] < 2 and flat["variant"] not in dspark.VARIANTS:  # DSpark's counts proposals: dspark.check
         return f"DFlash block_size {flat['block_size']} drafts nothing"
     try:
-        tensors = {canonical(k): v for k, v in open_checkpoint(drafter).tensors.items()}
+        tensors = canonical_tensors(flat, open_checkpoint(drafter).tensors)
     except (HeaderError, OSError) as e:
         return f"DFlash drafter weights are unreadable: {e}"
     expected = expected_shapes(flat)

@@ -64,6 +64,36 @@ def write_drafter(target: Path, out: Path, target_config: dict, seed: int, train
     return accuracy
 
 
+def build_beside(out: Path, make_target, drafter_config_of, head_class, seed: int, train: bool = True,
+                 steps: int = 80, *, logits_fn=None, layer_ids=None, stride: int = 3, init=None,
+                 saved=lambda weights: weights) -> None:
+    """A target and a block drafter distilled for it: the target `make_target(dir)` at `out`, and beside it at
+    `drafter_dir(out)` a `head_class` drafter of config `drafter_config_of(the target's text config)`, seeded,
+    `init(head, model)` if given, distilled (`distil`'s arguments) unless `train` is false, its tensors written as
+    `saved(name -> array)` names them. The drafter is written first: `out/config.json` marks the pair built."""
+    from mlx_lm import load
+
+    from ..memory.estimate import text_config
+    from .dflash import flat_config
+
+    tmp = out.with_name(out.name + "-target")
+    make_target(tmp)
+    model, _ = load(str(tmp))
+    config = drafter_config_of(text_config(json.loads((tmp / "config.json").read_text())))
+    mx.random.seed(seed)
+    head = head_class(flat_config(config))
+    if init:
+        init(head, model)
+    if train:
+        distil(model, head, _continuations(model), steps, logits_fn, layer_ids=layer_ids, stride=stride)
+    drafter = drafter_dir(out)
+    drafter.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(drafter / "model.safetensors"), saved(dict(tree_flatten(head.parameters()))),
+                        metadata=HF_METADATA)
+    (drafter / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(out)
+
+
 def _continuations(model) -> mx.array:
     from mlx_lm.generate import generate_step
 

@@ -233,6 +233,8 @@ HEAD_FIXTURES = {
     "qwen3-dflash2-tiny": "fixtures_dflash2:make_qwen3_dflash2_tiny",  # its DFlash2 drafter beside it (likewise)
     "gemma4-dflash-tiny": "fixtures_gemma4_dflash:make_gemma4_dflash_tiny",  # a Gemma 4 DFlash drafter beside it
     "gemma4-dspark-tiny": "fixtures_gemma4_dspark:make_gemma4_dspark_tiny",  # a Gemma 4 DSpark drafter beside it
+    "muse_glimmer-dflash-tiny": "fixtures_muse_glimmer:make_muse_glimmer_dflash_tiny",  # Meta's DFlash assistant
+    "laguna-dflash-tiny": "fixtures_laguna:make_laguna_dflash_tiny",  # a Laguna DFlash drafter beside it
 }
 
 

@@ -186,19 +186,27 @@ def _load_native_head(lm: LoadedModel, drafter_path: Path, group) -> None:
 
 def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own context KV a row
     from .dflash import flat_config
-    from .dflash_head import DFlashHead, load_dflash
+    from .dflash_head import load_dflash
     from .footprint import dflash_kv_shape
 
     config = read_config(drafter_path)
-    variant = flat_config(config)["variant"]
+    lm.drafter = load_dflash(drafter_path, lm.model, dflash_head_class(flat_config(config)["variant"]))
+    lm.draft_kv_shape = dflash_kv_shape(drafter_path, config)
+
+
+def dflash_head_class(variant: str | None) -> type:
+    """The model class of a DFlash drafter of `variant` (models.dflash.flat_config's)."""
+    from .dflash_head import DFlashHead
+
     if variant == "dflash2":  # DFlash's layers, convolved, and a candidate selector (models.dflash2)
         from .dflash2_head import DFlash2Head as head_class
     elif variant == "gemma4_dspark":  # Gemma 4's layers, its own embedding and LM head (models.gemma4_dspark)
         from .gemma4_dspark_head import Gemma4DSparkHead as head_class
+    elif variant == "laguna":  # aux norms on the tapped layers, gated heads (models.laguna_dflash)
+        from .laguna_dflash_head import LagunaHead as head_class
     else:
-        head_class = DFlashHead  # DSpark's Markov correction included (models.dspark)
-    lm.drafter = load_dflash(drafter_path, lm.model, head_class)
-    lm.draft_kv_shape = dflash_kv_shape(drafter_path, config)
+        head_class = DFlashHead  # DSpark's Markov correction and MuseGlimmer's window included
+    return head_class
 
 
 def _load_eagle3(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own KV a row, as a head's

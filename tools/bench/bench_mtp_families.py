@@ -10,6 +10,8 @@
     python tools/bench/bench_mtp_families.py --fixture qwen3-dflash2-tiny  # a DFlash2 drafter (dflash_vlm.py too)
     python tools/bench/bench_mtp_families.py --fixture gemma4-dflash-tiny  # Gemma 4 DFlash (dflash_vlm.py too)
     python tools/bench/bench_mtp_families.py --fixture gemma4-dspark-tiny  # Gemma 4 DSpark (dflash_vlm.py too)
+    python tools/bench/bench_mtp_families.py --fixture muse_glimmer-dflash-tiny  # MuseGlimmer's (dflash_vlm.py too)
+    python tools/bench/bench_mtp_families.py --fixture laguna-dflash-tiny  # Laguna DFlash (dflash_vlm.py too)
 
 The same checkpoint (by default the fixture factory's `qwen3_5-mtp-tiny`, its head distilled briefly, built into a
 temporary directory), the same prompts, the same k and greedy decoding, two ways:

@@ -4,7 +4,9 @@ against (`--fixture qwen3-dflash-tiny`, `gemma4-dflash-tiny`: mlx-vlm's Gemma4DF
 drafter (`--fixture qwen3-dspark-tiny`: mlx-vlm's DSparkDraftModel, as its get_model_type decides) and its DFlash2
 drafter (`--fixture qwen3-dflash2-tiny`: DFlash2DraftModel; its greedy drafts go through its candidate selector, as
 CaptureTarget offers no speculative_argmax_from_hidden, which would skip it) and a Gemma 4 DSpark drafter (`--fixture
-gemma4-dspark-tiny`: Gemma4DSparkDraftModel, its own embedding and LM head kept by its bind).
+gemma4-dspark-tiny`: Gemma4DSparkDraftModel, its own embedding and LM head kept by its bind) and a MuseGlimmer
+assistant (`--fixture muse_glimmer-dflash-tiny`: MuseGlimmerAssistantDraftModel on mlx-lm's Muse Glimmer, tapped) and a
+Laguna DFlash drafter (`--fixture laguna-dflash-tiny`: LagunaDFlashDraftModel on mlx-lm's Laguna, tapped).
 
 mlx-vlm runs DFlash on targets of its own model zoo that capture layers; capture_target's `CaptureTarget` lets its
 round loop (`_dflash_rounds`) drive mlx-lm's model as it drives those: the outputs of the captured layers
@@ -44,6 +46,14 @@ def load_drafter(drafter: Path, target: CaptureTarget):
         # A Gemma 4 DSpark drafter with keys as values: mlx-vlm 0.7.10's fused context projection reads the v_proj
         # such a layer has not (AttributeError); None sends it down its own per-layer path, which computes the same.
         model._project_context_kv = lambda ctx: None
+    if type(model).__name__ in ("MuseGlimmerAssistantDraftModel", "LagunaDFlashDraftModel"):
+        # Their binds (called again by each reset) check that the target is mlx-vlm's own Muse or Laguna class, which
+        # an mlx-lm model is not; bound as they bind otherwise: the target's raw embedding table and its LM head.
+        def bind(target, model=model, **_):  # Laguna's reset passes its tokenizer
+            model.embed_tokens, model.lm_head = target.model.embed_tokens, target.lm_head
+            return model
+
+        model.bind = bind
     model.bind(target)
     model.prefer_requested_block_size = True  # DSpark's confidence-driven adaptive size too
     return model
@@ -58,7 +68,8 @@ def runs(path: Path, drafter: Path, ps: list[list[int]], n: int, k: int) -> tupl
     model, _ = load(str(path))
     config = json.loads((drafter / "config.json").read_text())
     ids = list((config.get("dflash_config") or {}).get("target_layer_ids") or config["target_layer_ids"])
-    target = CaptureTarget(model) if hasattr(model, "model") else TapCaptureTarget(model, ids)
+    # stepped layer by layer from outside where that is the target's forward (Qwen3); else run whole, layers tapped
+    target = CaptureTarget(model) if getattr(model, "model_type", None) == "qwen3" else TapCaptureTarget(model, ids)
     draft = load_drafter(drafter, target)
     assert list(draft.config.target_layer_ids) == ids
 
