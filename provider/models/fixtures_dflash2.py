@@ -12,22 +12,13 @@ prompts are often accepted.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
-from mlx.utils import tree_flatten
 
 from .fixtures import make_qwen3_tiny
-from .fixtures_dflash import (
-    _Context,
-    _continuations,
-    distil,
-    drafter_config,
-    drafter_dir,
-)
-from .fixtures_mtp import HF_METADATA
+from .fixtures_dflash import _Context, build_beside, drafter_config
 
 SELECTOR = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 32,
             "input_embedding_scale": 1.5, "output_multiplier": 0.75, "final_logit_softcapping": 30.0}
@@ -39,34 +30,22 @@ def dflash2_config(target_config: dict) -> dict:
 
 
 def make_qwen3_dflash2_tiny(out: Path, seed: int = 31, train: bool = True, steps: int = 80) -> None:
-    """The target at `out`, its drafter at `drafter_dir(out)` (written first: `out/config.json` marks it built)."""
-    from mlx_lm.models import qwen3
-
-    from .dflash import flat_config
+    """The target at `out`, its drafter at `drafter_dir(out)`."""
     from .dflash2 import CODEBOOKS
     from .dflash2_head import DFlash2Head
 
-    tmp = out.with_name(out.name + "-target")
-    make_qwen3_tiny(tmp)
-    target_config = json.loads((tmp / "config.json").read_text())
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(target_config))
-    model.load_weights(str(tmp / "model.safetensors"))
-    config = dflash2_config(target_config)
-    mx.random.seed(seed)
-    head = DFlash2Head(flat_config(config))
-    for conv in (c for layer in head.layers for c in (layer.attention_conv, layer.mlp_conv)):
-        # Trained from the identity (DFlash's layers): zero base kernels would start every sublayer's input near 0
-        conv.base_kernel[:, 0] = 1.0
-        conv.kernel_projection.weight = 0.1 * conv.kernel_projection.weight
-    if train:
-        distil(model, head, _continuations(model), steps, block_logits)
-    weights = {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v
-               for k, v in tree_flatten(head.parameters())}
-    dst = drafter_dir(out)
-    dst.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata=HF_METADATA)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    tmp.rename(out)
+    def init(head, model):
+        for conv in (c for layer in head.layers for c in (layer.attention_conv, layer.mlp_conv)):
+            # Trained from the identity (DFlash's layers): zero base kernels would start every sublayer's input near 0
+            conv.base_kernel[:, 0] = 1.0
+            conv.kernel_projection.weight = 0.1 * conv.kernel_projection.weight
+
+    def saved(weights: dict) -> dict:  # the codebooks named without `.weight`, as mlx-vlm's sanitize takes them
+        return {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v
+                for k, v in weights.items()}
+
+    build_beside(out, make_qwen3_tiny, dflash2_config, DFlash2Head, seed, train, steps, logits_fn=block_logits,
+                 init=init, saved=saved)
 
 
 def block_logits(head, embed, lm_head, features: mx.array, seqs: mx.array, anchor: int, k: int) -> mx.array:

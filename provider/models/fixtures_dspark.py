@@ -11,15 +11,12 @@ draft before it is when accepted), so that drafts on the training prompts are of
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .fixtures import make_qwen3_tiny
-from .fixtures_dflash import BLOCK, _Context, _continuations, distil, drafter_config, drafter_dir
-from .fixtures_mtp import HF_METADATA
+from .fixtures_dflash import BLOCK, _Context, build_beside, drafter_config
 
 RANK = 16
 
@@ -32,30 +29,17 @@ def dspark_config(target_config: dict) -> dict:
 
 
 def make_qwen3_dspark_tiny(out: Path, seed: int = 29, train: bool = True, steps: int = 80) -> None:
-    """The target at `out`, its drafter at `drafter_dir(out)` (written first: `out/config.json` marks it built)."""
-    from mlx_lm.models import qwen3
-
-    from .dflash import flat_config
+    """The target at `out`, its drafter at `drafter_dir(out)`, with an untrained confidence head (read and ignored by
+    the node)."""
     from .dflash_head import DFlashHead
 
-    tmp = out.with_name(out.name + "-target")
-    make_qwen3_tiny(tmp)
-    target_config = json.loads((tmp / "config.json").read_text())
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(target_config))
-    model.load_weights(str(tmp / "model.safetensors"))
-    config = dspark_config(target_config)
-    mx.random.seed(seed)
-    head = DFlashHead(flat_config(config))
-    if train:
-        distil(model, head, _continuations(model), steps, block_logits)
-    h = target_config["hidden_size"]
-    weights = dict(tree_flatten(head.parameters())) | {  # read and ignored by the node: never trained
-        "confidence_head.proj.weight": 0.02 * mx.random.normal((1, h + RANK)), "confidence_head.proj.bias": mx.zeros(1)}
-    dst = drafter_dir(out)
-    dst.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata=HF_METADATA)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    tmp.rename(out)
+    def saved(weights: dict) -> dict:
+        h = weights["fc.weight"].shape[0]
+        return weights | {"confidence_head.proj.weight": 0.02 * mx.random.normal((1, h + RANK)),
+                          "confidence_head.proj.bias": mx.zeros(1)}
+
+    build_beside(out, make_qwen3_tiny, dspark_config, DFlashHead, seed, train, steps, logits_fn=block_logits,
+                 saved=saved)
 
 
 def block_logits(head, embed, lm_head, features: mx.array, seqs: mx.array, anchor: int, k: int) -> mx.array:

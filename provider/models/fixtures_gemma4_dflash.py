@@ -10,15 +10,10 @@ fixtures_dflash's, its block embedded as the target embeds its input (scaled by 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
 from .fixtures import make_gemma4_tiny
-from .fixtures_dflash import BLOCK, _continuations, distil, drafter_dir
-from .fixtures_mtp import HF_METADATA
+from .fixtures_dflash import BLOCK, build_beside
 
 LAYER_IDS = [2, 4]
 
@@ -33,24 +28,8 @@ def drafter_config(text: dict, layers: int = 2) -> dict:
 
 
 def make_gemma4_dflash_tiny(out: Path, seed: int = 29, train: bool = True, steps: int = 80) -> None:
-    """The target at `out`, its drafter at `drafter_dir(out)` (written first: `out/config.json` marks it built)."""
-    from mlx_lm import load
-
-    from .dflash import flat_config
+    """The target at `out`, its drafter at `drafter_dir(out)`; distilled at every anchor (with fixtures_dflash's stride
+    of 3 it learnt those positions only)."""
     from .dflash_head import DFlashHead
 
-    tmp = out.with_name(out.name + "-target")
-    make_gemma4_tiny(tmp)
-    model, _ = load(str(tmp))
-    config = drafter_config(json.loads((tmp / "config.json").read_text())["text_config"])
-    mx.random.seed(seed)
-    head = DFlashHead(flat_config(config))
-    if train:
-        # every anchor: with fixtures_dflash's stride of 3 it learnt those positions only
-        distil(model, head, _continuations(model), steps, layer_ids=LAYER_IDS, stride=1)
-    drafter = drafter_dir(out)
-    drafter.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(drafter / "model.safetensors"), dict(tree_flatten(head.parameters())),
-                        metadata=HF_METADATA)
-    (drafter / "config.json").write_text(json.dumps(config, indent=2))
-    tmp.rename(out)
+    build_beside(out, make_gemma4_tiny, drafter_config, DFlashHead, seed, train, steps, layer_ids=LAYER_IDS, stride=1)

@@ -12,16 +12,13 @@ the true previous token.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .fixtures import make_gemma4_tiny
-from .fixtures_dflash import BLOCK, _continuations, distil, drafter_dir
+from .fixtures_dflash import BLOCK, build_beside
 from .fixtures_dspark import RANK, block_logits
-from .fixtures_mtp import HF_METADATA
 
 LAYER_IDS = [2, 4]
 ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
@@ -40,27 +37,14 @@ def drafter_config(text: dict, layers: int = 2) -> dict:
 
 
 def make_gemma4_dspark_tiny(out: Path, seed: int = 31, train: bool = True, steps: int = 80) -> None:
-    """The target at `out`, its drafter at `drafter_dir(out)` (written first: `out/config.json` marks it built)."""
-    from mlx_lm import load
-
-    from .dflash import flat_config
+    """The target at `out`, its drafter at `drafter_dir(out)`."""
     from .gemma4_dspark_head import Gemma4DSparkHead
 
-    tmp = out.with_name(out.name + "-target")
-    make_gemma4_tiny(tmp)
-    model, _ = load(str(tmp))
-    config = drafter_config(json.loads((tmp / "config.json").read_text())["text_config"])
-    mx.random.seed(seed)
-    head = Gemma4DSparkHead(flat_config(config))
-    table = model.language_model.model.embed_tokens.weight
-    head.embed_tokens.weight, head.lm_head.weight = mx.array(table), mx.array(table)
-    for i, layer in enumerate(head.layers):  # not ones, so that a layer that skips its scalar is caught
-        layer.layer_scalar = mx.array([0.75 + 0.1 * i])
-    if train:
-        distil(model, head, _continuations(model), steps, block_logits, layer_ids=LAYER_IDS, stride=1)
-    drafter = drafter_dir(out)
-    drafter.mkdir(parents=True, exist_ok=True)
-    weights = {f"model.{k}": v for k, v in tree_flatten(head.parameters())}
-    mx.save_safetensors(str(drafter / "model.safetensors"), weights, metadata=HF_METADATA)
-    (drafter / "config.json").write_text(json.dumps(config, indent=2))
-    tmp.rename(out)
+    def init(head, model):
+        table = model.language_model.model.embed_tokens.weight
+        head.embed_tokens.weight, head.lm_head.weight = mx.array(table), mx.array(table)
+        for i, layer in enumerate(head.layers):  # not ones, so that a layer that skips its scalar is caught
+            layer.layer_scalar = mx.array([0.75 + 0.1 * i])
+
+    build_beside(out, make_gemma4_tiny, drafter_config, Gemma4DSparkHead, seed, train, steps, logits_fn=block_logits,
+                 layer_ids=LAYER_IDS, stride=1, init=init, saved=lambda w: {f"model.{k}": v for k, v in w.items()})
