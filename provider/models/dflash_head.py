@@ -162,7 +162,13 @@ class DFlashHead(nn.Module):
         return [KVCache() if self.window is None else WindowedContext(self.window) for _ in self.layers]
 
     def context(self, features: mx.array, cache: list, offset: int) -> None:
-        """features [B, n, len(ids) * H]: the tapped outputs at n committed positions from `offset`."""
+        """features [B, n, len(ids) * H]: the tapped outputs at n committed positions from `offset`. A windowed
+        drafter projects only the last window of them (a long prompt's earlier positions no query will see)."""
+        if self.window is not None and features.shape[1] > self.window:
+            skip = features.shape[1] - self.window
+            features, offset = features[:, skip:], offset + skip
+            for c in cache:
+                c.offset += skip
         ctx = self.hidden_norm(self.fc(features))
         for layer, c in zip(self.layers, cache):
             layer.self_attn.context(ctx, c, offset)
