@@ -19,14 +19,14 @@ LAYER_IDS = [1, 2]
 WINDOW = 24  # the assistant's: shorter than the longer test prompts and the training sequences
 
 
-def make_muse_glimmer_tiny(out: Path) -> None:
+def make_muse_glimmer_tiny(out: Path, **sizes) -> None:  # sizes: config keys over the tiny ones
     ids = build_tokenizer(_mkdir(out), 384, CHATML_TEMPLATE, "<|im_end|>", add_bos=False)
     config = {"architectures": ["MuseGlimmerForCausalLM"], "model_type": "muse_glimmer", "hidden_size": 64,
               "num_hidden_layers": 4, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "vocab_size": 384, "rms_norm_eps": 1e-5, "sliding_window": 16,
               "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "max_position_embeddings": 1024,
               "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "tie_word_embeddings": False,
-              "eos_token_id": ids["<|im_end|>"]}
+              "eos_token_id": ids["<|im_end|>"]} | sizes
     _save(out, config, _random_weights(config, seed=13))  # its plain runs of the test prompts end no earlier than 16
 
 
@@ -44,11 +44,12 @@ def make_muse_glimmer_dflash_tiny(out: Path, seed: int = 37, train: bool = True,
     """The target at `out`, its assistant at `drafter_dir(out)`, its tensors under MuseGlimmer's names."""
     from .dflash_head import DFlashHead
 
-    names = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
-
-    def saved(weights: dict) -> dict:
-        return {"model." + next((k.replace(a, b, 1) for a, b in names.items() if k.startswith(a)), k): v
-                for k, v in weights.items()}
-
     build_beside(out, make_muse_glimmer_tiny, assistant_config, DFlashHead, seed, train, steps, layer_ids=LAYER_IDS,
-                 stride=1, saved=saved)
+                 stride=1, saved=muse_names)
+
+
+def muse_names(weights: dict) -> dict:
+    """The head's tensors under the assistant's names: `model.`, its context projection under `encoder.`."""
+    names = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
+    return {"model." + next((k.replace(a, b, 1) for a, b in names.items() if k.startswith(a)), k): v
+            for k, v in weights.items()}

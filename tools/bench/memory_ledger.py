@@ -46,6 +46,11 @@ context K/V (2 layers x K,V x 8 x 32: 4 KiB a committed token):
 
 - f: a drafter with a KV of its own: 16 ~500-token prompts at once, then phase m's load.
 
+then, on a seventh node serving a Muse Glimmer (4 layers, 16 KV heads x 64, fp32) with an untrained MuseGlimmer
+assistant of window 128, the ledger booking its context K/V as a sliding-window layer's (at most the window a row):
+
+- w: a windowed drafter: phase f's load, its ~500-token prompts four times the window.
+
 For each phase it prints the sample with the most MLX memory active (`memory.mlx_active_bytes`) beside the ledger
 at that sample (`memory.reserved_bytes` = models + jobs' KV + prefix caches, with its parts), the same at idle,
 and a verdict for the target: active <= ledger x 1.10 + 16 MiB at every sample. Images are decoded and prepared
@@ -55,7 +60,7 @@ after a warm-up image) stays within ledger x 1.10 + 64 MiB at every sample. End-
 biased away (logit_bias -100) so every job runs to its max_tokens (not in phase e: neither agent API takes a
 logit_bias). Phase e is judged as a-c. The exit code is 0 whatever the verdict.
 
-    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcdeqm] [--m-speculation on|off]
+    python tools/bench/memory_ledger.py [--seed N] [--out FILE] [--phases abcdeqmfw] [--m-speculation on|off]
 """
 
 from __future__ import annotations
@@ -368,6 +373,8 @@ SPEC_PHASES = [("m", ("its own MTP head: 8 x ~200-token prompts, then 8 short de
                       "joining"), phase_m)]
 DFLASH_PHASES = [("f", "a DFlash drafter (its own context K/V a row): 16 x ~500-token prompts, then phase m's load",
                    phase_f)]
+WINDOWED_PHASES = [("w", "a windowed drafter (its context K/V: the last 128 positions a row): phase f's load",
+                    phase_f)]
 QUANT_PHASES = [("q", "kv_bits 4: 8 x ~800-token prompts, 15 short decoding and a ~1,500-token prompt joining",
                  phase_q)]
 
@@ -421,6 +428,21 @@ def build_dflash(out: Path) -> tuple[Path, Path]:
     make_qwen3_tiny(out, num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=16,
                     num_key_value_heads=16, head_dim=64, max_position_embeddings=4096)
     write_drafter(out, drafter_dir(out), json.loads((out / "config.json").read_text()), seed=0, train=False)
+    return out, drafter_dir(out)
+
+
+def build_windowed(out: Path) -> tuple[Path, Path]:
+    """The fixture factory's Muse Glimmer at phase f's size (2 layers, 16 KV heads x 64, fp32) and an untrained
+    2-layer MuseGlimmer assistant of window 128 on it: 16 KiB of context K/V a committed token, at most 2 MiB a row
+    however long its prompt (its cache keeps the window). Returns the target and the drafter."""
+    from provider.models.dflash_head import DFlashHead
+    from provider.models.fixtures_dflash import build_beside, drafter_dir
+    from provider.models.fixtures_muse_glimmer import assistant_config, make_muse_glimmer_tiny, muse_names
+
+    sizes = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 16,
+             "num_key_value_heads": 16, "head_dim": 64, "max_position_embeddings": 4096}
+    build_beside(out, lambda d: make_muse_glimmer_tiny(d, **sizes), lambda t: assistant_config(t) | {
+        "sliding_window": 128}, DFlashHead, seed=0, train=False, saved=muse_names)
     return out, drafter_dir(out)
 
 
@@ -519,7 +541,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write every /health sample and the verdicts as JSON")
-    ap.add_argument("--phases", default="abcdeqmf", help="the phases to run (default: all)")
+    ap.add_argument("--phases", default="abcdeqmfw", help="the phases to run (default: all)")
     ap.add_argument("--m-speculation", choices=("on", "off"), default="on",
                     help="phases m and f's speculation policy")
     args = ap.parse_args()
@@ -562,6 +584,14 @@ def main() -> int:
             print(f"model {model.name}: Qwen3, 4 layers, 8 KV heads x 32, fp32 (8 KiB KV/token), with an untrained "
                   f"2-layer DFlash drafter (4 KiB context K/V a token); speculation {args.m_speculation}, k = 3")
             serve(model, [], Path(tmp) / "home-f", dflash, rng, None, results, samples,
+                  speculation=args.m_speculation, extra=("--drafter", str(drafter)))
+        windowed = [p for p in WINDOWED_PHASES if p[0] in args.phases]
+        if windowed:
+            model, drafter = build_windowed(Path(tmp) / "muse-kv-heavy")
+            print(f"model {model.name}: Muse Glimmer, 4 layers, 16 KV heads x 64, fp32, with an untrained 2-layer "
+                  f"MuseGlimmer assistant of window 128 (16 KiB context K/V a token, 2 MiB a row at most); "
+                  f"speculation {args.m_speculation}, k = 3")
+            serve(model, [], Path(tmp) / "home-w", windowed, rng, None, results, samples,
                   speculation=args.m_speculation, extra=("--drafter", str(drafter)))
     if args.out:
         args.out.write_text(json.dumps({"seed": args.seed, "phases": results, "samples": samples}, indent=1))
