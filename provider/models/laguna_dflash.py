@@ -53,7 +53,7 @@ def check(flat: dict) -> str | None:
     if flat.get("causal_block") is not True:
         return "a Laguna DFlash drafter's blocks are causal (dflash_config.causal: true)"
     if flat.get("layer_types") != ["sliding_attention"] * layers or \
-            flat.get("sliding_windows", [window] * layers) != [window] * layers:
+            (flat.get("sliding_windows") or [window] * layers) != [window] * layers:  # mlx-vlm's default when empty
         return "a Laguna DFlash drafter has sliding_attention layers of one window"
     ids = flat.get("target_layer_ids")
     if not isinstance(ids, list) or len(ids) != layers:
