@@ -149,6 +149,19 @@ def _served(flat: dict) -> str | None:
     return None
 
 
+def _rope_error(flat: dict) -> str | None:
+    """Why the drafter's RoPE cannot be built (a type mlx-lm has not, a scaling without its keys), or None: refused
+    here rather than at its load."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    try:
+        initialize_rope(flat["head_dim"], flat["rope_theta"], flat.get("rope_traditional", False),
+                        flat.get("rope_scaling"), flat.get("max_position_embeddings", 32768))
+    except (KeyError, ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
+        return f"malformed DFlash RoPE scaling {flat.get('rope_scaling')!r}: {e!r}"
+    return None
+
+
 def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     """"ok", or why the DFlash drafter at `drafter` cannot draft for the target of `target_config`."""
     tc = text_config(target_config)
@@ -163,6 +176,9 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     theta = flat["rope_theta"]
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
         return f"malformed DFlash config: rope_theta is {theta!r}"
+    why = _rope_error(flat)
+    if why:
+        return why
     gemma4 = str(tc.get("model_type", "")).startswith("gemma4")
     if str(tc.get("model_type", "")).startswith("gemma") and not gemma4:
         # Gemma 4 scales its embedding by sqrt(H) as a Python float (the drafter's embedding does it alike:

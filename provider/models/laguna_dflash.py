@@ -36,10 +36,11 @@ def add_keys(config: dict, flat: dict) -> None:
     flat["context_window"] = flat["sliding_window"] = \
         window - 1 if isinstance(window, int) and not isinstance(window, bool) else window
     flat["causal_block"] = flat.pop("causal")
-    flat["gated_heads"] = True
     rope = config.get("rope_parameters")
     flat["rope_theta"] = config.get("rope_theta")  # mlx-vlm's: the top level's, required
-    flat["rope_scaling"] = dict(rope) if isinstance(rope, dict) and "rope_theta" not in rope else None
+    # rope_parameters give the scaling when flat (a table per layer type, as the target's, reads as default RoPE)
+    flat_rope = isinstance(rope, dict) and not any(isinstance(v, dict) for v in rope.values())
+    flat["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"} if flat_rope else None
     flat["rope_traditional"] = False
 
 
