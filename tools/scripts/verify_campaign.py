@@ -17,6 +17,24 @@ real weights over the whole output: the strongest forgery, answered by the token
 in >= 99.9% of its jobs, and where it starts (the first token that is not the real model's, or the first chunk
 whose hidden states are another model's; never before, and past it only by near-ties).
 
+Cheats against the request (issue 55: what is checked follows from the request, never from the proof), each with
+a commitment the forger computed with the real weights (`forged`), so only the request's checks can stop them:
+- cheap_speculative: a seeded job (T 0.8, top_p 0.95 and 1.0 alternately) answered by the 4-bit copy decoding it,
+  declared `speculative` (no seed);
+- other_seed_replayable: a seeded job answered with the real model's output for another seed, declared
+  `replayable` with that seed;
+- greedy_for_sampled, greedy_for_unseeded: a T 0.8 job, seeded or not, answered greedily, declared `greedy`;
+- speculative_on_greedy, replayable_on_greedy: a greedy job answered with random ids (below the vocabulary, no
+  end id, max_tokens of them), declared `speculative`, or `replayable` with some seed;
+- overlong: a job of max_tokens 4 answered with the real model's honest output of 32 (its own label);
+- made_up_eos: the real model's honest output (greedy or seeded) cut at k < its length, an EOS claimed after it;
+- cut_short: the same cut with no end token claimed (the request has no stop string).
+A declaration that contradicts the request starts the cheat at position 0; overlong at max_tokens; a cut at k.
+A claim the verifier raises on instead of judging is counted apart ("the verifier raised"), never as caught.
+
+The honest jobs' near-ties (Verdict.ties: tokens within the tie tolerance of the expected one) are printed: in
+all, per 100 tokens, and the most in one job.
+
     python tools/scripts/verify_campaign.py [--honest 2000] [--cheats 1000] [--group 200] [--images 200]
         [--kinds K,...] [--tokens 48] [--seed 39]
 """
@@ -37,14 +55,19 @@ import time
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.constraints import OutputRules, ResponseFormat  # noqa: E402
-from provider.jobs import Done, Job, Proof, SamplingParams  # noqa: E402
+from provider.engine.kv_quant import caches_for  # noqa: E402
+from provider.engine.output import end_ids  # noqa: E402
+from provider.jobs import REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Job, Proof, SamplingParams  # noqa: E402
 from provider.models import cheat_fixtures, fixtures  # noqa: E402
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
 from provider.verification.commitment import CommitmentBuilder  # noqa: E402
+from provider.verification.hidden_tap import install, top_entries  # noqa: E402
 from provider.verification.verifier import Claim, ClaimReader  # noqa: E402
 from tools.harness.group import start_group  # noqa: E402
 from tools.harness.nodes import make_node  # noqa: E402
@@ -52,6 +75,11 @@ from tools.harness.nodes import make_node  # noqa: E402
 SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
 WEIGHT_CHEATS = {"noise_1pct": "g", "quantized_8bit": "g", "quantized_4bit": "g", "layer_dropped": "g",
                  "noise_1pct_llama": "llama"}  # served instead of the model claimed
+# Cheats against the request itself (issue 55): the forger holds the real weights and commits to its output with them
+# (`forged`), so only the checks the request calls for (sampler, seed, length, ending) can stop it.
+REQUEST_CHEATS = ("cheap_speculative", "other_seed_replayable", "greedy_for_sampled", "greedy_for_unseeded",
+                  "speculative_on_greedy", "replayable_on_greedy", "overlong", "made_up_eos", "cut_short")
+OVERLONG_ASKED, OVERLONG_MADE = 4, 32  # overlong: the max_tokens claimed against, and the honest run's
 GROUP_SPLITS = {"group_tensor": ("llama-tiny", "auto"), "group_pipeline": ("qwen2-tiny", "pipeline")}
 # Structured output: schemas with a regex, an enum, bounded numbers, an array and an optional field.
 SCHEMAS = [
@@ -72,6 +100,32 @@ def sampling_for(rng: random.Random, tokens: int, seeded: bool = True) -> Sampli
     return SamplingParams(max_tokens=rng.randint(8, tokens), temperature=round(rng.uniform(0.3, 1.2), 2),
                           seed=rng.randrange(1 << 31) if seeded else None,
                           logprobs=rng.choice([None, 2]), **kw)
+
+
+def sampled(rng: random.Random, tokens: int) -> SamplingParams:
+    """A seeded sampled job, as sampling_for draws them."""
+    while (s := sampling_for(rng, tokens)).greedy:
+        pass
+    return s
+
+
+def cheat_request(kind: str, rng: random.Random, tokens: int, i: int) -> SamplingParams:
+    """The request a cheating job answers (the i-th of its kind): what the verifier is given as its sampling."""
+    if kind in ("hotter", "other_seed"):
+        return SamplingParams(max_tokens=tokens, temperature=0.7, seed=rng.randrange(1 << 31))
+    if kind == "cheap_speculative":
+        return SamplingParams(max_tokens=rng.randint(8, tokens), temperature=0.8, top_p=(0.95, 1.0)[i % 2],
+                              seed=rng.randrange(1 << 31))
+    if kind == "other_seed_replayable":
+        return sampled(rng, tokens)
+    if kind in ("greedy_for_sampled", "greedy_for_unseeded"):
+        return SamplingParams(max_tokens=rng.randint(8, tokens), temperature=0.8,
+                              seed=rng.randrange(1 << 31) if kind == "greedy_for_sampled" else None)
+    if kind in ("speculative_on_greedy", "replayable_on_greedy"):
+        return SamplingParams(max_tokens=rng.randint(8, tokens), temperature=0.0)
+    if kind == "overlong":
+        return dataclasses.replace(sampling_for(rng, tokens), max_tokens=OVERLONG_ASKED)
+    return sampling_for(rng, tokens)  # greedy or seeded (made_up_eos and cut_short: the honest output cut)
 
 
 def messages(rng: random.Random, system: bool = False) -> tuple:
@@ -180,7 +234,10 @@ def image_outcomes(root: Path, rng: random.Random, args) -> list[tuple[str, bool
                 _, _, verdict = (await produce(verifier, "vlm", [check]))[0]
                 path = "images_mtp" if end.telemetry.speculation.mode is SpecMode.MTP else "images"
                 passed = isinstance(verdict, Done) and verdict.verdict is not None and verdict.verdict.passed
-                out.append((path, passed, {"job": j.id, "end": repr(verdict)[:300]}))
+                summary = verdict.verdict if isinstance(verdict, Done) else None
+                out.append((path, passed, {"job": j.id, "end": repr(verdict)[:300],
+                                           "ties": summary.ties if summary else 0,
+                                           "tokens": summary.tokens if summary else 0}))
         return out
 
     async def run_and_stop():
@@ -194,12 +251,22 @@ def image_outcomes(root: Path, rng: random.Random, args) -> list[tuple[str, bool
 
 
 def forged(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> Proof:
-    """A commitment to `ids` computed with the real weights (what a forger holding them can make for any output)."""
-    indices, bits = read(verifier, model, job, ids, proof).entries()
-    builder = CommitmentBuilder(verifier.models.acquire(model).hidden_tap.hidden_size)
-    verifier.models.release(model)
-    builder.add(indices, bits)
-    return dataclasses.replace(proof, commitment=builder.finish(len(ids)))
+    """A commitment to `ids` (and the proof's end token after them) computed with the real weights: what a forger
+    holding them can make for any output, by one forward of its own over prompt + output (not through a
+    ClaimReader, which believes no claim before its commitment reads)."""
+    prompt = verifier.prompts.prepare(dataclasses.replace(job, model=model)).result().prompt
+    tokens = list(ids) + ([proof.end_token] if proof.end_token is not None else [])
+    lm = verifier.models.acquire(model)
+    try:
+        tap = install(lm.model)
+        lm.model(mx.array(list(prompt) + tokens)[None], cache=caches_for(lm))
+        first = len(prompt) - 1  # the position whose forward gives output token 0
+        indices, bits = top_entries(tap.last[0, first:first + len(tokens)])
+        builder = CommitmentBuilder(tap.hidden_size)
+        builder.add(np.array(indices), np.array(bits))
+        return dataclasses.replace(proof, commitment=builder.finish(len(tokens)))
+    finally:
+        verifier.models.release(model)
 
 
 def main() -> int:
@@ -212,6 +279,10 @@ def main() -> int:
     ap.add_argument("--images", type=int, default=200, help="honest image jobs, checked by verify jobs")
     ap.add_argument("--kinds", default="", help="only these cheats (comma-separated names as printed)")
     args = ap.parse_args()
+    every_kind = [*WEIGHT_CHEATS, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice", *REQUEST_CHEATS]
+    unknown = set(filter(None, args.kinds.split(","))) - set(every_kind)
+    if unknown:
+        ap.error(f"unknown kinds {sorted(unknown)}; the kinds: {','.join(every_kind)}")
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,7 +310,18 @@ def main() -> int:
         }
         cheat_node = make_node({**bad, "g": real, "draft": draft, "llama": llama}, commitments="on",
                                speculation="off", manager_kw={"max_resident": 8}, max_concurrent_jobs=16)
-        report = {"honest": collections.Counter(), "honest_failures": [], "cheats": {}}
+        report = {"honest": collections.Counter(), "honest_failures": [], "cheats": {},
+                  "ties": {"total": 0, "tokens": 0, "most": 0, "most_in": None}}
+
+        def honest(path: str, job_id: str, passed: bool, ties: int, tokens: int, failure: dict) -> None:
+            report["honest"][(path, passed)] += 1
+            if not passed:
+                report["honest_failures"].append({"path": path, "job": job_id, **failure})
+            t = report["ties"]  # near-ties (Verdict.ties) of every honest job, passed or not (issue 55)
+            t["total"], t["tokens"] = t["total"] + ties, t["tokens"] + tokens
+            if ties > t["most"]:
+                t["most"], t["most_in"] = ties, {"path": path, "job": job_id, "tokens": tokens}
+
         # Honest: batches of 1 to 16 jobs, a quarter repeating an earlier prompt (a prefix hit).
         done, history = 0, []
         while done < args.honest:
@@ -258,50 +340,56 @@ def main() -> int:
                 assert isinstance(end, Done), end
                 verdict = read(verifier, model, job, ids, end.proof).verdict()
                 kind = path + ("+json_schema" if job.rules.constrained else "")
-                report["honest"][(kind, verdict.passed)] += 1
-                if not verdict.passed:
-                    report["honest_failures"].append({"path": kind, "job": job.id, **verdict.summary()})
+                honest(kind, job.id, verdict.passed, verdict.ties, verdict.tokens, verdict.summary())
             done += len(batch)
         for path, (family, split) in GROUP_SPLITS.items():  # a node group of two, each split
             for job, ids, proof in group_outcomes(root, path, family, split, rng, args):
                 verdict = read(verifier, family, job, ids, proof).verdict()
-                report["honest"][(path, verdict.passed)] += 1
-                if not verdict.passed:
-                    report["honest_failures"].append({"path": path, "job": job.id, **verdict.summary()})
+                honest(path, job.id, verdict.passed, verdict.ties, verdict.tokens, verdict.summary())
         for path, passed, detail in image_outcomes(root, rng, args) if args.images else ():
-            report["honest"][(path, passed)] += 1
-            if not passed:
-                report["honest_failures"].append({"path": path, **detail})
+            honest(path, detail["job"], passed, detail["ties"], detail["tokens"], detail)
         # Cheats.
-        kinds = [k for k in [*bad, "system_prompt", "drafter_alone", "hotter", "other_seed", "splice"]
-                 if not args.kinds or k in args.kinds.split(",")]
+        kinds = [k for k in every_kind if not args.kinds or k in args.kinds.split(",")]
         for kind in kinds:
-            caught = at_start = 0
+            jobs_of = caught = at_start = raised = 0
+            notes = []  # a few claims the verifier raised on, or failed elsewhere than where the cheat starts
             for n in range(0, args.cheats, 16):
                 jobs = [Job(id=f"{kind}{n + i}", model="g", messages=messages(rng),
-                            sampling=sampling_for(rng, args.tokens) if kind not in ("hotter", "other_seed")
-                            else SamplingParams(max_tokens=args.tokens, temperature=0.7, seed=rng.randrange(1 << 31)))
+                            sampling=cheat_request(kind, rng, args.tokens, n + i))
                         for i in range(min(16, args.cheats - n))]
                 results = _cheat(kind, jobs, cheat_node, verifier, rng, args.tokens)
-                for ok, right_place in results:
-                    caught += not ok
-                    at_start += (not ok) and right_place
-            report["cheats"][kind] = {"jobs": args.cheats, "caught": caught, "caught_where_it_starts": at_start}
-            print(f"{kind}: caught {caught}/{args.cheats}, where it starts {at_start}", flush=True)
+                for ok, right_place, *note in results:  # ok None: the verifier raised instead of judging
+                    jobs_of += 1
+                    raised += ok is None
+                    caught += ok is not None and not ok
+                    at_start += ok is not None and not ok and right_place
+                    if note and note[0] and len(notes) < 5:
+                        notes.append(note[0])
+            report["cheats"][kind] = {"jobs": jobs_of, "caught": caught, "caught_where_it_starts": at_start,
+                                      **({"verifier_raised": raised} if raised else {}),
+                                      **({"notes": notes} if notes else {})}
+            print(f"{kind}: caught {caught}/{jobs_of}, where it starts {at_start}"
+                  + (f", the verifier raised on {raised}" if raised else ""), flush=True)
         for node in (verifier, cheat_node, *(n for n, _ in producers.values())):
             asyncio.run(node.stop())  # before the interpreter exits: a live engine thread aborted it (134)
     honest_total = sum(report["honest"].values())
     false = sum(v for (_, passed), v in report["honest"].items() if not passed)
     print(f"honest: {honest_total} jobs, {false} false rejections; by path: "
           f"{ {p: v for (p, ok), v in report['honest'].items() if ok} }")
-    print(json.dumps({"honest_jobs": honest_total, "false_rejections": false, "cheats": report["cheats"],
+    t = report["ties"]
+    print(f"honest near-ties: {t['total']} in {t['tokens']} tokens "
+          f"({100 * t['total'] / max(1, t['tokens']):.3f} per 100 tokens), at most {t['most']} in one job"
+          + (f" ({t['most_in']})" if t["most_in"] else ""))
+    print(json.dumps({"honest_jobs": honest_total, "false_rejections": false, "honest_ties": t,
+                      "cheats": report["cheats"],
                       "honest_failures": report["honest_failures"][:20], "seconds": round(time.perf_counter() - t0)}))
-    worst = min((c["caught"] / c["jobs"] for c in report["cheats"].values()), default=1.0)
+    worst = min((c["caught"] / c["jobs"] for c in report["cheats"].values() if c["jobs"]), default=1.0)
     return 0 if false == 0 and worst >= 0.999 else 1
 
 
-def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple[bool, bool]]:
-    """(passed, failed where it starts) for each cheating job, verified as the real model's ("g")."""
+def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple]:
+    """(passed, failed where it starts[, a note or None]) for each cheating job, verified as the real model's ("g");
+    passed None when the verifier raised instead of judging the claim."""
     out = []
     if kind in WEIGHT_CHEATS:
         for job, ids, end in asyncio.run(produce(node, kind, jobs)):
@@ -341,7 +429,82 @@ def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple[bool, bool]]:
             v = read(verifier, "g", job, ids, proof).verdict()
             start = next((j for j, (a, b) in enumerate(zip(ids, real_ids)) if a != b), None)
             out.append((v.passed if start is not None else False, _from(v.first_failure, start)))
+    elif kind in REQUEST_CHEATS:  # the claim's commitment forged with the real weights: only the request stops it
+        for job, ids, proof, start in _request_cheats(kind, jobs, node, verifier, rng):
+            try:
+                v = read(verifier, "g", job, ids, forged(verifier, "g", job, ids, proof)).verdict()
+            except Exception as e:  # noqa: BLE001 (no claim may make the verifier raise: counted, not caught)
+                out.append((None, False, {"job": job.id, "start": start, "raised": f"{type(e).__name__}: {e}"[:200]}))
+                continue
+            # A contradiction of the request fails at position 0, as other weights do; a length or an ending
+            # where the cheat starts (max_tokens; the cut), never before it.
+            right = v.first_failure == 0 if start == 0 else _from(v.first_failure, start)
+            note = None if v.passed or right else {"job": job.id, "start": start, "first_failure": v.first_failure,
+                                                   "reason": v.reason}
+            out.append((v.passed, right, note))
     return out
+
+
+def _request_cheats(kind, jobs, node, verifier, rng) -> list[tuple[Job, list[int], Proof, int]]:
+    """Each job's cheating claim: (the request, the claimed ids, the proof before its commitment is forged, the
+    output position where the cheat starts). An honest output too short to cheat with (overlong's that fits
+    max_tokens, a cut's shorter than 1 or 2 tokens) is made again for another prompt, up to 4 times."""
+    asyncio.run(verifier.preload("g"))
+    lm = verifier.models.acquire("g")
+    limit, ends = lm.decodable or lm.logits_width, end_ids(lm.tokenizer, SamplingParams(max_tokens=1))
+    eos = lm.tokenizer.eos_token_id if lm.tokenizer.eos_token_id in ends else min(ends)  # the model's EOS id
+    verifier.models.release("g")
+    if kind in ("speculative_on_greedy", "replayable_on_greedy"):  # random ids below the vocabulary, no end id
+        out = []
+        for job in jobs:
+            ids = []
+            while len(ids) < job.sampling.max_tokens:  # as long as the request allows: its length is right
+                ids += [t] if (t := rng.randrange(limit)) not in ends else []
+            proof = (Proof(None, SPECULATIVE_SAMPLER) if kind == "speculative_on_greedy"
+                     else Proof(None, REPLAYABLE_SAMPLER, rng.randrange(1 << 31)))
+            out.append((job, ids, proof, 0))
+        return out
+    # What the forger decodes instead of the request: which model, with which sampling.
+    made_with = {"cheap_speculative": ("quantized_4bit", lambda s: s),  # the 4-bit copy, decoding the job itself
+                 "other_seed_replayable": ("g", lambda s: dataclasses.replace(s, seed=(s.seed + 1) % (1 << 31))),
+                 "greedy_for_sampled": ("g", lambda s: dataclasses.replace(s, temperature=0.0, seed=None)),
+                 "greedy_for_unseeded": ("g", lambda s: dataclasses.replace(s, temperature=0.0, seed=None)),
+                 "overlong": ("g", lambda s: dataclasses.replace(s, max_tokens=OVERLONG_MADE)),
+                 "made_up_eos": ("g", lambda s: s), "cut_short": ("g", lambda s: s)}
+    model, how = made_with[kind]
+    out, todo = [], list(jobs)
+    for _ in range(5):
+        made = asyncio.run(produce(node, model, [dataclasses.replace(j, sampling=how(j.sampling)) for j in todo]))
+        again = []
+        for job, (_, ids, end) in zip(todo, made):
+            assert isinstance(end, Done) and end.proof is not None, (job.id, end)
+            claim = _claimed(kind, job, list(ids), end.proof, eos, rng)
+            if claim is None:
+                again.append(dataclasses.replace(job, messages=messages(rng)))
+            else:
+                out.append((job, *claim))
+        if not (todo := again):
+            break
+    return out
+
+
+def _claimed(kind, job, ids, proof, eos, rng) -> tuple[list[int], Proof, int] | None:
+    """The claim a forger makes from the output it decoded: (ids, proof, where the cheat starts), or None when
+    this output cannot make one."""
+    if kind == "cheap_speculative":  # a seeded job's tokens declared unreplayable: checked for plausibility today
+        return ids, dataclasses.replace(proof, sampler=SPECULATIVE_SAMPLER, seed=None), 0
+    if kind in ("other_seed_replayable", "greedy_for_sampled", "greedy_for_unseeded"):
+        return ids, proof, 0  # the run's own honest label (replayable with the other seed; greedy)
+    if kind == "overlong":  # the end token counts: it was generated
+        asked = job.sampling.max_tokens
+        return (ids, proof, asked) if len(ids) + (proof.end_token is not None) > asked else None
+    if kind == "made_up_eos" and ids:
+        k = rng.randrange(len(ids))
+        return ids[:k], dataclasses.replace(proof, end_token=eos), k
+    if kind == "cut_short" and len(ids) >= 2:  # an empty output needs an end token (jobs.Claim): k >= 1
+        k = rng.randrange(1, len(ids))
+        return ids[:k], dataclasses.replace(proof, end_token=None), k
+    return None
 
 
 def _from(failure: int | None, start: int | None) -> bool:
