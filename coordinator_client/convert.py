@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from provider.constraints import (MAX_SCHEMA_BYTES, MAX_TOOLS, TOOL_CHOICE_MODES, ConstraintError, OutputRules,
@@ -13,6 +14,7 @@ from provider.jobs import (GREEDY_SAMPLER, MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX
 from provider.types import Cause, Policy
 
 from provider.telemetry import Telemetry
+from provider.verdicts import Tolerance
 
 from .pb import provider_pb2 as pb
 from .sealed_errors import sealed_message
@@ -118,7 +120,10 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     if req.HasField("verify"):  # bounded by check_counts; each id and the proof checked by Claim, the vocabulary
         if len(req.verify.proof.commitment) > MAX_COMMITMENT_BYTES:  # when prepared
             raise _invalid("verify.proof.commitment is longer than any commitment")
-        verify = Claim(tuple(req.verify.output_ids), proof_from_pb(req.verify.proof))
+        if not req.max_tokens:  # a claim's length is judged against it: another node's default is not the producer's
+            raise _invalid("a verify job names the max_tokens its claim was made under")
+        verify = Claim(tuple(req.verify.output_ids), proof_from_pb(req.verify.proof),
+                       tolerance_from_pb(req.verify.tolerance) if req.verify.HasField("tolerance") else None)
     if len(req.cache_scope.encode()) > MAX_CACHE_SCOPE:
         raise _invalid(f"cache_scope has at most {MAX_CACHE_SCOPE} bytes")
     # The coordinator's tenants apart from the local API's, and from each other; only a named tenant's unsealed
@@ -266,6 +271,15 @@ def proof_from_pb(proof: pb.Proof) -> Proof:
     return Proof(proof.commitment or None, PROOF_SAMPLER_FROM_PB[proof.sampler],
                  proof.seed if proof.HasField("seed") else None,
                  proof.end_token if proof.HasField("end_token") else None)
+
+
+def tolerance_to_pb(t: Tolerance) -> pb.Tolerance:
+    return pb.Tolerance(**dataclasses.asdict(t))
+
+
+def tolerance_from_pb(t: pb.Tolerance) -> Tolerance:
+    """As a verifier takes it: jobs.Claim holds it to the loosest profile this node knows."""
+    return Tolerance(**{f.name: getattr(t, f.name) for f in dataclasses.fields(Tolerance)})
 
 
 def done_frame(ev: Done) -> pb.ProviderFrame:

@@ -27,8 +27,9 @@ from .identity import InvalidSignature, verify_hello
 from .outcomes import InvalidResult, proof_digest, token_digest, verify_result
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys, SealingError, SenderKeys, seal_job
+from .network_terms import network_terms
 from .routing import Router
-from .spot_checks import SpotChecks, proof_of
+from .spot_checks import DEFAULT_VERIFY_FRACTION, SpotChecks, proof_of
 
 MAX_SKEW_MS = 60_000
 VERSION = "reference-coordinator/1"
@@ -47,6 +48,7 @@ class NodeSession:
     node_id: str
     epoch: int
     registration: pb.Registration
+    peer: str = ""  # gRPC's peer address ("ipv4:203.0.113.5:40000"): spot checks keep siblings apart
     outgoing: asyncio.Queue = field(default_factory=asyncio.Queue)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     heartbeats: list[pb.Heartbeat] = field(default_factory=list)
@@ -59,7 +61,7 @@ def _serialize(frame) -> bytes:
 
 class ReferenceCoordinator:
     def __init__(self, port: int = 0, heartbeat_interval_ms: int = 500, ack_outcomes: bool = True,
-                 nonce_bytes: int = 32, read_frames: bool = True, verify_fraction: float = 0.0,
+                 nonce_bytes: int = 32, read_frames: bool = True, verify_fraction: float = DEFAULT_VERIFY_FRACTION,
                  verify_seed: int | None = None):
         self.port = port
         self.spot_checks = SpotChecks(verify_fraction, verify_seed)  # jobs verified again on another node
@@ -133,12 +135,14 @@ class ReferenceCoordinator:
         session.outgoing.put_nowait(frame)
 
     def dispatch(self, session: NodeSession, request: pb.JobRequest) -> str:
+        network_terms(request)
         self.requests[request.job_id] = request  # what its result must answer
         self.send(session, pb.CoordinatorFrame(job_request=request))
         return request.job_id
 
     def dispatch_sealed(self, session: NodeSession, request: pb.JobRequest) -> str:
         """Send `request` with everything but its routing fields sealed to the node's session key."""
+        network_terms(request)
         outer = pb.JobRequest(job_id=request.job_id, model=request.model, deadline_ms=request.deadline_ms,
                               model_sha256=request.model_sha256)
         sealed, keys = seal_job(session.registration.sealing_key, request.job_id, request)
@@ -239,7 +243,7 @@ class ReferenceCoordinator:
             await context.write(pb.CoordinatorFrame(reject=pb.Reject(reason=reason)))
             return
         reg: pb.Registration = reason
-        session = NodeSession(f"s-{uuid.uuid4().hex[:12]}", reg.node_id, reg.session_epoch, reg)
+        session = NodeSession(f"s-{uuid.uuid4().hex[:12]}", reg.node_id, reg.session_epoch, reg, context.peer())
         old = self.sessions.get(reg.node_id)
         if old is not None:
             old.ended.set()  # a rejoin replaces the ghost session
@@ -341,7 +345,8 @@ class ReferenceCoordinator:
 async def _main(port: int, verify_fraction: float) -> None:
     coord = ReferenceCoordinator(port, verify_fraction=verify_fraction)
     await coord.start()
-    print(f"reference coordinator listening on {coord.url}; verifying {verify_fraction:.0%} of jobs", flush=True)
+    print(f"reference coordinator listening on {coord.url}; seeding every sampled job; spot-checking "
+          f"{verify_fraction:.0%} of jobs on another node", flush=True)
     await asyncio.Event().wait()
 
 
@@ -350,7 +355,6 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", "50051")))
-    ap.add_argument("--verify-fraction", type=float, default=0.0,
-                    help="re-verify this share of finished jobs on another connected node (0 to 1)")
-    args = ap.parse_args()
-    asyncio.run(_main(args.port, args.verify_fraction))
+    ap.add_argument("--verify-fraction", type=float, default=DEFAULT_VERIFY_FRACTION, help="re-verify this "
+                    f"share of finished jobs on another connected node (0 to 1; default {DEFAULT_VERIFY_FRACTION})")
+    asyncio.run(_main(**vars(ap.parse_args())))

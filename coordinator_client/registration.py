@@ -6,8 +6,9 @@ import time
 
 from provider.speculation import GREEDY, SPECULATIVE_SAMPLING
 from provider.status import NodeStatus
+from provider.verdicts import for_backend
 
-from .convert import decision_to_pb
+from .convert import decision_to_pb, tolerance_to_pb
 from .identity import Identity
 from .residency import residency_of
 from .pb import provider_pb2 as pb
@@ -52,7 +53,8 @@ def registration(st: NodeStatus, identity: Identity, *, nonce: bytes, epoch: int
         hardware=pb.Hardware(machine=p.machine, chip=p.device, os=p.os, cpu_cores=p.cpu_cores),
         memory=memory_status(st), models=model_infos(st), max_concurrent_jobs=st.max_concurrent_jobs,
         public_key=identity.public_key, nonce=nonce, timestamp_ms=int(time.time() * 1000), session_epoch=epoch,
-        sealing_key=sealing_key, group=node_group(st))
+        sealing_key=sealing_key, group=node_group(st),
+        verification=pb.Verification(commits=st.commits, tolerance=tolerance_to_pb(for_backend(p.backend))))
 
 
 HEALTH = {"unhealthy": pb.NODE_STATUS_UNHEALTHY, "draining": pb.NODE_STATUS_DRAINING}

@@ -2,15 +2,23 @@
 proof are verified again on another connected node, and each producing node's verdicts are tallied.
 
 A verify job is the original request (its plaintext, for a sealed job, sealed again to the verifier) with the
-claimed output ids and the opened proof in `verify`; its JobDone carries a signed Verdict. A job with no other
-node to check it, or without a proof, counts as unchecked.
+claimed output ids and the opened proof in `verify`, under a deadline of its own; its JobDone carries a signed
+Verdict. The verifier is never the producer, nor a node on the producer's address (its sibling, as far as a
+coordinator can tell). A job picked from a node that registered as committing but answered without a proof
+fails its check: leaving the proof out must not be a way round the check. A job with no other node to check it
+counts as unchecked.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import random
+import time
 from dataclasses import dataclass, field
 
+from provider.verdicts import looser
+
+from .convert import tolerance_from_pb, tolerance_to_pb
 from .pb import provider_pb2 as pb
 
 
@@ -37,13 +45,17 @@ class Pending:
 
 
 VERIFY_PREFIX = "verify-"
+DEFAULT_VERIFY_FRACTION = 0.05  # the reference coordinator's default: every node is checked, cheaply (economics: docs)
+VERIFY_DEADLINE_S = 600  # a verify job's own: the producer's deadline is not the check's
+NO_PROOF = "no proof from a node that registered as committing"
 
 
 class SpotChecks:
-    def __init__(self, fraction: float, seed: int | None = None):
+    def __init__(self, fraction: float, seed: int | None = None, deadline_s: float = VERIFY_DEADLINE_S):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError("the verify fraction is a share of jobs, 0 to 1")
         self.fraction = fraction
+        self.deadline_s = deadline_s
         self._rng = random.Random(seed)
         self.tally: dict[str, Tally] = {}
         self.verifiers: set[str] | None = None  # node ids trusted to check others; None: any connected node
@@ -55,34 +67,46 @@ class SpotChecks:
         if job_id in self.pending:
             self.answered(frame)
             return
-        if len(coord.outcomes[job_id]) > 1 or frame.WhichOneof("frame") != "job_done" or not self.pick(job_id):
+        if len(coord.outcomes[job_id]) > 1 or frame.WhichOneof("frame") != "job_done" \
+                or job_id.startswith(VERIFY_PREFIX):
             return
         proof = proof_of(coord, frame.job_done)
+        if (not proof or not proof.commitment) and session.registration.verification.commits:
+            self.failed(session.node_id, job_id, NO_PROOF)  # seen without a check: every such outcome counts
+            return
+        if not self.pick(job_id):
+            return
         original = coord.plain_requests.get(job_id) or coord.requests.get(job_id)
-        checker = self.checker(session.node_id, coord.sessions)
+        checker = self.checker(session, coord.sessions)
         if not proof or not proof.commitment or original is None or checker is None:
             self.unchecked(session.node_id)
             return
-        request = self.verify_request(original, coord.completion(job_id)[1], proof)
+        request = self.verify_request(original, coord.completion(job_id)[1], proof,
+                                      verify_tolerance(session.registration, checker.registration))
         self.sent(request.job_id, session.node_id, job_id)
         (coord.dispatch_sealed if job_id in coord.plain_requests else coord.dispatch)(checker, request)
 
     def pick(self, job_id: str) -> bool:
         return not job_id.startswith(VERIFY_PREFIX) and self.fraction > 0 and self._rng.random() < self.fraction
 
-    def verify_request(self, original: pb.JobRequest, output_ids: list[int], proof: pb.Proof) -> pb.JobRequest:
+    def verify_request(self, original: pb.JobRequest, output_ids: list[int], proof: pb.Proof,
+                       tolerance: pb.Tolerance | None = None) -> pb.JobRequest:
         req = pb.JobRequest()
         req.CopyFrom(original)
         req.job_id = VERIFY_PREFIX + original.job_id
+        req.deadline_ms = int((time.time() + self.deadline_s) * 1000)  # its own: not the producer's to spend
         req.ClearField("sealed")
         req.verify.output_ids.extend(output_ids)
         req.verify.proof.CopyFrom(proof)
+        if tolerance is not None:
+            req.verify.tolerance.CopyFrom(tolerance)
         return req
 
-    def checker(self, producer: str, sessions: dict) -> object | None:
-        """A connected node other than the producer, at random; None if there is none."""
+    def checker(self, producer, sessions: dict) -> object | None:
+        """A connected node other than the producer (a session) and its siblings, at random; None if there is none."""
         others = [s for node_id, s in sorted(sessions.items())
-                  if node_id != producer and (self.verifiers is None or node_id in self.verifiers)]
+                  if node_id != producer.node_id and not siblings(producer, s)
+                  and (self.verifiers is None or node_id in self.verifiers)]
         return self._rng.choice(others) if others else None
 
     def sent(self, verify_job_id: str, producer: str, job_id: str) -> None:
@@ -90,6 +114,12 @@ class SpotChecks:
 
     def unchecked(self, producer: str) -> None:
         self.tally.setdefault(producer, Tally()).unchecked += 1
+
+    def failed(self, producer: str, job_id: str, reason: str, first_failure: int | None = None) -> None:
+        t = self.tally.setdefault(producer, Tally())
+        t.checked += 1
+        t.failed += 1
+        t.failures.append({"job_id": job_id, "reason": reason, "first_failure": first_failure})
 
     def answered(self, frame: pb.ProviderFrame) -> None:
         """A verify job's outcome: its verdict counts for the node that made the claim."""
@@ -103,13 +133,12 @@ class SpotChecks:
             t.errors += 1
             return
         v = outcome.verdict
+        if not v.passed:
+            self.failed(pending.producer, pending.job_id, v.reason,
+                        v.first_failure if v.HasField("first_failure") else None)
+            return
         t.checked += 1
-        if v.passed:
-            t.passed += 1
-        else:
-            t.failed += 1
-            t.failures.append({"job_id": pending.job_id, "reason": v.reason,
-                               "first_failure": v.first_failure if v.HasField("first_failure") else None})
+        t.passed += 1
 
 
 def proof_of(coord, done: pb.JobDone) -> pb.Proof | None:
@@ -120,3 +149,35 @@ def proof_of(coord, done: pb.JobDone) -> pb.Proof | None:
         return c.proof
     keys = coord._keys(done.job_id, c.seal_salt)
     return keys.open_proof(done.job_id, c.sealed_proof) if keys is not None else None
+
+
+def siblings(a, b) -> bool:
+    """Whether two sessions are, as far as a coordinator can tell, one operator's: the same key (one node id) or
+    the same public address. Loopback is not an address two operators could share but every local test node
+    has, so it tells nothing."""
+    if a.node_id == b.node_id:
+        return True
+    ha, hb = host_of(getattr(a, "peer", "")), host_of(getattr(b, "peer", ""))
+    return ha is not None and ha == hb and not ha.is_loopback
+
+
+def host_of(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP of a gRPC peer string ("ipv4:203.0.113.5:40000", "ipv6:[2001:db8::1]:40000"); None if it has none."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return None
+
+
+def verify_tolerance(producer: pb.Registration, verifier: pb.Registration) -> pb.Tolerance | None:
+    """The looser of the two nodes' registered tolerances (what each one's backend needs to pass honest work);
+    None when either registered none (the verifier then applies its own). The verifier holds it to the loosest
+    profile it knows."""
+    if not producer.verification.HasField("tolerance") or not verifier.verification.HasField("tolerance"):
+        return None
+    both = looser(tolerance_from_pb(producer.verification.tolerance), tolerance_from_pb(verifier.verification.tolerance))
+    return tolerance_to_pb(both)

@@ -15,7 +15,7 @@ from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
 from .keep_alive import parse_keep_alive
 from .types import Cause, FinishReason, JobError, JobId, Policy
 from .telemetry import Telemetry
-from .verdicts import VerdictSummary  # noqa: F401 (a Done's)
+from .verdicts import Tolerance, VerdictSummary, clamped
 
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -301,8 +301,13 @@ class Claim:
 
     output: tuple[int, ...]
     proof: Proof
+    tolerance: Tolerance | None = None  # the coordinator's (held to the loosest profile known); None: this backend's
 
     def __post_init__(self) -> None:
+        if self.tolerance is not None:
+            if not isinstance(self.tolerance, Tolerance):
+                raise _invalid("verify.tolerance", "must be a tolerance")
+            object.__setattr__(self, "tolerance", clamped(self.tolerance))
         p = self.proof
         if p.end_token is not None:  # the wire's uint32; whether it is an end id is the verifier's to judge
             check_int("verify.proof.end_token", p.end_token, 0, (1 << 32) - 1)
@@ -318,6 +323,12 @@ class Claim:
             raise _invalid("verify.proof.seed", "a replayable proof needs the seed its tokens were drawn with")
         if not isinstance(p.commitment, bytes) or not 0 < len(p.commitment) <= MAX_COMMITMENT_BYTES:
             raise _invalid("verify.proof.commitment", "must be the commitment of the claimed output")
+
+    @property
+    def length(self) -> int:
+        """Tokens the claim says the model generated: its output and the end token it claims (an output may be
+        only that)."""
+        return len(self.output) + (self.proof.end_token is not None)
 
 
 @dataclass(frozen=True)

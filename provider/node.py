@@ -277,7 +277,7 @@ class Node:
             active_jobs=stats.active, queued_jobs=stats.queued, max_concurrent_jobs=self.settings.max_concurrent_jobs,
             counters=stats.counters(),
             platform=self._platform, last_tick=engine.last_tick,
-            queue=stats.queue(), group=self._group_status(),
+            queue=stats.queue(), group=self._group_status(), commits=self.settings.committing,
             prefix_disk=self.prefix_disk.status() if self.prefix_disk is not None else None)
 
     def _group_status(self) -> GroupStatus | None:

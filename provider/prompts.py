@@ -177,13 +177,10 @@ class PromptPreparer:
                 f"the prompt encodes to token id {beyond} ({m.tokenizer.convert_ids_to_tokens(beyond)!r}), which "
                 f"{job.model} has no embedding for (its {m.vocab_size} rows end at {m.vocab_size - 1}): its "
                 "tokenizer knows tokens its weights do not; remove that text", where)
-        if job.verify is not None:  # its claim is read, not generated: inside the vocabulary and the context
+        if job.verify is not None:  # its claim is read, not generated: inside the vocabulary (native code indexes)
             check_vocabulary("verify.output_ids", job.verify.output, m.vocab_size)
-            # Booked to the claim's end: its output, and the end token the proof claims (an output may be only that).
-            sampling = replace(sampling, max_tokens=len(job.verify.output) + (job.verify.proof.end_token is not None))
-            if len(ids) + len(job.verify.output) > m.context_length:
-                raise JobError(Cause.CONTEXT_LENGTH_EXCEEDED, f"the claim is {len(ids) + len(job.verify.output)} "
-                               f"tokens but {job.model} has a context of {m.context_length}", "verify.output_ids")
+            # Its sampling stays the request's: the verifier judges the claim's length against it (one longer than
+            # the request or the context allowed fails its verdict, unread).
         if len(ids) >= m.context_length + (sampling.max_tokens == 0):  # room to generate, unless it only scores
             raise JobError(
                 Cause.CONTEXT_LENGTH_EXCEEDED,

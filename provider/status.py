@@ -164,6 +164,7 @@ class NodeStatus:
     queue: QueueStatus = dataclasses.field(default_factory=QueueStatus)  # the queue and batching, from the engine
     group: GroupStatus | None = None  # rank 0 of a node group: the group it leads
     prefix_disk: PrefixDiskStatus | None = None  # the prefix cache's disk tier, when on
+    commits: bool = False  # every outcome carries a proof (Settings.committing)
 
     @property
     def draining(self) -> bool:

@@ -1,9 +1,15 @@
 """A verify job's answer as it travels (provider.verification.verifier.Verdict, summed up): the verdict, and
 the numbers of each chunk of the output it judged, so a coordinator sees where and by how much a claim failed,
-not only that it did."""
+not only that it did. And what it is judged by: how far an honest node's numbers may fall from a verifier's, per
+backend (measured: docs/verification.md, "Tolerances"). The registration advertises its backend's, a
+coordinator picks the looser of the producer's and the verifier's for a verify job, and a verifier clamps what it
+is asked to apply to the loosest profile it knows, so no request loosens a check past what an honest backend
+needs."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -31,3 +37,57 @@ class VerdictSummary:
     max_gap: float | None = None  # the largest shortfall of a token from the one expected (nats)
     ties: int = 0  # tokens within the tie tolerance of the expected one
     per_chunk: tuple[ChunkVerdict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """rel_tol: a committed value within this relative error of the verifier's counts as matched; min_overlap: a
+    chunk fails below this share of matched points; max_mean_err: or when its matched points are off by more
+    than this on average (weights 1% off move most values by less than rel_tol, but all of them); tie: a token
+    this many nats short of the expected one is a near-tie the two forwards broke apart, not a failure, at most
+    max_tie_share of the output's tokens (rounded down); floor: an unseeded speculative token less likely than
+    this (nats) under the request's distribution fails."""
+
+    rel_tol: float = 0.02
+    min_overlap: float = 0.9
+    max_mean_err: float = 0.003
+    tie: float = 0.02
+    max_tie_share: float = 0.05
+    floor: float = 18.0
+    profile: str = "cpu"
+
+
+# A producer and a verifier on MLX's CPU backend: decode and prefill agree to float16 rounding.
+CPU = Tolerance()
+# Kernels that differ between producer and verifier (Metal's qmv against qmv_wide, another accumulation order, a
+# bfloat16 compute dtype), emulated on this CPU by tools/bench/verify_divergence.py until a Mac measures it.
+DIVERGENT_KERNELS = Tolerance(rel_tol=0.02, min_overlap=0.9, max_mean_err=0.003, tie=0.02, max_tie_share=0.05,
+                              floor=18.0, profile="divergent_kernels")
+PROFILES = {t.profile: t for t in (CPU, DIVERGENT_KERNELS)}
+BACKEND_PROFILE = {"cpu": CPU, "metal": DIVERGENT_KERNELS, "cuda": DIVERGENT_KERNELS}
+
+# Per field, which way is looser.
+_LOOSER = {"rel_tol": max, "min_overlap": min, "max_mean_err": max, "tie": max, "max_tie_share": max, "floor": max}
+
+
+def for_backend(backend: str) -> Tolerance:
+    return BACKEND_PROFILE.get(backend, DIVERGENT_KERNELS)
+
+
+def looser(a: Tolerance, b: Tolerance) -> Tolerance:
+    """Field by field the looser of two (a producer's and its verifier's backends)."""
+    return Tolerance(**{f: pick(getattr(a, f), getattr(b, f)) for f, pick in _LOOSER.items()},
+                     profile=a.profile if a.profile == b.profile else f"{a.profile}+{b.profile}")
+
+
+def clamped(t: Tolerance) -> Tolerance:
+    """`t` held to the loosest profile known (and to finite values): a verify job may tighten, never loosen past it."""
+    loosest = PROFILES.values()
+    out = {}
+    for f, pick in _LOOSER.items():
+        tighter = min if pick is max else max
+        limit = pick(getattr(p, f) for p in loosest)
+        value = getattr(t, f)
+        out[f] = limit if not math.isfinite(value) else max(0.0, tighter(value, limit))
+    out["min_overlap"] = min(1.0, out["min_overlap"])
+    return dataclasses.replace(t, **out)

@@ -20,6 +20,7 @@ from provider.types import JobError
 from provider.verification.commitment import CommitmentBuilder, decode
 from provider.verification.verifier import Claim, ClaimReader, Verdict
 from tests.helpers import collect, make_node, run
+from tools.harness.forger import forged_commitment
 
 PROMPTS = [(1, 5, 9, 13, 17), (1, 40, 41, 42), (1, 100, 7, 300, 12, 9, 33)]
 
@@ -62,11 +63,12 @@ def check(node, prompt, ids, sampling, proof, step: int = 64) -> Verdict:
 def forged(node, prompt, ids, sampling, proof: Proof) -> Proof:
     """A commitment made with the real weights to `ids` and the proof's end token (what anyone holding them can
     make for any output): the hidden states then match, and only the token check judges the end."""
-    indices, bits = read(node, prompt, ids, sampling, dataclasses.replace(proof, commitment=b"C")).entries()
-    builder = CommitmentBuilder(node.models.acquire("m").hidden_tap.hidden_size)
-    node.models.release("m")
-    builder.add(indices, bits)
-    return dataclasses.replace(proof, commitment=builder.finish(len(indices)))
+    lm = node.models.acquire("m")
+    try:
+        end = [proof.end_token] if proof.end_token is not None else []
+        return dataclasses.replace(proof, commitment=forged_commitment(lm, prompt, list(ids) + end))
+    finally:
+        node.models.release("m")
 
 
 @pytest.mark.parametrize("spec", ["plain", "mtp"])

@@ -22,6 +22,7 @@ from provider.verification.commitment import CommitmentBuilder
 from provider.verification.replay import GrammarReplay
 from provider.verification.verifier import Claim, ClaimReader
 from tests.helpers import collect, make_node, run
+from tools.harness.forger import forged_commitment
 
 # A JSON schema with a regex (`pattern`), an enum and a bounded integer: three kinds of constraint in one grammar.
 SCHEMA = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
@@ -73,11 +74,14 @@ def _read(node, job: Job, ids, proof: Proof, step: int = 512, grammar=True) -> C
 def _forged(node, job: Job, ids, proof: Proof) -> Proof:
     """A commitment to `ids` made with the real weights (what anyone holding them can make for any output): the
     hidden-state check then passes, and only the token checks stand between the claim and a pass."""
-    indices, bits = _read(node, job, ids, proof, grammar=None).entries()
-    builder = CommitmentBuilder(node.models.acquire(job.model).hidden_tap.hidden_size)
-    node.models.release(job.model)
-    builder.add(indices, bits)
-    return dataclasses.replace(proof, commitment=builder.finish(len(indices)))  # the output's rows, its end's too
+    prepared = node.prompts.prepare(job).result()
+    run(node.preload(job.model))
+    lm = node.models.acquire(job.model)
+    try:
+        end = [proof.end_token] if proof.end_token is not None else []
+        return dataclasses.replace(proof, commitment=forged_commitment(lm, prepared.prompt, list(ids) + end))
+    finally:
+        node.models.release(job.model)
 
 
 def _masks_and_logits(node, job: Job, ids) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +163,7 @@ def test_a_claim_that_leaves_its_grammar_fails_at_the_token_that_leaves_it(fixtu
     plausibility only): it fails at 12, as outside the grammar. Without the grammar the same claim passes."""
     node = _producer(fixtures_dir)
     job = _job("honest", "g", JSON, UNSEEDED)
-    ((ids, _),) = run(_produce(node, [job]))
+    ((ids, honest),) = run(_produce(node, [job]))
     k = 12
     masks, logits = _masks_and_logits(node, job, ids)
     outside = np.where(masks[k], -np.inf, logits[k])
@@ -167,7 +171,7 @@ def test_a_claim_that_leaves_its_grammar_fails_at_the_token_that_leaves_it(fixtu
     node.models.release("g")
     bad = int(np.argmax(outside))
     claim = ids[:k] + [bad] + ids[k + 1:]
-    proof = _forged(node, job, claim, Proof(None, "speculative"))
+    proof = _forged(node, job, claim, Proof(None, "speculative", end_token=honest.end_token))  # its honest end
     verdict = _read(node, job, claim, proof, step=7).verdict()
     assert not verdict.passed and verdict.first_failure == k, verdict.summary()
     assert "grammar forbids" in verdict.reason, verdict.reason

@@ -151,7 +151,7 @@ class Hello(_message.Message):
     def __init__(self, registration: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "software_version", "backend", "hardware", "memory", "models", "max_concurrent_jobs", "public_key", "nonce", "timestamp_ms", "session_epoch", "sealing_key", "group")
+    __slots__ = ("node_id", "protocol_version", "software_version", "backend", "hardware", "memory", "models", "max_concurrent_jobs", "public_key", "nonce", "timestamp_ms", "session_epoch", "sealing_key", "group", "verification")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class Registration(_message.Message):
     SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEALING_KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     software_version: str
@@ -180,7 +181,34 @@ class Registration(_message.Message):
     session_epoch: int
     sealing_key: bytes
     group: NodeGroup
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., max_concurrent_jobs: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., session_epoch: _Optional[int] = ..., sealing_key: _Optional[bytes] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ...) -> None: ...
+    verification: Verification
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., max_concurrent_jobs: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., session_epoch: _Optional[int] = ..., sealing_key: _Optional[bytes] = ..., group: _Optional[_Union[NodeGroup, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
+
+class Verification(_message.Message):
+    __slots__ = ("commits", "tolerance")
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    commits: bool
+    tolerance: Tolerance
+    def __init__(self, commits: _Optional[bool] = ..., tolerance: _Optional[_Union[Tolerance, _Mapping]] = ...) -> None: ...
+
+class Tolerance(_message.Message):
+    __slots__ = ("profile", "rel_tol", "min_overlap", "max_mean_err", "tie", "max_tie_share", "floor")
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    REL_TOL_FIELD_NUMBER: _ClassVar[int]
+    MIN_OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEAN_ERR_FIELD_NUMBER: _ClassVar[int]
+    TIE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TIE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_FIELD_NUMBER: _ClassVar[int]
+    profile: str
+    rel_tol: float
+    min_overlap: float
+    max_mean_err: float
+    tie: float
+    max_tie_share: float
+    floor: float
+    def __init__(self, profile: _Optional[str] = ..., rel_tol: _Optional[float] = ..., min_overlap: _Optional[float] = ..., max_mean_err: _Optional[float] = ..., tie: _Optional[float] = ..., max_tie_share: _Optional[float] = ..., floor: _Optional[float] = ...) -> None: ...
 
 class NodeGroup(_message.Message):
     __slots__ = ("ranks", "backend", "rank_memory_bytes", "rank_budget_bytes")
@@ -507,12 +535,14 @@ class JobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationPolicy, str]] = ..., deadline_ms: _Optional[int] = ..., model_sha256: _Optional[str] = ..., sealed: _Optional[_Union[Sealed, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., verify: _Optional[_Union[VerifyInput, _Mapping]] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class VerifyInput(_message.Message):
-    __slots__ = ("output_ids", "proof")
+    __slots__ = ("output_ids", "proof", "tolerance")
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     proof: Proof
-    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ...) -> None: ...
+    tolerance: Tolerance
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ..., tolerance: _Optional[_Union[Tolerance, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("passed", "reason", "first_failure", "tokens", "chunks", "min_overlap", "max_rel_err", "max_gap", "ties", "per_chunk")

@@ -266,6 +266,8 @@ class Engine:
         if lm is None:  # evicted since `request` (a load on the loader thread made room): ask for it again
             return Verdict.WAIT
         max_tokens = min(prepared.job.sampling.max_tokens, lm.context_length - len(prepared.prompt))
+        if prepared.job.verify is not None:  # a claim is read to its end, within what its request allowed
+            max_tokens = max(1, min(max_tokens, prepared.job.verify.length))
         # Booked for the batch it joins, as that batch will be (rows x its longest row), not for the job alone.
         # Its media (made from here) and the tower's scratch are part of that batch's layout while it is read.
         booking = self._running.booking_with(lm, len(prepared.prompt), len(prepared.prompt) + max_tokens,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from ..jobs import Event, Sink
 from ..media_plan import MediaPlan
-from ..verdicts import ChunkVerdict, VerdictSummary
+from ..memory.budget import system_facts
+from ..verdicts import ChunkVerdict, VerdictSummary, for_backend
 from ..models.loader import LoadedModel
 from ..types import FinishReason
 from ..verification.verifier import Claim, ClaimReader
@@ -67,12 +68,14 @@ class VerifyReads:
         `vision`: the request's images or video, planned as for generating it (prompts.Prepared.vision), or None."""
         job = output.job
         claim = Claim(tuple(prompt), job.verify.output, job.sampling, job.verify.proof)
+        # The coordinator's, chosen for both backends; else this one's own (a producer on another backend may differ).
+        tolerance = job.verify.tolerance or for_backend(system_facts().backend)
         if vision is None:
-            self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim, grammar))
+            self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim, grammar, tolerance=tolerance))
             return
         # Raises, typed, for a model whose tower is not loaded, before anything is prepared.
         media = MediaRead(lm, output, sink, prompt, vision, None, 0, joining={})
-        scorer = ClaimReader(lm, claim, grammar, cache=media.cache, read=len(prompt) - 1)
+        scorer = ClaimReader(lm, claim, grammar, cache=media.cache, read=len(prompt) - 1, tolerance=tolerance)
         self._reads[job.id] = VerifyRead(lm, output, sink, scorer, media)
 
     def step(self, budget: int, idle: bool = False) -> list[tuple[VerifyRead, list[Event]]]:
@@ -83,6 +86,8 @@ class VerifyReads:
         if read is None:
             return []
         try:
+            if read.media is not None and read.scorer.failure is not None:
+                read.close()  # a claim that fails unread needs no prompt read
             if read.media is not None:
                 waiting = read.media.waiting
                 if waiting is not None and idle:

@@ -1,6 +1,8 @@
 """A claim checked: prompt + output read through the model in one chunked prefill (the one prompt reader,
 engine.prompt_reader), each output position's hidden state met with the node's commitment (`commitment`) and
-its token with the distribution it was drawn from (`replay`); then judged by `Tolerance`.
+its token with the distribution its request says it was drawn from (`claim_rules`, `replay`); then judged by
+`Tolerance`. What is checked follows from the request, never from the proof; a claim that contradicts its request,
+or whose commitment cannot be read, fails before anything is read, and the read stops at the first failing chunk.
 
     reader = ClaimReader(lm, claim, grammar)  # grammar: the job's own, compiled as for generating it (or None)
     while not reader.done:
@@ -21,7 +23,10 @@ from ..engine.kv_quant import caches_for
 from ..engine.logprobs import SCORE_BYTES_PER_LOGIT
 from ..engine.output import end_ids
 from ..engine.prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
+from ..engine.stops import StopMatcher
 from ..jobs import SPECULATIVE_SAMPLER, Proof, SamplingParams
+from ..verdicts import Tolerance
+from .claim_rules import Failure, TokenCheck, length_failure, token_check
 from .commitment import CHUNK, ChunkMatch, CommitmentError, decode, match_chunk
 from .hidden_tap import install, top_entries
 from .replay import GrammarReplay, processed, token_gaps
@@ -40,24 +45,6 @@ class Claim:
     output: tuple[int, ...]
     sampling: SamplingParams
     proof: Proof
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far an honest node's numbers may fall from the verifier's (measured: docs/verification.md).
-    rel_tol: a committed value within this relative error of the verifier's counts as matched; min_overlap: a
-    chunk fails below this share of matched points; max_mean_err: or when its matched points are off by more
-    than this on average (weights 1% off move most values by less than rel_tol, but all of them); tie: a token
-    this many nats short of the expected one is a near-tie the two forwards broke apart, not a failure, at most
-    max_ties of them; floor: a speculative token less likely than this (nats) under the declared distribution
-    fails."""
-
-    rel_tol: float = 0.02
-    min_overlap: float = 0.9
-    max_mean_err: float = 0.003
-    tie: float = 0.02
-    max_tie_share: float = 0.05
-    floor: float = 18.0
 
 
 @dataclass
@@ -90,20 +77,32 @@ class ClaimReader:
     `grammar`: the job's output rules compiled for this model (prompts.CompiledGrammar, from the job itself,
     never from the claim), when generating it would have masked its tokens. `cache` and `read`: caches already
     holding the first `read` prompt tokens (a prompt with images, read by the engine's vision prefill as the
-    producer's was), at most all but the prompt's last: every output position is read here."""
+    producer's was), at most all but the prompt's last: every output position is read here.
 
-    def __init__(self, lm, claim: Claim, grammar=None, *, cache: list | None = None, read: int = 0):
-        self.lm, self.claim = lm, claim
+    `claim.sampling` is the request's own (its seed and max_tokens included): it decides how every token is
+    checked, how long the output may be and how it may end (`claim_rules`)."""
+
+    def __init__(self, lm, claim: Claim, grammar=None, *, cache: list | None = None, read: int = 0,
+                 tolerance: Tolerance = Tolerance()):
+        self.lm, self.claim, self.tolerance = lm, claim, tolerance
         ends = end_ids(lm.tokenizer, claim.sampling)
         self._grammar = None if grammar is None else GrammarReplay(RowGrammar.of(grammar, lm.logits_width, ends))
         self._tap = install(lm.model)
+        if self._tap is None:
+            raise CommitmentError(f"{lm.id}: this model's family has no final norm to read a hidden state from")
         # The tokens judged: the output, then the end token the proof says the model chose after it, read and
         # judged like any token (its row is the commitment's next). One that is not an end id of this job is
         # never read (it may be any uint32): the verdict fails at its position.
         end = claim.proof.end_token
-        self._bad_end = end is not None and end not in ends
-        self.tokens = tuple(claim.output) + ((end,) if end is not None and not self._bad_end else ())
-        self._sequence = list(claim.prompt) + list(self.tokens)
+        self.tokens = tuple(claim.output) + ((end,) if end is not None and end in ends else ())
+        self._check: TokenCheck | None = None
+        self._polys: list = []
+        # The most tokens the request let the node generate; a longer claim is read only that far.
+        self._limit = max(0, min(claim.sampling.max_tokens, lm.context_length - len(claim.prompt)))
+        self._length: Failure | None = None  # how its length or ending fails the request, found as it is read
+        self.failure = self._before_reading(ends)  # what fails the claim unread, whatever the model says
+        self._readable = min(len(self.tokens), self._limit)
+        self._sequence = list(claim.prompt) + list(self.tokens[:self._readable])
         self._first = len(claim.prompt) - 1  # the position whose forward gives output token 0
         most = max(1, SCORE_SCRATCH_BYTES // max(1, lm.logits_width * SCORE_BYTES_PER_LOGIT))
         if not 0 <= read <= max(0, self._first):
@@ -113,24 +112,50 @@ class ClaimReader:
         self._indices: list[np.ndarray] = []
         self._bits: list[np.ndarray] = []
         self._gaps: list[np.ndarray] = []
+        self._chunks: list[ChunkMatch] = []
         self._pending: tuple = ()
-        if self._tap is None:
-            raise CommitmentError(f"{lm.id}: this model's family has no final norm to read a hidden state from")
+
+    def _before_reading(self, ends: set[int]) -> Failure | None:
+        """The request's checks that need no forward. What fails the claim unread: a sampler or seed the request
+        contradicts, a claimed end that is not an end id, a commitment that cannot be read. The length and ending
+        the request allows are judged beside the read (`_length`): a token may fail before them."""
+        c = self.claim
+        check = token_check(c.sampling, c.proof)
+        if isinstance(check, Failure):
+            return check
+        self._check = check
+        end = c.proof.end_token
+        if end is not None and end not in ends:
+            j = len(c.output)
+            return Failure(j, f"output token {j} ({end}) is claimed to end the output but is not one of this job's"
+                              " end ids")
+        if c.proof.commitment is None:
+            return Failure(0, "no commitment")
+        try:
+            self._polys = decode(c.proof.commitment, len(self.tokens))
+        except CommitmentError as e:
+            return Failure(0, f"commitment unreadable: {e}")
+        self._length = length_failure(c.output, end, self._limit, ends,
+                                      stop_position(self.lm.tokenizer, c.output[:self._limit + 1], c.sampling.stop))
+        return None
 
     @property
     def done(self) -> bool:
-        return self.reader.done or not self.tokens or self._bad_end  # a bad end fails it, whatever is read
+        return self.failure is not None or self.reader.done or not self._readable or self._failed_so_far()
 
     def step(self, tokens: int) -> None:
+        if self.done:
+            return
         if self._grammar is not None:  # its walk runs on the engine thread beside the batches: a few positions a pass
             tokens = min(tokens, max(0, self._first - self.reader.read) + GRAMMAR_POSITIONS)
-        start, end = self.reader.step(tokens)
+        self.reader.step(tokens)
         if self._pending:
             indices, bits, gaps = self._pending
             self._indices.append(np.array(indices))
             self._bits.append(np.array(bits))
             self._gaps.append(np.array(gaps))
             self._pending = ()
+            self._match_chunks()
 
     def _forward(self, start: int, end: int) -> list:
         logits = self.lm.model(mx.array(self._sequence[start:end])[None], cache=self.reader.cache)[0]
@@ -140,50 +165,79 @@ class ClaimReader:
         hidden = self._tap.last[0, lo - start:]
         logits = logits[lo - start:]
         j0, j1 = lo - self._first, end - self._first  # output positions of this chunk
-        c = self.claim
         tokens = list(self.tokens[j0:j1])
         masks = None if self._grammar is None else self._grammar.masks(tokens, j0)
-        logprobs = processed(logits, c.sampling, self._sequence, lo + 1, masks)
-        gaps = token_gaps(logprobs, tokens, list(range(j0, j1)), c.sampling, c.proof.sampler, c.proof.seed,
-                          self.lm.decodable)
+        logprobs = processed(logits, self.claim.sampling, self._sequence, lo + 1, masks)
+        gaps = token_gaps(logprobs, tokens, list(range(j0, j1)), self.claim.sampling, self._check.sampler,
+                          self._check.seed, self.lm.decodable)
         self._pending = (*top_entries(hidden), gaps)
         return list(self._pending)
 
+    @property
+    def _read_positions(self) -> int:
+        return sum(len(g) for g in self._gaps)
+
+    def _match_chunks(self) -> None:
+        """Each chunk of the commitment against the verifier's own entries, as soon as all its positions are read
+        (a chunk reaching past what a too-long claim is read for is never matched: the claim fails at its limit)."""
+        read = self._read_positions
+        while len(self._chunks) < len(self._polys):
+            s = slice(len(self._chunks) * CHUNK, min(len(self.tokens), (len(self._chunks) + 1) * CHUNK))
+            if read < s.stop:
+                return
+            indices, bits = self.entries()
+            modulus, coeffs = self._polys[len(self._chunks)]
+            self._chunks.append(match_chunk(s.start, modulus, coeffs, indices[s], bits[s], self._tap.hidden_size,
+                                            self.tolerance.rel_tol))
+
+    def _judged(self, count_ties: bool = True) -> Verdict:
+        gaps = np.concatenate(self._gaps).astype(float) if self._gaps else np.zeros(0)
+        known = [(f.position, f.reason) for f in (self._length,) if f is not None]
+        if self._grammar is not None and self._grammar.failure is not None:
+            known.append(self._grammar.failure)
+        return judge(len(self.tokens), self._chunks, gaps, self._check.sampler, self.tolerance, known,
+                     count_ties=count_ties)
+
+    def _failed_so_far(self) -> bool:
+        """Whether what is read already fails the claim where it fails first: a failing token, grammar or length
+        position whose chunk is read whole (a chunk of the hidden states could still fail earlier), or a failing
+        chunk. A claim of garbage costs a chunk's read, not the whole output's."""
+        if not self._gaps:
+            return False
+        first = self._judged(count_ties=False).first_failure
+        return first is not None and self._read_positions >= min(self._readable, (first // CHUNK + 1) * CHUNK)
+
     def entries(self) -> tuple[np.ndarray, np.ndarray]:
-        """The top entries [n, K] it read for each output position (what an honest commitment is built from:
-        also what a forger with the real weights can compute for any output, which the token checks answer)."""
+        """The top entries [n, K] it read for each output position (what an honest commitment is built from)."""
         return np.concatenate(self._indices), np.concatenate(self._bits)
 
-    def verdict(self, tolerance: Tolerance = Tolerance()) -> Verdict:
-        n = len(self.tokens)
-        gaps = np.concatenate(self._gaps).astype(float) if self._gaps else np.zeros(0)
-        chunks: list[ChunkMatch] = []
-        commitment = self.claim.proof.commitment
-        if self._bad_end:
-            j = len(self.claim.output)
-            return Verdict(False, f"output token {j} ({self.claim.proof.end_token}) is claimed to end the output but"
-                           " is not one of this job's end ids", j, n + 1, gaps=list(gaps))
-        if commitment is None:
-            return Verdict(False, "no commitment", 0, n, gaps=list(gaps))
-        try:
-            polys = decode(commitment, n)
-        except CommitmentError as e:
-            return Verdict(False, f"commitment unreadable: {e}", 0, n, gaps=list(gaps))
-        indices = np.concatenate(self._indices) if self._indices else np.zeros((0, 0))
-        bits = np.concatenate(self._bits) if self._bits else np.zeros((0, 0))
-        for i, (modulus, coeffs) in enumerate(polys):
-            s = slice(i * CHUNK, min(n, (i + 1) * CHUNK))
-            chunks.append(match_chunk(i * CHUNK, modulus, coeffs, indices[s], bits[s], self._tap.hidden_size,
-                                      tolerance.rel_tol))
-        return judge(n, chunks, gaps, self.claim.proof.sampler, tolerance,
-                     self._grammar.failure if self._grammar is not None else None)
+    def verdict(self) -> Verdict:
+        if self.failure is not None:
+            f, n = self.failure, len(self.tokens)
+            return Verdict(False, f.reason, f.position, max(n, f.position + 1))
+        return self._judged()
+
+
+def stop_position(tokenizer, output, stops: tuple[str, ...]) -> int | None:
+    """The output position whose token first completes one of `stops` in the output's text, as the producer's
+    JobOutput saw it (the same streaming detokenizer and matcher, token by token); None if none does."""
+    if not stops:
+        return None
+    detok, matcher = tokenizer.detokenizer, StopMatcher(stops)
+    detok.reset()
+    for j, t in enumerate(output):
+        detok.add_token(t)
+        if matcher.feed(detok.last_segment)[1]:
+            return j
+    return None
 
 
 def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str, tolerance: Tolerance,
-          grammar: tuple[int, str] | None = None) -> Verdict:
+          known: list[tuple[int, str]] = (), *, count_ties: bool = True) -> Verdict:
     """The verdict from the numbers alone: the first chunk under min_overlap or over max_mean_err, the first
-    token past its tie (or for a speculative draw, below the floor), the token where the claim left its grammar
-    (`grammar`: its position and why), too many near-ties."""
+    token past its tie (or for a speculative draw, below the floor), the first of the `known` failures (position,
+    why: where the claim left its grammar, a length or ending its request does not allow), too many near-ties
+    (unless `count_ties` is off: a verdict so far)."""
     plausible_only = sampler == SPECULATIVE_SAMPLER
     limit = tolerance.floor if plausible_only else tolerance.tie
     bad_tokens = [j for j, g in enumerate(gaps) if not (g <= limit)]
@@ -191,15 +245,19 @@ def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str,
     ties = int(tied.sum())
     bad_chunks = [c.start for c in chunks
                   if c.overlap < tolerance.min_overlap or c.mean_rel_err > tolerance.max_mean_err]
-    # At one position, the grammar's reason before the token's (a forbidden token is also -inf: not the model's).
-    failures = sorted([(j, "token") for j in bad_tokens] + [(j, "hidden state") for j in bad_chunks]
-                      + ([(grammar[0], "grammar")] if grammar is not None else []))
+    # At one position, a known reason before the token's (a forbidden token is also -inf: not the model's).
+    failures = sorted([(j, 2, f"output token {j} is not the model's") for j in bad_tokens]
+                      + [(j, 1, f"the hidden states of tokens {j}.. do not match the commitment") for j in bad_chunks]
+                      + [(j, 0, why) for j, why in known])
     out = Verdict(True, "", None, tokens, chunks, [float(g) for g in gaps], ties, [bool(t) for t in tied])
     if failures:
-        out.passed, out.first_failure = False, failures[0][0]
-        j, kind = failures[0]
-        out.reason = (f"output token {j} is not the model's" if kind == "token" else grammar[1] if kind == "grammar"
-                      else f"the hidden states of tokens {j}.. do not match the commitment")
-    elif ties > max(1, math.ceil(tolerance.max_tie_share * tokens)):
+        out.passed, out.first_failure, _, out.reason = False, *failures[0]
+    elif count_ties and ties > allowed_ties(tokens, tolerance):
         out.passed, out.reason, out.first_failure = False, f"{ties} near-ties in {tokens} tokens", 0
     return out
+
+
+def allowed_ties(tokens: int, tolerance: Tolerance) -> int:
+    """Near-ties an honest output of `tokens` may show: a share of its length, rounded down, so none below the
+    length where the share is less than one (each tie is a token the producer could have chosen freely)."""
+    return math.floor(tolerance.max_tie_share * tokens + 1e-9)
