@@ -1,0 +1,129 @@
+"""Spot checks that cannot be dodged (issue 55), through the real wire: the reference coordinator with its defaults
+seeds every sampled job and checks a share of them; a node that strips its proofs, or that lies about how it
+sampled, ends `failed` in its tally, not `unchecked` or `errors`. The verifier is never the producer nor a node on
+its address, and a verify job has a deadline of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from types import SimpleNamespace
+
+from coordinator_client.identity import Identity
+from coordinator_client.network_terms import NETWORK_MAX_TOKENS, network_terms
+from coordinator_client.pb import provider_pb2 as pb
+from coordinator_client.reference_coordinator import ReferenceCoordinator
+from coordinator_client.spot_checks import DEFAULT_VERIFY_FRACTION, NO_PROOF, VERIFY_DEADLINE_S, SpotChecks, siblings
+from provider.jobs import Done
+from tests.helpers import run, until
+from tools.harness.nodes import harness
+
+
+def lying(node, alter) -> None:
+    """The node signs and sends what `alter` makes of each Done (a dishonest operator's patch on the real node)."""
+    real = node.run
+
+    def run_job(job):
+        stream = real(job)
+        put = stream._queue.put_nowait
+        stream._queue.put_nowait = lambda ev: put(alter(ev) if isinstance(ev, Done) else ev)
+        return stream
+
+    node.run = run_job
+
+
+def strip(ev: Done) -> Done:
+    return dataclasses.replace(ev, proof=None)
+
+
+def claim_speculative(ev: Done) -> Done:
+    return dataclasses.replace(ev, proof=dataclasses.replace(ev.proof, sampler="speculative", seed=None))
+
+
+def _job(job_id: str, i: int) -> pb.JobRequest:
+    # Sampled, no seed: the coordinator gives it one.
+    return pb.JobRequest(job_id=job_id, model="m", max_tokens=24, sampling=pb.SamplingParams(temperature=0.8),
+                         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=f"Tell me {i} things")]))
+
+
+def test_a_node_that_strips_proofs_or_lies_about_its_sampler_ends_failed(fixtures_dir, tmp_path):
+    names = ("honest", "stripper", "liar", "verifier")
+    ids = {name: Identity.load_or_create(tmp_path / name).node_id for name in names}
+    model = fixtures_dir / "gemma4-tiny"
+
+    async def main():
+        coord = ReferenceCoordinator(heartbeat_interval_ms=200, verify_seed=0)  # its defaults
+        assert coord.spot_checks.fraction == DEFAULT_VERIFY_FRACTION > 0
+        await coord.start()
+        async with contextlib.AsyncExitStack() as stack:
+            nodes = {}
+            for name in names:
+                _, nodes[name], _ = await stack.enter_async_context(
+                    harness({"m": model}, tmp_path / name, coordinator=coord, commitments="on"))
+            await until(lambda: len(coord.sessions) == len(names), "every session")
+            assert all(s.registration.verification.commits for s in coord.sessions.values())
+            lying(nodes["stripper"], strip)
+            lying(nodes["liar"], claim_speculative)
+            coord.spot_checks.verifiers = {ids["verifier"]}
+            coord.spot_checks.fraction = 1.0  # every job, so the test does not wait on chance
+            sent = []
+            for name in ("honest", "stripper", "liar"):
+                for i in range(2):
+                    job_id = f"{name}-{i}"
+                    coord.dispatch(coord.sessions[ids[name]], _job(job_id, i))
+                    sent.append(job_id)
+            for job_id in sent:
+                assert (await coord.outcome(job_id)).WhichOneof("frame") == "job_done", job_id
+            await until(lambda: not coord.spot_checks.pending and sum(
+                t.checked + t.errors + t.unchecked for t in coord.spot_checks.tally.values()) == len(sent),
+                "every verdict", 300)
+            return coord
+
+    coord = run(main())
+    for job_id, request in coord.requests.items():  # every job went out seeded
+        assert request.sampling.HasField("seed"), request
+    tally = {name: coord.spot_checks.tally[ids[name]] for name in ("honest", "stripper", "liar")}
+    assert (tally["honest"].checked, tally["honest"].passed) == (2, 2), tally
+    assert (tally["stripper"].failed, tally["stripper"].unchecked) == (2, 0), tally
+    assert {f["reason"] for f in tally["stripper"].failures} == {NO_PROOF}
+    assert (tally["liar"].failed, tally["liar"].errors) == (2, 0), tally
+    assert all(f["first_failure"] == 0 and "seed" in f["reason"] for f in tally["liar"].failures), tally["liar"]
+    honest_proofs = [o for j, o in coord.outcomes.items() if j.startswith("honest")]
+    assert all(o[0].job_done.completion.proof.sampler == pb.PROOF_SAMPLER_REPLAYABLE for o in honest_proofs)
+
+
+def test_the_verifier_is_never_the_producer_or_its_sibling_and_its_job_has_its_own_deadline():
+    def session(node_id, peer):
+        return SimpleNamespace(node_id=node_id, peer=peer, registration=pb.Registration())
+
+    producer = session("a", "ipv4:203.0.113.5:40000")
+    sibling = session("b", "ipv4:203.0.113.5:40111")  # another key on the producer's address
+    v6_sibling = session("c", "ipv6:[2001:db8::1]:1"), session("d", "ipv6:[2001:db8::1]:2")
+    stranger = session("e", "ipv4:198.51.100.7:40000")
+    local = session("f", "ipv4:127.0.0.1:5"), session("g", "ipv4:127.0.0.1:6")
+    assert siblings(producer, sibling) and siblings(*v6_sibling) and not siblings(producer, stranger)
+    assert not siblings(*local)  # loopback tells nothing: every local test node has it
+    checks = SpotChecks(1.0, seed=1)
+    sessions = {s.node_id: s for s in (producer, sibling, stranger)}
+    assert {checks.checker(producer, sessions).node_id for _ in range(50)} == {"e"}
+    assert checks.checker(producer, {"a": producer, "b": sibling}) is None
+
+    original = pb.JobRequest(job_id="j", deadline_ms=int(time.time() * 1000) + 50, max_tokens=8)
+    request = checks.verify_request(original, [5, 6], pb.Proof(commitment=b"C"))
+    assert request.deadline_ms / 1000 - time.time() > VERIFY_DEADLINE_S - 60  # not the producer's to spend
+
+
+def test_the_network_seeds_every_sampled_job_and_names_its_max_tokens():
+    sampled, default_temperature, greedy, seeded = (
+        pb.JobRequest(sampling=pb.SamplingParams(temperature=0.7)), pb.JobRequest(),
+        pb.JobRequest(sampling=pb.SamplingParams(temperature=0.0), max_tokens=5),
+        pb.JobRequest(sampling=pb.SamplingParams(temperature=0.7, seed=3), max_tokens=5))
+    for r in (sampled, default_temperature, greedy, seeded):
+        network_terms(r)
+    assert sampled.sampling.HasField("seed") and default_temperature.sampling.HasField("seed")  # T defaults to 1
+    assert not greedy.sampling.HasField("seed") and seeded.sampling.seed == 3  # a request's own seed is kept
+    assert sampled.max_tokens == NETWORK_MAX_TOKENS and greedy.max_tokens == 5
+    other = pb.JobRequest(sampling=pb.SamplingParams(temperature=0.7))
+    network_terms(other)
+    assert other.sampling.seed != sampled.sampling.seed  # each job its own
