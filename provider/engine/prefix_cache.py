@@ -15,13 +15,14 @@ share counted again: a bound, not an estimate).
 Entries are kept per scope (jobs.PrefixScope: the tenant that may reuse them): a prefix stored for one is
 never found for another. Under the memory tier, the disk tier (prefix_disk.py): a long entry is also written
 there (off this thread, within its budget and write rate; never a job that asked not to be, such as a sealed
-one), and a prompt the memory tier covers less of than the disk does is read back from it.
+one), and a prompt the memory tier covers less of than the disk does is read back from it, once the file is
+found to hold caches of this model (kv_layout: taken from the model when it first reads from disk).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import (ArraysCache, KVCache, LRUPromptCache, QuantizedKVCache, RotatingKVCache,
@@ -29,6 +30,7 @@ from mlx_lm.models.cache import (ArraysCache, KVCache, LRUPromptCache, Quantized
 
 from .. import logs
 from ..jobs import PrefixScope
+from . import kv_layout
 from .prefix_blocks import BLOCK, scope_of
 from .prefix_disk import DiskTier
 
@@ -102,7 +104,8 @@ class Claims:
 
 class PrefixCache:
     def __init__(self, model_id: str, max_bytes: int, unkeyable: frozenset[int] = frozenset(), *,
-                 disk: DiskTier | None = None, identity: str = "", trimmable: bool = True):
+                 disk: DiskTier | None = None, identity: str = "", trimmable: bool = True,
+                 layout: Callable[[], kv_layout.Layout | None] | None = None):
         self.model_id = model_id
         self.max_bytes = max_bytes
         # Token ids that never enter a key: every image token has one id, so a key holding them would match
@@ -114,6 +117,9 @@ class PrefixCache:
         self.disk = disk
         self.identity = identity  # the model's files (manifest.quick_identity): a disk entry outlives a process
         self.trimmable = trimmable  # caches a shorter prefix can be cut from (no sliding-window layers)
+        # What a disk entry must hold to be used (kv_layout.of_model), made when first needed; without it nothing
+        # is read from disk.
+        self._layout_of, self._layout = layout, None
 
     @classmethod
     def of(cls, lm, max_bytes: int, disk: DiskTier | None) -> "PrefixCache":
@@ -123,7 +129,7 @@ class PrefixCache:
 
         # The KV's precision is part of what an entry is: one kept at 8 bits is no row of a full-precision batch.
         return cls(lm.id, max_bytes, media_token_ids(lm.config), disk=disk, identity=f"{lm.identity}/{lm.kv_quant}",
-                   trimmable=cuttable(caches_for(lm)))
+                   trimmable=cuttable(caches_for(lm)), layout=lambda: kv_layout.of_model(lm))
 
     @property
     def nbytes(self) -> int:
@@ -173,7 +179,12 @@ class PrefixCache:
         best = self.disk.best(key, prompt, self.trimmable)
         if best is None or best[1] <= better_than:
             return None
-        read = self.disk.read(best[0], key)
+        if self._layout_of is not None:  # once: a model whose layout cannot be taken reads nothing from disk
+            layout_of, self._layout_of = self._layout_of, None
+            self._layout = layout_of()
+        if self._layout is None:
+            return None
+        read = self.disk.read(best[0], key, self._layout)
         if read is None:
             return None
         tokens, cache = read

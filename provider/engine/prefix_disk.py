@@ -4,9 +4,15 @@ An entry is one file (kv_file.py) named by its key (prefix_blocks.entry_key) in 
 the root; the index in memory holds, per entry, its scope, its block hashes, its length and the few tokens
 after its last full block, so a lookup finds the entry sharing the most blocks with a prompt without opening a
 file. Files are written by one writer thread, never the engine's: the engine hands over an entry's bytes
-(copied out of MLX on its own thread) and goes on. Two bounds keep a disk from filling or wearing out:
-`max_bytes` (least recently used entries deleted past it) and `write_bytes_per_hour` (a token bucket; a write
-past it is skipped, not queued). A file that fails its digest is deleted and never loaded.
+(copied out of MLX on its own thread) and goes on; the writer MACs and writes them. Two bounds keep a disk from
+filling or wearing out: `max_bytes` (least recently used entries deleted past it) and `write_bytes_per_hour` (a
+token bucket, charged from the entry's shapes before a byte is copied; a write past it is skipped, not queued).
+
+The tier owns its directory and trusts no file in it (issue 56; prefix_disk_dir.py, kv_file.py): only regular
+files, never through a symlink, each read no further than the size indexed, each used only once its MAC under
+the node's key matches and its header agrees with the model's caches (kv_layout.py). A file that fails any of
+it is deleted and counted (`corrupt`; a log line names the file's hash and the reason, never its tokens). One
+file's failure never stops the writer thread: it is logged and the next item goes on.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from pathlib import Path
 
 from .. import logs
 from ..status import PrefixDiskStatus
-from . import kv_file
+from . import kv_file, prefix_disk_dir
+from .kv_layout import Layout
+from .prefix_disk_dir import NotAnEntry
 from .prefix_blocks import BLOCK, chain, entry_key
 
 log = logs.get("engine")
@@ -55,8 +63,9 @@ class DiskStats:
 
 
 class DiskTier:
-    def __init__(self, root: Path, max_bytes: int, write_bytes_per_hour: int):
-        self.root = root
+    def __init__(self, root: Path, max_bytes: int, write_bytes_per_hour: int, key: bytes | None = None):
+        self.root = prefix_disk_dir.own(root)  # 0700, this user's (DiskDirError otherwise)
+        self.key = prefix_disk_dir.load_key() if key is None else key  # the state directory's (0600)
         self.max_bytes = max_bytes
         self.rate = write_bytes_per_hour
         self.stats = DiskStats()
@@ -66,10 +75,10 @@ class DiskTier:
         self._lock = threading.Lock()
         self._allowance, self._refilled = float(write_bytes_per_hour) / 4, time.monotonic()  # a quarter hour's burst
         self._queue: queue.Queue = queue.Queue(QUEUE)
-        # Read ahead, off the engine thread: a prepared prompt's best entry, its digest checked (prefetch).
+        # Read ahead, off the engine thread: a prepared prompt's best entry, within its indexed size (prefetch);
+        # its MAC and layout are checked when it is used (read).
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-read")
         self._prefetched: collections.OrderedDict[str, bytes] = collections.OrderedDict()
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # The files already there are indexed by the writer thread before it writes: never on a start's path
         # (a lookup meanwhile finds less, never anything wrong).
         self.scanned = threading.Event()
@@ -83,8 +92,7 @@ class DiskTier:
 
         from .. import paths
 
-        root = Path(directory).expanduser() if directory else paths.cache_dir() / "prefix-cache"
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        root = prefix_disk_dir.own(Path(directory).expanduser() if directory else paths.cache_dir() / "prefix-cache")
         budget = min(int(gb * (1 << 30)), shutil.disk_usage(root).free // 10)
         return cls(root, budget, int(write_gb_per_hour * (1 << 30)))
 
@@ -114,24 +122,28 @@ class DiskTier:
 
     def put(self, scope: bytes, tokens: list[int], cache: list, claim: str = "") -> bool:
         """Queue an entry for writing (its arrays copied out now); False if skipped (kind, rate, queue). The job
-        `claim` finished is held while the entry is on disk."""
+        `claim` finished is held while the entry is on disk. The rate and the queue are asked before anything is
+        copied: a write they refuse costs the engine thread only the header."""
         if len(tokens) < BLOCK or not kv_file.storable(cache):
             return False
         if self.has(scope, tokens):
             self._claim(claim, entry_key(scope, tokens))
             return False
+        if self._queue.full():
+            self.stats.skipped_queue += 1
+            return False
         try:
-            data = kv_file.encode(scope, tokens, cache)
+            planned = kv_file.plan(scope, tokens, cache)
         except kv_file.FileError:
             return False
-        if not self._spend(len(data)):
+        if not self._spend(planned.size):
             self.stats.skipped_rate += 1
             return False
         blocks = chain(scope, tokens)
         key = entry_key(scope, tokens, blocks)
         try:
-            self._queue.put_nowait((key, data, DiskEntry(
-                scope, blocks, len(tokens), tuple(tokens[len(blocks) * BLOCK:]), len(data), time.time())))
+            self._queue.put_nowait((key, planned.head, kv_file.copy_out(planned), DiskEntry(
+                scope, blocks, len(tokens), tuple(tokens[len(blocks) * BLOCK:]), planned.size, time.time())))
         except queue.Full:
             self.stats.skipped_queue += 1
             return False
@@ -171,8 +183,7 @@ class DiskTier:
             if found is None:
                 return
             try:
-                data = self._path(found[0]).read_bytes()
-                kv_file.read_header(data)  # its digest, before it is held
+                data = self._read(found[0])
             except (OSError, kv_file.FileError):
                 return  # `read` finds it again, and deletes it if it is broken
             with self._lock:
@@ -185,20 +196,19 @@ class DiskTier:
         except RuntimeError:  # closed
             pass
 
-    def read(self, key: str, scope: bytes) -> tuple[list[int], list] | None:
-        """The entry's tokens and caches, or None (gone, or failed its check: then deleted)."""
-        path = self._path(key)
+    def read(self, key: str, scope: bytes, layout: Layout | None) -> tuple[list[int], list] | None:
+        """The entry's tokens and caches, checked against `layout` (the model's), or None: gone, or unreadable or
+        failing a check (then deleted and counted)."""
         with self._lock:
             data = self._prefetched.pop(key, None)
         try:
-            data = path.read_bytes() if data is None else data
-            tokens, cache = kv_file.decode(data, scope)
-        except OSError:
+            data = self._read(key) if data is None else data
+            tokens, cache = kv_file.decode(data, scope, self.key, layout)
+        except FileNotFoundError:
             self._forget(key)
             return None
-        except kv_file.FileError as e:
-            self.stats.corrupt += 1
-            log.warning("prefix_disk_file_refused", file=path.name, why=str(e))
+        except Exception as e:  # noqa: BLE001 - NotAnEntry, FileError, or anything else a file could cause
+            self._refuse(self._path(key).name, e)
             self._delete(key)
             return None
         with self._lock:
@@ -217,25 +227,33 @@ class DiskTier:
     def _write_loop(self) -> None:
         try:
             self._scan()
+        except Exception:  # the directory itself unreadable: the tier starts empty, and still writes
+            log.exception("prefix_disk_scan_failed")
         finally:
             self.scanned.set()
         while (item := self._queue.get()) is not None:
-            key, data, entry = item
-            tmp = self._path(key).with_suffix(".tmp")
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, self._path(key))
-            except OSError as e:
-                log.warning("prefix_disk_write_failed", error=str(e))
-                tmp.unlink(missing_ok=True)
-                continue
-            with self._lock:
-                self._index[key] = entry
-            self.stats.writes += 1
-            self.stats.bytes_written += len(data)
-            self._evict()
+                self._write(*item)
+            except Exception:  # one entry's failure is that entry's: the thread goes on
+                log.exception("prefix_disk_write_failed")
+
+    def _write(self, key: str, head: bytes, chunks: list[bytes], entry: DiskEntry) -> None:
+        tmp = self._path(key).with_suffix(".tmp")
+        pieces = kv_file.seal(head, chunks, self.key)
+        entry.size = sum(map(len, pieces))
+        try:
+            with os.fdopen(prefix_disk_dir.create_new(tmp), "wb") as f:
+                f.writelines(pieces)
+            os.replace(tmp, self._path(key))
+        except OSError as e:
+            log.warning("prefix_disk_write_failed", error=e.strerror)
+            prefix_disk_dir.remove(tmp)
+            return
+        with self._lock:
+            self._index[key] = entry
+        self.stats.writes += 1
+        self.stats.bytes_written += entry.size
+        self._evict()
 
     def _evict(self) -> None:
         with self._lock:
@@ -247,7 +265,7 @@ class DiskTier:
                 total -= self._index.pop(key).size
                 gone.append(key)
         for key in gone:
-            self._path(key).unlink(missing_ok=True)
+            prefix_disk_dir.remove(self._path(key))
             self.stats.evicted += 1
 
     # --- any thread -------------------------------------------------------------------
@@ -263,29 +281,53 @@ class DiskTier:
             return True
 
     def _scan(self) -> None:
-        """The index from the files already there (a restart): headers checked, broken files deleted."""
-        for path in self.root.glob(f"*{SUFFIX}"):
+        """The index from the files already there (a restart): regular files whose header is authentic and names
+        them; anything else under an entry's name is deleted, one name at a time (none stops the scan)."""
+        regular, other = prefix_disk_dir.names(self.root, SUFFIX)
+        for name in other:  # a symlink, a FIFO, a device: never opened
+            self._refuse(name, NotAnEntry("not a regular file"))
+            prefix_disk_dir.remove(self.root / name)
+        for name in regular:
+            path = self.root / name
             try:
-                header = kv_file.peek_header(path)
-                scope, tokens = bytes.fromhex(header["scope"]), header["tokens"]
-                blocks = chain(scope, tokens)
-                if entry_key(scope, tokens, blocks) != path.stem:
-                    raise kv_file.FileError("named for another entry")
-                stat = path.stat()
+                entry = self._indexed(path)
             except FileNotFoundError:
                 continue
-            except (OSError, ValueError) as e:
-                self.stats.corrupt += 1
-                log.warning("prefix_disk_file_refused", file=path.name, why=str(e))
-                path.unlink(missing_ok=True)
+            except Exception as e:  # noqa: BLE001 - whatever a file holds, it is that file's end, not the scan's
+                self._refuse(name, e)
+                prefix_disk_dir.remove(path)
                 continue
             with self._lock:
-                self._index.setdefault(path.stem, DiskEntry(scope, blocks, len(tokens),
-                                                            tuple(tokens[len(blocks) * BLOCK:]), stat.st_size,
-                                                            stat.st_mtime))
-        for tmp in self.root.glob("*.tmp"):  # a write cut short by a crash
-            tmp.unlink(missing_ok=True)
+                self._index.setdefault(path.name[:-len(SUFFIX)], entry)
+        for name in sum(prefix_disk_dir.names(self.root, ".tmp"), []):  # a write cut short by a crash
+            prefix_disk_dir.remove(self.root / name)
         self._evict()
+
+    def _indexed(self, path: Path) -> DiskEntry:
+        with prefix_disk_dir.open_entry(path) as f:
+            header = kv_file.read_head(f, self.key)
+            st = os.fstat(f.fileno())
+        scope, tokens = bytes.fromhex(header["scope"]), header["tokens"]
+        blocks = chain(scope, tokens)
+        if entry_key(scope, tokens, blocks) != path.name[:-len(SUFFIX)]:
+            raise kv_file.FileError("named for another entry")
+        return DiskEntry(scope, blocks, len(tokens), tuple(tokens[len(blocks) * BLOCK:]), st.st_size, st.st_mtime)
+
+    def _read(self, key: str) -> bytes:
+        """The file's bytes, if it is still the regular file of the size indexed (no more is ever read)."""
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            raise FileNotFoundError(key)
+        return prefix_disk_dir.read_entry(self._path(key), entry.size)
+
+    def _refuse(self, name: str, why: Exception) -> None:
+        """Count a refused file and say why: its name (a hash), and the reason's own words only when they are
+        this code's (never a value the file holds)."""
+        self.stats.corrupt += 1
+        ours = isinstance(why, (kv_file.FileError, NotAnEntry))
+        text = str(why) if ours else why.strerror if isinstance(why, OSError) else ""
+        log.warning("prefix_disk_file_refused", file=name[:80], why=f"{type(why).__name__}: {text}"[:200])
 
     def _path(self, key: str) -> Path:
         return self.root / f"{key}{SUFFIX}"
@@ -296,7 +338,7 @@ class DiskTier:
 
     def _delete(self, key: str) -> None:
         self._forget(key)
-        self._path(key).unlink(missing_ok=True)
+        prefix_disk_dir.remove(self._path(key))
 
 
 def _shared(a: list[bytes], b: list[bytes]) -> int:
