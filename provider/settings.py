@@ -7,6 +7,7 @@ SettingsError naming the key, where it came from, and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -29,6 +30,31 @@ def _range(lo: float | None = None, hi: float | None = None) -> dict:
 
 def _choice(*options: str | int) -> dict:
     return {"choices": options}
+
+
+def _listed(ok, what: str) -> dict:
+    """A comma-separated list whose every entry must pass `ok` (else: it is not `what`)."""
+    return {"check": lambda value: next((f"{e[:80]!r} is not {what}" for e in _split(value) if not ok(e)), None)}
+
+
+def _split(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*")
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(:[0-9]{1,5})?")
+
+
+def host_name(raw: str) -> str | None:
+    """`raw` as the local API compares Host names (lowercase, no trailing dot, IPv6 without brackets), or None if
+    it is not a host name or IP address."""
+    name = raw.strip().lower().rstrip(".")
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return name if len(name) <= 253 and _NAME.fullmatch(name) else None
 
 
 KV_BITS = (0, 4, 8)  # 0: full-precision KV; 4 or 8: quantized as mlx-lm's QuantizedKVCache stores it
@@ -109,7 +135,12 @@ class Settings:
     # Serving without a token on a non-loopback address is refused unless this says it is meant.
     allow_unauthenticated_public: bool = False
     # Browser origins allowed to call the local API (comma-separated, e.g. "http://localhost:3000"); none by default.
-    cors_origins: str = ""
+    # Every request that carries another Origin is refused, on every method (provider/local/origin_guard.py).
+    cors_origins: str = field(default="", metadata=_listed(lambda e: _ORIGIN.fullmatch(e.lower().rstrip("/")),
+                                                           "an origin: scheme://host[:port] (no path, * or null)"))
+    # Names the local API answers to besides its own addresses (comma-separated host names or IPs, no port, e.g.
+    # "mymac.lan"): a request whose Host names anything else is refused (DNS rebinding).
+    allowed_hosts: str = field(default="", metadata=_listed(host_name, "a host name or IP (no scheme, port or *)"))
     metrics_public: bool = False  # serve GET /metrics without the bearer token (for a scraper on a private network)
     max_body_bytes: int = field(default=20 * 2**20, metadata=_range(1024, 256 * 2**20))  # room for inline images
     # Frames waiting for a coordinator that does not read: past this, the node stops reading its frames, and
@@ -214,7 +245,12 @@ class Settings:
 
     @property
     def cors_origin_list(self) -> tuple[str, ...]:
-        return tuple(o.strip().rstrip("/") for o in self.cors_origins.split(",") if o.strip())
+        return tuple(o.rstrip("/").lower() for o in _split(self.cors_origins))
+
+    @property
+    def allowed_host_names(self) -> frozenset[str]:
+        """allowed_hosts as the local API compares Host names (lowercase, no brackets, no trailing dot)."""
+        return frozenset(n for n in map(host_name, _split(self.allowed_hosts)) if n is not None)
 
     @property
     def committing(self) -> bool:
@@ -306,3 +342,6 @@ def _check_bounds(f: dataclasses.Field, value: Any, source: str) -> None:
     lo, hi = meta.get("lo"), meta.get("hi")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed range is {lo} to {hi}")
+    why = meta["check"](value) if "check" in meta else None
+    if why:
+        raise SettingsError(f"{f.name} (from {source}): {why}")

@@ -25,6 +25,7 @@ from ..daemon_client import socket_path
 from .bodies import parse_json, read_body
 from .cli_jobs import CliJobs
 from .model_controls import ModelControls
+from .origin_guard import OriginGuard, over_control_socket
 from .completions import JOB_ID, USAGE, Completions
 from .responses_routes import Responses
 
@@ -64,8 +65,11 @@ class LocalAPI:
         self.responses = Responses(node, self.limits)
         self.cli_jobs = CliJobs(node)
         self.model_controls = ModelControls(node)
-        self.app = web.Application(client_max_size=s.max_body_bytes,
-                                   middlewares=[self._access, self._errors, self._preflight, self._auth])
+        # The guard refuses a foreign Host or Origin on every method and route, before auth and any handler
+        # (origin_guard.py); _errors renders its refusals in the route's surface's shape.
+        self.guard = OriginGuard(s)
+        self.app = web.Application(client_max_size=s.max_body_bytes, middlewares=[
+            self._access, self._errors, self.guard.middleware, self._preflight, self._auth])
         self.app.on_response_prepare.append(self._cors_headers)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.serving.chat),
@@ -113,9 +117,10 @@ class LocalAPI:
     async def _preflight(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         """CORS: off unless `cors_origins` names the origin. A preflight gets 204 with the allowed methods and
         headers, or a clear 403 (never the 401 meant for a missing token); answers to an allowed origin
-        carry Access-Control-Allow-Origin. The bearer token is still required on the real request."""
+        carry Access-Control-Allow-Origin. The bearer token is still required on the real request. (Requests
+        of every other method from another origin were refused by the guard before this.)"""
         origin = request.headers.get("Origin")
-        allowed = origin is not None and origin in self.node.settings.cors_origin_list
+        allowed = origin is not None and origin.lower() in self.guard.cors_origins
         if request.method == "OPTIONS":
             if not allowed:
                 raise api.RequestError("cross-origin requests from this origin are not enabled on this node "
@@ -129,7 +134,7 @@ class LocalAPI:
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         # On prepare, so streamed (SSE) answers get them too.
         origin = request.headers.get("Origin")
-        if origin is not None and origin in self.node.settings.cors_origin_list:
+        if origin is not None and origin.lower() in self.guard.cors_origins:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
 
@@ -197,14 +202,6 @@ class LocalAPI:
         body = parse_json(await read_body(request, self.node.settings.max_body_bytes))
         model, ids = api.parse_detokenize(body)
         return web.json_response({"prompt": await self.node.detokenize(model, ids)})
-
-
-def over_control_socket(request: web.Request) -> bool:
-    """Whether the request came over the control socket (the connection's own address family, which no header
-    can fake): only the socket's owner can connect to it (0600), so it needs no token."""
-    transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    return sock is not None and sock.family == getattr(socket, "AF_UNIX", None)
 
 
 async def _runner(node: Node, token: str | None) -> web.AppRunner:
