@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from provider.engine import kv_file, kv_layout
+from provider.engine import kv_file
 from provider.engine.kv_quant import BatchQuantizedKVCache, QuantizedKVRow, make_caches
 from provider.engine.kv_quant_rotating import BatchQuantizedRotatingKVCache, QuantizedRotatingKVRow
 from provider.engine.spec_rounds import rollback
@@ -247,7 +247,7 @@ def test_a_quantized_sliding_row_rolls_back_and_travels_as_mlx_lms():
         t.feed(1, 1)
     mx.eval(t.q.state)
     scope, key, tokens = bytes(32), bytes(range(32)), list(range(t.q.offset))  # a file's tokens: its offset's
-    _, (back,) = kv_file.decode(kv_file.encode(scope, tokens, [t.q], key), scope, key, kv_layout.of_caches([t.q]))
+    _, (back,) = kv_file.decode(kv_file.encode(scope, tokens, [t.q], key), scope, key, kv_file.of_caches([t.q]))
     assert type(back) is QuantizedRotatingKVRow and back.state[2:] == t.q.state[2:]
     assert all(mx.array_equal(a, b) for a, b in zip((*back.keys, *back.values), (*t.q.keys, *t.q.values)))
     full = RotatingKVCache(8)  # a full-precision row joins a quantized batch quantized

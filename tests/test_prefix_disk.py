@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from provider.engine import kv_file, kv_layout
+from provider.engine import kv_file
 from provider.engine.prefix_blocks import BLOCK, chain, entry_key, scope_of
 from provider.engine.prefix_disk import DiskTier
 
@@ -18,7 +18,7 @@ KEY = bytes(range(32))
 
 
 def layout(model):
-    return kv_layout.of_caches(prefill(model, [0]))
+    return kv_file.of_caches(prefill(model, [0]))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_every_float_width_reads_back_bit_for_bit(llama, dtype):
     for c in cache:
         c.keys, c.values = c.keys.astype(dtype), c.values.astype(dtype)
     _, restored = kv_file.decode(kv_file.encode(SCOPE, tokens, cache, KEY), SCOPE, KEY,
-                                 kv_layout.of_caches(cache))
+                                 kv_file.of_caches(cache))
     for a, b in zip(cache, restored):
         assert b.keys.dtype == dtype and mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :])
 

@@ -26,7 +26,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from . import kv_layout
-from .kv_quant import QuantizedKVRow
+from .kv_quant import QuantizedKVRow, caches_for
 from .kv_quant_rotating import QuantizedRotatingKVRow
 
 MAGIC = b"PXKV2\n"  # PXKV1 (an unkeyed SHA-256) is refused like any other foreign file
@@ -68,6 +68,19 @@ def layer_state(c: Any) -> tuple[str, list[mx.array], list[int]]:
     if not sliding:
         arrays = [a[..., :c.offset, :] if a.shape[kv_layout.SEQ_AXIS] > c.offset else a for a in arrays]
     return kind, arrays, [int(v) for v in state[2:]]
+
+
+def of_model(lm) -> kv_layout.Layout | None:
+    """The layout of `lm`'s caches (models.loader.LoadedModel), from one token through a fresh set: None for a
+    model whose caches the disk tier does not keep (a hybrid's recurrent layers). On the engine thread."""
+    caches = caches_for(lm)
+    mx.eval(lm.model(mx.array([[0]]), cache=caches))
+    return of_caches(caches) if storable(caches) else None
+
+
+def of_caches(caches: list) -> kv_layout.Layout:
+    """The layout of a model's caches holding at least one token."""
+    return tuple(kv_layout.layer(*layer_state(c)) for c in caches)
 
 
 def plan(scope: bytes, tokens: list[int], cache: list[Any]) -> Planned:
@@ -126,7 +139,7 @@ def read_head(f, key: bytes) -> dict:
 
 def decode(data: bytes, scope: bytes, key: bytes, layout: kv_layout.Layout | None) -> tuple[list[int], list[Any]]:
     """The entry's tokens and caches; FileError for anything but a whole, authentic file of `scope` whose every
-    layer is one of `layout` (the model's: kv_layout.of_model)."""
+    layer is one of `layout` (the model's: of_model)."""
     if len(data) < HEAD + 2 * MAC or not data.startswith(MAGIC):
         raise FileError("not a prefix-cache file of this version")
     if not _authentic(key, _FILE_LABEL + data[:-MAC], data[-MAC:]):

@@ -44,27 +44,8 @@ class LayerLayout:
 Layout = tuple[LayerLayout, ...]
 
 
-def of_model(lm) -> Layout | None:
-    """The layout of `lm`'s caches (models.loader.LoadedModel), from one token through a fresh set: None for a
-    model whose caches the disk tier does not keep (a hybrid's recurrent layers). On the engine thread."""
-    import mlx.core as mx
-
-    from .kv_file import storable
-    from .kv_quant import caches_for
-
-    caches = caches_for(lm)
-    mx.eval(lm.model(mx.array([[0]]), cache=caches))
-    return of_caches(caches) if storable(caches) else None
-
-
-def of_caches(caches: list) -> Layout:
-    """The layout of a model's caches holding at least one token."""
-    from .kv_file import layer_state
-
-    return tuple(_layer(*layer_state(c)) for c in caches)
-
-
-def _layer(kind: str, arrays: list, ints: list[int]) -> LayerLayout:
+def layer(kind: str, arrays: list, ints: list[int]) -> LayerLayout:
+    """A layer's layout from its kind, arrays and ints (kv_file.layer_state)."""
     shapes = tuple((str(a.dtype).split(".")[-1], tuple(-1 if i == SEQ_AXIS else d for i, d in enumerate(a.shape)))
                    for a in arrays)
     return LayerLayout(kind, shapes, tuple(int(ints[i]) for i in KINDS[kind][2]))

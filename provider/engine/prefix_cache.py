@@ -30,7 +30,7 @@ from mlx_lm.models.cache import (ArraysCache, KVCache, LRUPromptCache, Quantized
 
 from .. import logs
 from ..jobs import PrefixScope
-from . import kv_layout
+from . import kv_file, kv_layout
 from .prefix_blocks import BLOCK, scope_of
 from .prefix_disk import DiskTier
 
@@ -117,7 +117,7 @@ class PrefixCache:
         self.disk = disk
         self.identity = identity  # the model's files (manifest.quick_identity): a disk entry outlives a process
         self.trimmable = trimmable  # caches a shorter prefix can be cut from (no sliding-window layers)
-        # What a disk entry must hold to be used (kv_layout.of_model), made when first needed; without it nothing
+        # What a disk entry must hold to be used (kv_file.of_model), made when first needed; without it nothing
         # is read from disk.
         self._layout_of, self._layout = layout, None
 
@@ -129,7 +129,7 @@ class PrefixCache:
 
         # The KV's precision is part of what an entry is: one kept at 8 bits is no row of a full-precision batch.
         return cls(lm.id, max_bytes, media_token_ids(lm.config), disk=disk, identity=f"{lm.identity}/{lm.kv_quant}",
-                   trimmable=cuttable(caches_for(lm)), layout=lambda: kv_layout.of_model(lm))
+                   trimmable=cuttable(caches_for(lm)), layout=lambda: kv_file.of_model(lm))
 
     @property
     def nbytes(self) -> int:

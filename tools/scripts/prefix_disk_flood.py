@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.engine.prefix_blocks import entry_key, scope_of  # noqa: E402
+from provider.engine.kv_file import of_caches  # noqa: E402
 from provider.engine.prefix_disk import DiskTier  # noqa: E402
 
 MiB = 1 << 20
@@ -86,7 +87,7 @@ def main() -> int:
         loaded = refused = 0
         keys = {entry_key(scope, t): t for t in queued}
         for path in files:
-            got = disk.read(path.stem, scope) if path.stem in keys else None
+            got = disk.read(path.stem, scope, of_caches(cache_of(1, 0))) if path.stem in keys else None
             loaded += got is not None
             refused += got is None
         disk.close()
