@@ -127,8 +127,8 @@ def job_from_request(req: pb.JobRequest, *, max_tokens_limit: int, default_max_t
     if len(req.cache_scope.encode()) > MAX_CACHE_SCOPE:
         raise _invalid(f"cache_scope has at most {MAX_CACHE_SCOPE} bytes")
     # The coordinator's tenants apart from the local API's, and from each other; only a named tenant's unsealed
-    # prompts go to disk.
-    scope = PrefixScope("coordinator:" + req.cache_scope, to_disk=bool(req.cache_scope) and not sealed)
+    # prompts go to disk; a sealed job's are not kept at all, nor is anything kept served to it.
+    scope = PrefixScope("coordinator:" + req.cache_scope, to_disk=bool(req.cache_scope) and not sealed, kept=not sealed)
     return Job(id=req.job_id, model=req.model, sampling=sampling, prompt=prompt, messages=messages,
                prompt_ids=prompt_ids, speculation=POLICY[req.speculation], rules=output_rules(req),
                images=tuple(images), verify=verify, prefix_scope=scope)

@@ -157,6 +157,9 @@ class PrefixScope:
 
     tenant: str = ""
     to_disk: bool = True
+    # False (a sealed job): nothing of it is kept, and nothing kept is served to it. Cached tokens, the tier and
+    # the timing go back in the clear, so any reuse across a sealed prompt would tell its first tokens.
+    kept: bool = True
 
 
 @dataclass(frozen=True)

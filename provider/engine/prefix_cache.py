@@ -149,7 +149,7 @@ class PrefixCache:
     def lookup(self, prompt: list[int], scope: PrefixScope = PrefixScope()) -> tuple[list[Any] | None, int, str]:
         """A copy of the caches of the longest stored prefix of `prompt` in `scope`, how many tokens it covers
         (fewer than len(prompt)), and the tier it came from."""
-        if not prompt:
+        if not prompt or not scope.kept:
             return None, 0, ""
         cache, cached = self._from_memory(prompt, scope) if self.max_bytes > 0 else (None, 0)
         if self.disk is not None and scope.to_disk and len(prompt) > max(cached, BLOCK):
@@ -204,7 +204,7 @@ class PrefixCache:
         """Keep `cache` (the KV of `tokens`) for reuse in `scope`; `claim`, the job it finished, is then held
         (`holds`) for as long as some entry serves its tokens. Never raises: keeping a prefix is an
         optimisation, and its failure costs no job."""
-        if not tokens or not cache or not self.unkeyable.isdisjoint(tokens):
+        if not tokens or not cache or not scope.kept or not self.unkeyable.isdisjoint(tokens):
             return
         try:
             if self.max_bytes > 0 or self.disk is not None:
@@ -230,14 +230,15 @@ class PrefixCache:
 
     def prefetch(self, prompt: list[int], scope: PrefixScope) -> None:
         """Any thread (a prompt just prepared): read ahead the disk entry its lookup would use."""
-        if self.disk is not None and scope.to_disk and len(prompt) > BLOCK:
+        if self.disk is not None and scope.to_disk and scope.kept and len(prompt) > BLOCK:
             self.disk.prefetch(self._scope(scope), prompt, self.trimmable)
 
     def wants_whole_prompt(self, length: int, scope: PrefixScope) -> bool:
         """Whether a prompt is worth keeping whole once read: long, for the disk tier, of a model whose caches
         cannot be cut to a shorter prefix (so its finished row, prompt + completion, serves no later request of
         the same prompt)."""
-        return self.disk is not None and scope.to_disk and not self.trimmable and length >= DISK_MIN_TOKENS
+        return self.disk is not None and scope.to_disk and scope.kept and not self.trimmable \
+            and length >= DISK_MIN_TOKENS
 
     def share(self, tokens: list[int], cache: list[Any], scope: PrefixScope = PrefixScope()) -> None:
         """Keep a copy of the caches of a row still using them (a prompt just read, for the choices to come)."""
