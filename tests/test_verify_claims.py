@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from coordinator_client import convert
@@ -23,6 +24,7 @@ from provider.jobs import Claim, Done, Job, Proof, SamplingParams
 from provider.models import cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.verdicts import CPU, DIVERGENT_KERNELS, Tolerance, clamped, looser
+from provider.verification.commitment import CommitmentBuilder
 from provider.verification.claim_rules import Failure, TokenCheck, length_failure, token_check
 from provider.verification.verifier import allowed_ties
 from tests.helpers import collect, make_node, run
@@ -229,3 +231,39 @@ def test_provider_verify_fails_lies_with_exit_1_and_never_crashes(fixtures_dir, 
         assert verdict["passed"] == (code == 0), (name, verdict)
         if code:
             assert verdict["reason"] and verdict["first_failure"] in (0, 4), (name, verdict)
+
+
+def test_a_claim_past_the_context_fails_its_verdict_unread_instead_of_erroring(fixtures_dir):
+    """Issue 56: a claim whose end token sat one position past the context was read there. The request allows what
+    the context holds after the prompt; the end token counts. A claim past it fails at the limit, never an Error."""
+    node = make_node({"m": fixtures_dir / "gemma4-tiny"}, commitments="on", speculation="off")
+    run(node.preload("m"))
+    lm = node.models.acquire("m")
+    context, eos, hidden = lm.context_length, next(iter(lm.tokenizer.eos_token_ids)), lm.hidden_tap.hidden_size
+    node.models.release("m")
+
+    def commitment(n: int) -> bytes:  # well formed, so only the length can fail it
+        builder = CommitmentBuilder(hidden)
+        builder.add(np.tile(np.arange(4), (n, 1)), np.zeros((n, 4), np.uint16))
+        return builder.finish(n)
+
+    prompt = tuple((5 + i) % 200 + 3 for i in range(context - 4))
+    sampling = SamplingParams(max_tokens=64, temperature=0.0)
+
+    async def main():
+        made, _, end, _ = await collect(node, Job(id="made", model="m", prompt_ids=prompt, sampling=sampling))
+        assert len(made) == 4 and end.finish_reason.value == "length"  # the context held 4 more
+        out = []
+        for ids, end in ((made, eos), (made + [7] * 36, None)):  # the model's own 4, then one or 36 past the context
+            job = Job(id=f"v{len(out)}", model="m", prompt_ids=prompt, sampling=sampling,
+                      verify=Claim(tuple(ids), Proof(commitment(len(ids) + (end is not None)), "greedy",
+                                                     end_token=end)))
+            _, _, done, _ = await collect(node, job)
+            out.append(done)
+        return out
+
+    verdicts = run(main())
+    run(node.stop())
+    for done in verdicts:
+        assert isinstance(done, Done) and done.verdict is not None and not done.verdict.passed, done
+        assert done.verdict.first_failure == 4 and "allowed at most 4" in done.verdict.reason, done.verdict
