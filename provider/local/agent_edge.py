@@ -25,6 +25,9 @@ from .completions import JOB_ID, USAGE
 
 log = logs.get("local")
 MAX_LEFT_OUT = 32  # notes kept per request: a hostile body cannot grow the answer without bound
+# Entries of `tools` read at all (hosted tools, namespaces' members and repeats included), counted before any is
+# built: past the first MAX_TOOLS functions the rest are left out, and past this many the request is refused.
+MAX_TOOLS_SENT = 4 * MAX_TOOLS
 
 
 @dataclass
@@ -114,6 +117,12 @@ def _trim_schema(schema: dict) -> set[str]:
             dropped.add(str(key)[:32])
             del node[key]
     return dropped
+
+
+def check_tools_sent(n: int) -> None:
+    if n > MAX_TOOLS_SENT:
+        raise api.RequestError(f"tools may hold at most {MAX_TOOLS_SENT} entries (the node offers the first "
+                               f"{MAX_TOOLS} functions of them), got {n}", "tools")
 
 
 def bounded_tools(tools: list[Tool], notes: EdgeNotes) -> tuple[Tool, ...]:

@@ -20,7 +20,7 @@ from ..content import IMAGE_PART, ImageInput
 from ..jobs import Done, Job, JobError, SamplingParams, ToolCall
 from ..types import FinishReason
 from . import openai_api as api
-from .agent_edge import EdgeNotes, agent_tool, bounded_tools, check_max_tokens
+from .agent_edge import EdgeNotes, agent_tool, bounded_tools, check_max_tokens, check_tools_sent
 from .image_parts import data_url_bytes
 
 SERVED = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
@@ -228,6 +228,7 @@ def _rules(body: dict, notes: EdgeNotes) -> OutputRules:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise api.RequestError("tools must be an array of {name, description, input_schema}", "tools")
+    check_tools_sent(len(tools))
     offered = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from aiohttp import web
 
 from ..jobs import Done, Error
@@ -10,7 +12,7 @@ from . import anthropic_messages as am
 from . import openai_api as api
 from .agent_edge import collected, failed, run_job
 from .anthropic_stream import MessageEvents, sse
-from .bodies import parse_json, read_body
+from .bodies import off_loop, read_json
 
 
 class AnthropicMessages:
@@ -19,8 +21,9 @@ class AnthropicMessages:
         self.limits = limits
 
     async def _parse(self, request: web.Request, counting: bool = False) -> am.MessagesRequest:
-        body = parse_json(await read_body(request, self.node.settings.max_body_bytes))
-        return am.parse_messages(body, self.node.new_job_id("msg"), self.limits, counting=counting)
+        body = await read_json(request, self.node.settings.max_body_bytes)
+        return await off_loop(functools.partial(am.parse_messages, counting=counting), body,
+                              self.node.new_job_id("msg"), self.limits)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         req = await self._parse(request, counting=True)

@@ -1,18 +1,39 @@
-"""Request bodies as the local API reads them: decompressed within the body limit, parsed as strict JSON."""
+"""Request bodies as the local API reads them: decompressed within the body limit, bounded in values and depth
+(json_bounds), parsed as strict JSON, off the event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import zlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 from aiohttp import web
 
 from . import openai_api as api
+from .json_bounds import MAX_JSON_DEPTH, MAX_JSON_VALUES, key_before, scan
 
 # wbits for zlib: gzip, zlib-wrapped deflate (RFC 9110), and the raw deflate some clients send instead.
 _DECODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
               "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
+# Where bodies are bounded, parsed and translated into jobs: never on the event loop the coordinator session
+# shares. Two threads (the machine's work is elsewhere); a flood waits here, not in asyncio's default pool.
+_PARSERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="local-parse")
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the request parsers' threads; what it raises (a RequestError) is raised here."""
+    return await asyncio.get_running_loop().run_in_executor(_PARSERS, fn, *args)
+
+
+@dataclass(frozen=True)
+class Body:
+    value: Any
+    values: int  # JSON values and keys in it (json_bounds.scan)
+    size: int  # bytes, decompressed
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -25,6 +46,10 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     if encoding not in _DECODINGS:
         raise api.RequestError(f"Content-Encoding {encoding!r} is not supported; send gzip, deflate or none",
                                status=415, code="unsupported_media_type")
+    return await off_loop(_inflate, raw, encoding, limit)
+
+
+def _inflate(raw: bytes, encoding: str, limit: int) -> bytes:
     for wbits in _DECODINGS[encoding]:
         inflater = zlib.decompressobj(wbits)
         try:
@@ -39,9 +64,36 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     raise api.RequestError(f"the request body is not valid {encoding} data; check its Content-Encoding")
 
 
+async def read_json(request: web.Request, limit: int) -> Any:
+    """The body as JSON, read within `limit` bytes, bounded and parsed off the event loop."""
+    return (await read_bounded(request, limit)).value
+
+
+async def read_bounded(request: web.Request, limit: int) -> Body:
+    raw = await read_body(request, limit)
+    return await off_loop(parse_bounded, raw)
+
+
+def parse_bounded(raw: bytes, most: int = MAX_JSON_VALUES, what: str = "the request body") -> Body:
+    """Strict JSON within the bounds, counted before it is parsed: at most `most` values and keys, nested at most
+    MAX_JSON_DEPTH deep (a 400: deeper nesting has no use here and exhausts the stack of whatever walks it)."""
+    shape = scan(raw)
+    if shape.depth > MAX_JSON_DEPTH:
+        raise api.RequestError(f"{what} is nested too deeply: {shape.depth} levels of arrays and objects, at most "
+                               f"{MAX_JSON_DEPTH}", key_before(raw, shape.too_deep_key))
+    if shape.values > most:
+        raise api.RequestError(f"{what} holds {shape.values} JSON values and keys, more than the {most} the node "
+                               "parses in one request", status=413, code="body_too_large")
+    return Body(_loads(raw), shape.values, len(raw))
+
+
 def parse_json(raw: bytes) -> Any:
-    """JSON is UTF-8 (RFC 8259). NaN and Infinity, which json.loads accepts by default, are refused; so is
-    nesting deep enough to exhaust the stack."""
+    """A small body (a model control's), bounded as any; on the caller's thread."""
+    return parse_bounded(raw).value
+
+
+def _loads(raw: bytes) -> Any:
+    """JSON is UTF-8 (RFC 8259). NaN and Infinity, which json.loads accepts by default, are refused."""
     def bad_constant(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 

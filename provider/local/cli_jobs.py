@@ -22,7 +22,7 @@ from ..jobs import Done, Error, Tokens
 from ..node import Node
 from ..types import Cause, JobError
 from . import openai_api as api
-from .bodies import parse_json, read_body
+from .bodies import off_loop, read_json
 from .completions import JOB_ID, USAGE
 
 NDJSON = "application/x-ndjson"
@@ -45,8 +45,8 @@ class CliJobs:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         settings = self.node.settings
         try:
-            body = parse_json(await read_body(request, settings.max_body_bytes))
-            job = job_of(body, self.node.new_job_id("gen"), settings.max_tokens_limit)
+            body = await read_json(request, settings.max_body_bytes)
+            job = await off_loop(job_of, body, self.node.new_job_id("gen"), settings.max_tokens_limit)
             job = dataclasses.replace(job, model=self.node.resolve_model(job.model))
         except api.RequestError as e:  # not JSON, not UTF-8, a bad encoding
             return _refused(Cause.INVALID_REQUEST, e.message, e.param, e.status)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..constraints import OutputRules, ResponseFormat, Tool, ToolChoice
+from ..constraints import MAX_TOOLS, OutputRules, ResponseFormat, Tool, ToolChoice
 from ..content import ImageInput, VideoInput
 from ..jobs import (MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Job, JobError, SamplingParams,
                     resolve_max_tokens)
@@ -209,8 +209,9 @@ def output_rules(body: dict[str, Any]) -> OutputRules:
     """response_format, tools, tool_choice and parallel_tool_calls: wire shapes into OutputRules (which checks
     every value)."""
     tools = _given(body, "tools", [])
-    if not isinstance(tools, list):
-        raise RequestError("tools must be an array of {type: function, function: {...}}", "tools")
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:  # counted before any is built
+        raise RequestError(f"tools must be an array of at most {MAX_TOOLS} {{type: function, function: {{...}}}}",
+                           "tools")
     parsed = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None

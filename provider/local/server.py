@@ -22,7 +22,7 @@ from . import openai_responses as out
 from . import anthropic_messages
 from .anthropic_routes import AnthropicMessages
 from ..daemon_client import socket_path
-from .bodies import parse_json, read_body
+from .bodies import off_loop, read_json
 from .cli_jobs import CliJobs
 from .model_controls import ModelControls
 from .origin_guard import OriginGuard, over_control_socket
@@ -188,8 +188,8 @@ class LocalAPI:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's shape: {model, prompt} or {model, messages}; {count, max_model_len, tokens}."""
-        body = parse_json(await read_body(request, self.node.settings.max_body_bytes))
-        job, special = api.parse_tokenize(body, self.node.new_job_id("tok"))
+        body = await read_json(request, self.node.settings.max_body_bytes)
+        job, special = await off_loop(api.parse_tokenize, body, self.node.new_job_id("tok"))
         ids, context = await self.node.tokenize(job, special)
         return web.json_response({"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": None})
 
@@ -199,8 +199,8 @@ class LocalAPI:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's shape: {model, tokens}; {prompt}."""
-        body = parse_json(await read_body(request, self.node.settings.max_body_bytes))
-        model, ids = api.parse_detokenize(body)
+        body = await read_json(request, self.node.settings.max_body_bytes)
+        model, ids = await off_loop(api.parse_detokenize, body)
         return web.json_response({"prompt": await self.node.detokenize(model, ids)})
 
 
