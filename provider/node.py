@@ -116,16 +116,10 @@ def build_models(settings: Settings, primary: list[ModelSpec] = (), budget: Budg
     return Residency(
         Catalog(found if group is None else found[:1]),
         budget or (group.budget() if group is not None else decide_node_budget(settings)),
-        group=group.link.group if group is not None else None,
-        group_split=settings.group_split,
-        max_resident=settings.max_resident_models,
-        idle_timeout=settings.idle_timeout_s,
-        kv_reserve_tokens=settings.kv_reserve_tokens,
-        prefill_step=longest_prefill_read(settings),
-        speculation=SpeculationConfig.of(settings),
-        kv_bits=settings.kv_bits,
-        kv_group_size=settings.kv_group_size,
-    )
+        group=group.link.group if group is not None else None, group_split=settings.group_split,
+        max_resident=settings.max_resident_models, idle_timeout=settings.idle_timeout_s,
+        kv_reserve_tokens=settings.kv_reserve_tokens, prefill_step=longest_prefill_read(settings),
+        speculation=SpeculationConfig.of(settings), kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size)
 
 
 class Node:
@@ -290,6 +284,7 @@ class Node:
         without BOS if not `add_special_tokens`), and its model's context length."""
         job = dataclasses.replace(job, model=self.resolve_model(job.model))
         m = await asyncio.to_thread(self.prompts.tokenizer, job.model)
+        m.check_size(job)  # before any templating or encoding, as a job's prompt is
         # Images are expanded to their soft tokens (which takes decoding them), offered tools rendered in the model's
         # format: as the job would see them.
         if job.images or job.videos or job.rules.calls_tools:

@@ -60,11 +60,33 @@ class PromptTokenizer:
     n_vocab: int  # the widest of the logits and the tokenizer: the grammar masks' width
     images: ImageProcessor | None = None  # the model's image processor, when it takes images
     images_refused: str = ""  # else why not
+    message_tokens: int = 1  # the fewest tokens its chat template spends on a message, even an empty one
     _compiler: list = field(default_factory=list)  # built on first use (its tokenizer takes ~1 s on big vocabularies)
 
     @property
     def max_prompt_chars(self) -> int:
         return self.context_length * self.max_token_chars
+
+    def check_size(self, job: Job) -> None:
+        """Refuse, before templating or encoding it, a prompt this context cannot hold: its characters make at
+        least one token per max_token_chars, and each chat message at least message_tokens more (99,999 empty
+        messages were 3.4 MB that templated to 950,000 tokens in 7 s, holding the tokenizer's lock)."""
+        where = "messages" if job.messages is not None else "prompt"
+        n = len(job.messages or ())
+        if job.prompt_chars > self.max_prompt_chars:
+            raise JobError(
+                Cause.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt is {job.prompt_chars} characters, more than {job.model}'s context of "
+                f"{self.context_length} tokens can hold (at most {self.max_prompt_chars} characters with its "
+                "tokenizer); shorten the prompt", where)
+        least = -(-job.prompt_chars // self.max_token_chars) + n * self.message_tokens
+        if n and least > self.context_length:
+            raise JobError(
+                Cause.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt is {job.prompt_chars} characters in {n} messages, at least {least} tokens (a token per "
+                f"{self.max_token_chars} characters at most, and {self.message_tokens} of its chat template a "
+                f"message): more than {job.model}'s context of {self.context_length} tokens can hold; shorten "
+                "the prompt or send fewer messages", where)
 
     def compiler(self) -> Compiler:
         with self.lock:
@@ -104,7 +126,24 @@ def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptToke
         except Exception as e:  # a processor config this code cannot read: text is still served
             refused = f"its image processor cannot be loaded ({type(e).__name__}: {e})"
     return PromptTokenizer(tok, min(sizes), context_length(config), max((len(t) for t in vocab), default=1) or 1,
-                           threading.Lock(), tool_format_for(tok), max(sizes), images, refused or "")
+                           threading.Lock(), tool_format_for(tok), max(sizes), images, refused or "",
+                           message_tokens(tok))
+
+
+def message_tokens(tok: Any) -> int:
+    """The fewest tokens a chat template spends on one message: half what an empty assistant turn and an empty
+    user turn add on average (a system or tool message may cost less than the average), at least 1; 1 when the
+    template cannot render the probe."""
+    def length(messages: list[dict]) -> int:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+        return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    turn = [{"role": "user", "content": ""}]
+    try:
+        pair = length([*turn, {"role": "assistant", "content": ""}, *turn]) - length(turn)
+    except Exception:
+        return 1
+    return max(1, pair // 4)
 
 
 class PromptPreparer:
@@ -143,12 +182,7 @@ class PromptPreparer:
         m = self.tokenizer(job.model)
         sampling = job.sampling.fitted(m.vocab_size)
         where = "messages" if job.messages is not None else "prompt"
-        if job.prompt_chars > m.max_prompt_chars:
-            raise JobError(
-                Cause.CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt is {job.prompt_chars} characters, more than {job.model}'s context of "
-                f"{m.context_length} tokens can hold (at most {m.max_prompt_chars} characters with its "
-                "tokenizer); shorten the prompt", where)
+        m.check_size(job)
         vision = None
         if job.images or job.videos:
             if m.images is None:
