@@ -256,6 +256,10 @@ class Node:
         """Accept no new jobs; in-flight and queued ones run to the end."""
         self.engine.drain()
 
+    def book_responses(self, n: int) -> None:
+        """Any thread: the bytes the local API's stored responses hold, booked in the memory ledger."""
+        self.models.responses_bytes = n
+
     def on_engine_failure(self, callback: Callable[[str], None]) -> None:
         """`callback(why)` runs once, on the engine thread, if the engine loop dies."""
         self.engine.on_failure = callback

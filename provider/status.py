@@ -64,6 +64,7 @@ class MemoryStatus:
     jobs_kv_bytes: int = 0  # KV the running jobs' batches will hold at their longest (padded rows included)
     prefix_cache_bytes: int = 0  # KV kept for prefix reuse and its token index (dropped first when room is needed)
     unaccounted_bytes: int = 0  # what MLX holds beyond reserved_bytes; admission counts it as used
+    responses_store_bytes: int = 0  # the local API's stored responses (previous_response_id), in reserved_bytes
 
 
 @dataclass

@@ -75,7 +75,8 @@ def summary(body: dict[str, Any]) -> str:
         f"{c['jobs_failed']} failed, {c['jobs_cancelled']} cancelled, {c['tokens_generated']} tokens",
         f"  memory: {mem['reserved_bytes'] / mib:.0f} MiB used of {mem['usable_bytes'] / mib:.0f} MiB "
         f"(models {mem['models_bytes'] / mib:.0f}, jobs' KV {mem['jobs_kv_bytes'] / mib:.0f}, prefix cache "
-        f"{mem['prefix_cache_bytes'] / mib:.0f}; MLX holds {mem['mlx_active_bytes'] / mib:.0f}, "
+        f"{mem['prefix_cache_bytes'] / mib:.0f}, stored responses {mem.get('responses_store_bytes', 0) / mib:.1f}; "
+        f"MLX holds {mem['mlx_active_bytes'] / mib:.0f}, "
         f"{mem.get('unaccounted_bytes', 0) / mib:.0f} of it outside the ledger)",
         f"  speculation: {c['spec_drafted']} drafted, {c['spec_accepted']} accepted, "
         f"{c['spec_target_forwards']} target forwards",

@@ -19,7 +19,7 @@ from ..constraints import MAX_ARGUMENTS_CHARS, OutputRules, ResponseFormat, Tool
 from ..content import IMAGE_PART, ImageInput
 from ..jobs import Job, JobError, SamplingParams
 from . import openai_api as api
-from .agent_edge import EdgeNotes, agent_tool, bounded_tools, check_max_tokens
+from .agent_edge import EdgeNotes, agent_tool, bounded_tools, check_max_tokens, check_tools_sent
 from .image_parts import image_input
 
 SERVED = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
@@ -59,8 +59,9 @@ def parse_responses(body: Any, job_id: str, limits: api.Limits, prior: tuple[dic
     if not isinstance(model, str):
         raise api.RequestError("model must be a string", "model")
     items = list(prior) + input_items(body)
-    if not items:
-        raise api.RequestError("input must not be empty", "input")
+    if not items or len(items) > MAX_ITEMS:
+        raise api.RequestError(f"input must hold 1 to {MAX_ITEMS} items, the stored ones of previous_response_id "
+                               "counted", "input")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise api.RequestError("instructions must be a string", "instructions")
@@ -86,9 +87,20 @@ def parse_responses(body: Any, job_id: str, limits: api.Limits, prior: tuple[dic
     echo = {"instructions": instructions, "max_output_tokens": asked, "parallel_tool_calls": rules.parallel_tool_calls,
             "temperature": sampling.temperature, "top_p": sampling.top_p, "tools": tools,
             "tool_choice": body.get("tool_choice") or "auto", "text": body.get("text") or {"format": {"type": "text"}},
-            "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {},
+            "previous_response_id": body.get("previous_response_id"), "metadata": _metadata(body, notes),
             "store": flags["store"], "reasoning": None, "truncation": "disabled", "user": None}
     return ResponsesRequest(job, flags["stream"], flags["store"], notes, items, echo, len(rules.tools))
+
+
+def _metadata(body: dict, notes: EdgeNotes) -> dict[str, str]:
+    """Echoed as sent within OpenAI's bounds (16 pairs of strings, keys of 64 characters, values of 512); else
+    left out."""
+    value = body.get("metadata") or {}
+    if isinstance(value, dict) and len(value) <= 16 and all(
+            len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()):
+        return value
+    notes.leave_out("metadata (past OpenAI's bounds: 16 pairs of strings, keys of 64 and values of 512 characters)")
+    return {}
 
 
 def _given(body: dict, key: str, default: Any) -> Any:
@@ -204,9 +216,19 @@ def _functions(tools: Any, notes: EdgeNotes, param: str, depth: int = 0) -> list
     return out
 
 
+def _entries(tools: Any) -> int:
+    """The tools sent, a namespace's members counted with it."""
+    if not isinstance(tools, list):
+        return 0
+    members = (t.get("tools", t.get("functions")) for t in tools
+               if isinstance(t, dict) and t.get("type") == "namespace")
+    return len(tools) + sum(len(m) for m in members if isinstance(m, list))
+
+
 def _rules(body: dict, notes: EdgeNotes) -> tuple[OutputRules, list[dict]]:
     """OutputRules, and the functions offered as the response object lists them."""
     raw = body.get("tools")
+    check_tools_sent(_entries(raw))
     offered = bounded_tools(_functions(raw if raw is not None else [], notes, "tools"), notes)
     choice = body.get("tool_choice")
     mode, name = ("auto" if offered else "none"), None

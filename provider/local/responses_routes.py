@@ -1,5 +1,10 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API served by the one job path,
-with a bounded store of responses for previous_response_id."""
+with a bounded store of responses for previous_response_id.
+
+A chain of previous_response_id is bounded as one request is: the stored conversation and the new body together
+hold at most MAX_JSON_VALUES values and max_body_bytes bytes, checked before the stored conversation is parsed
+(left-out items, `reasoning` and unknown types, cost the prompt nothing but were stored and parsed again on
+every turn: 12 chained 2 MB requests reached 1.2 M items)."""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ from ..node import Node
 from . import openai_api as api
 from . import responses_output as out
 from .agent_edge import collected, failed, run_job
-from .bodies import parse_json, read_body
+from .bodies import Body, off_loop, parse_bounded, read_bounded
+from .json_bounds import MAX_JSON_VALUES
 from .openai_responses import now
 from .responses_api import ResponsesRequest, parse_responses
-from .responses_store import ResponseStore
+from .responses_store import ResponseStore, Stored
 
 MAX_ID_CHARS = 128
 
@@ -22,7 +28,7 @@ class Responses:
     def __init__(self, node: Node, limits: api.Limits, store: ResponseStore | None = None):
         self.node = node
         self.limits = limits
-        self.store = store or ResponseStore()
+        self.store = store or ResponseStore(on_change=node.book_responses)
 
     def _stored(self, response_id: str, param: str | None = None):
         entry = self.store.get(response_id) if len(response_id) <= MAX_ID_CHARS else None
@@ -33,7 +39,8 @@ class Responses:
         return entry
 
     async def get(self, request: web.Request) -> web.Response:
-        return web.json_response(self._stored(request.match_info["response_id"]).body)
+        return web.Response(body=self._stored(request.match_info["response_id"]).body,
+                            content_type="application/json")
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
@@ -42,15 +49,16 @@ class Responses:
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        body = parse_json(await read_body(request, self.node.settings.max_body_bytes))
-        prior: tuple[dict, ...] = ()
-        if isinstance(body, dict) and body.get("previous_response_id") is not None:
-            previous = body["previous_response_id"]
+        body = await read_bounded(request, self.node.settings.max_body_bytes)
+        entry = None
+        if isinstance(body.value, dict) and body.value.get("previous_response_id") is not None:
+            previous = body.value["previous_response_id"]
             if not isinstance(previous, str):
                 raise api.RequestError("previous_response_id must be a string", "previous_response_id")
-            prior = self._stored(previous, "previous_response_id").items
+            entry = self._stored(previous, "previous_response_id")
+            self._check_chain(entry, body)
         job_id = self.node.new_job_id("resp")
-        req = parse_responses(body, job_id, self.limits, prior)
+        req = await off_loop(_parsed, body.value, job_id, self.limits, entry)
         resp_id = job_id.replace("-", "_")
         async with run_job(self.node, request, req.job, req.notes, tools=req.tools) as (model, events):
             events_out = out.ResponseEvents(resp_id, model, now(), req.echo, req.notes)
@@ -59,12 +67,21 @@ class Responses:
             text, calls, end = await collected(events)
             items = out.output_items(resp_id, text, calls)
             body = out.response_object(resp_id, model, events_out.created, req.echo, items, end, req.notes)
-            self._keep(req, resp_id, items, body)
+            await self._keep(req, resp_id, items, body)
             return web.json_response(body)
 
-    def _keep(self, req: ResponsesRequest, resp_id: str, items: list[dict], body: dict) -> None:
+    def _check_chain(self, entry: Stored, body: Body) -> None:
+        limit = self.node.settings.max_body_bytes
+        values, size = entry.values + body.values, len(entry.items) + body.size
+        if values > MAX_JSON_VALUES or size > limit:
+            raise api.RequestError(
+                f"the conversation behind previous_response_id and this input hold {values} JSON values and keys "
+                f"in {size} bytes, more than one request may ({MAX_JSON_VALUES} values, {limit} bytes); send the "
+                "conversation anew, shortened", "previous_response_id", status=413, code="conversation_too_large")
+
+    async def _keep(self, req: ResponsesRequest, resp_id: str, items: list[dict], body: dict) -> None:
         if req.store:
-            self.store.put(resp_id, req.items + out.as_input(items), body)
+            await off_loop(self.store.put, resp_id, req.items + out.as_input(items), body)
 
     async def _stream(self, request: web.Request, req: ResponsesRequest, events_out: out.ResponseEvents,
                       events) -> web.StreamResponse:
@@ -81,7 +98,7 @@ class Responses:
             if isinstance(end, Done):
                 closing, body = events_out.end(end)
                 chunk += closing
-                self._keep(req, events_out.resp_id, events_out.items, body)
+                await self._keep(req, events_out.resp_id, events_out.items, body)
             elif isinstance(end, Error):
                 e = failed(end)
                 chunk += events_out.failed(e.code or e.type, e.message, e.param)
@@ -89,3 +106,9 @@ class Responses:
                 await resp.write(b"".join(out.sse(e) for e in chunk))
         await resp.write_eof()
         return resp
+
+
+def _parsed(body: object, job_id: str, limits: api.Limits, entry: Stored | None) -> ResponsesRequest:
+    """The request as a job, over the stored conversation it continues (parsed here, off the event loop)."""
+    prior = () if entry is None else tuple(parse_bounded(entry.items, what="the stored conversation").value)
+    return parse_responses(body, job_id, limits, prior)

@@ -19,8 +19,7 @@ from typing import Callable
 from .. import logs
 from ..jobs import JobError
 from ..types import Cause, Policy, SpecMode, SpecReason
-from ..memory.admission import (ADMIT, JobAdmission, idle_to_unload, plan_job,
-                                plan_load)
+from ..memory.admission import ADMIT, JobAdmission, idle_to_unload, plan_job, plan_load
 from ..memory.batch_kv import plain_batch_bytes
 from ..memory.estimate import KVQuant, KVShape
 from ..memory.budget import Budget
@@ -62,6 +61,7 @@ class Residency:
         self._mlx_baseline = mlx_active()
         self._next_ledger_warning = 0.0
         self.prefix_bytes = 0  # what the engine's prefix caches hold; set by the engine thread
+        self.responses_bytes = 0  # the local API's stored responses (outside MLX, booked beside it); set by the node
         self._lock = threading.Lock()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
         self.loads_started = 0
@@ -81,16 +81,15 @@ class Residency:
         with self._lock:
             models = sum(e.bytes for e in self._entries.values())
             jobs = sum(self._batch_kv.values())
-        prefix = self.prefix_bytes
+        prefix, responses, active = self.prefix_bytes, self.responses_bytes, mlx_active()
         used = models + jobs + prefix
-        active = mlx_active()
         unaccounted = max(0, active - self._mlx_baseline - used)
         b = self.budget
         return MemoryStatus(system_bytes=system_bytes, budget_bytes=b.total, reserve_bytes=b.reserve,
-                            usable_bytes=b.usable, source=b.source, reserved_bytes=used,
-                            free_bytes=max(0, b.usable - used - unaccounted), mlx_active_bytes=active,
+                            usable_bytes=b.usable, source=b.source, reserved_bytes=used + responses,
+                            free_bytes=max(0, b.usable - used - responses - unaccounted), mlx_active_bytes=active,
                             mlx_peak_bytes=mx.get_peak_memory(), models_bytes=models, jobs_kv_bytes=jobs,
-                            prefix_cache_bytes=prefix, unaccounted_bytes=unaccounted)
+                            prefix_cache_bytes=prefix, unaccounted_bytes=unaccounted, responses_store_bytes=responses)
 
     def unaccounted_bytes(self) -> int:
         """What MLX holds beyond the ledger (models, batches' KV, prefix caches): admission counts it as used,
@@ -198,7 +197,7 @@ class Residency:
             needed = max(0, booked - self._batch_kv.get(model_id, 0))
             residents = [e.resident(self._idle_timeout) for e in self._entries.values()]
             plan = plan_job(needed, self.budget.usable, residents, model_id, sum(self._batch_kv.values()),
-                            self.prefix_bytes, unaccounted=self._unaccounted_locked())
+                            self.prefix_bytes, unaccounted=self._unaccounted_locked() + self.responses_bytes)
             if plan.decision == ADMIT:
                 for victim in plan.evict:
                     self._unload_locked(victim, "make_room_for_job")
@@ -288,7 +287,8 @@ class Residency:
         with self._lock:
             entry = self._entries[model_id]
             others = [e.resident(self._idle_timeout) for mid, e in self._entries.items() if mid != model_id]
-            in_flight = sum(self._batch_kv.values()) + self.prefix_bytes + self._unaccounted_locked()
+            in_flight = sum(self._batch_kv.values()) + self.prefix_bytes + self._unaccounted_locked() \
+                + self.responses_bytes
             plan = plan_load(fp.total, max(0, self.budget.usable - in_flight), others, self._max_resident)
             if not plan.admit:
                 log.warning("model_load_refused", model=model_id, needed=plan.needed, free=plan.free,
