@@ -57,11 +57,14 @@ class Tolerance:
     profile: str = "cpu"
 
 
-# A producer and a verifier on MLX's CPU backend: decode and prefill agree to float16 rounding.
+# A producer and a verifier on MLX's CPU backend with a float32 or float16 checkpoint: decode and prefill agree to
+# float16 rounding.
 CPU = Tolerance()
-# Kernels that differ between producer and verifier (Metal's qmv against qmv_wide, another accumulation order, a
-# bfloat16 compute dtype), emulated on this CPU by tools/bench/verify_divergence.py until a Mac measures it.
-DIVERGENT_KERNELS = Tolerance(rel_tol=0.02, min_overlap=0.9, max_mean_err=0.003, tie=0.02, max_tie_share=0.05,
+# Kernels that differ between producer and verifier (another accumulation order, a node group's all_sum) and any
+# bfloat16 checkpoint (its decode and prefill differ even on this CPU): the cover of what
+# tools/bench/verify_divergence.py measured, emulated on this CPU until a Mac and a GPU measure their own. It lets
+# 8-bit weights through on llama-tiny (docs/verification.md, "Kernels that differ").
+DIVERGENT_KERNELS = Tolerance(rel_tol=0.15, min_overlap=0.8, max_mean_err=0.024, tie=0.15, max_tie_share=0.22,
                               floor=18.0, profile="divergent_kernels")
 PROFILES = {t.profile: t for t in (CPU, DIVERGENT_KERNELS)}
 BACKEND_PROFILE = {"cpu": CPU, "metal": DIVERGENT_KERNELS, "cuda": DIVERGENT_KERNELS}
@@ -70,8 +73,9 @@ BACKEND_PROFILE = {"cpu": CPU, "metal": DIVERGENT_KERNELS, "cuda": DIVERGENT_KER
 _LOOSER = {"rel_tol": max, "min_overlap": min, "max_mean_err": max, "tie": max, "max_tie_share": max, "floor": max}
 
 
-def for_backend(backend: str) -> Tolerance:
-    return BACKEND_PROFILE.get(backend, DIVERGENT_KERNELS)
+def for_backend(backend: str, bfloat16: bool = False) -> Tolerance:
+    """The profile honest work of this backend needs; a bfloat16 checkpoint needs the divergent one everywhere."""
+    return DIVERGENT_KERNELS if bfloat16 else BACKEND_PROFILE.get(backend, DIVERGENT_KERNELS)
 
 
 def looser(a: Tolerance, b: Tolerance) -> Tolerance:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..jobs import Event, Sink
 from ..media_plan import MediaPlan
 from ..memory.budget import system_facts
-from ..verdicts import ChunkVerdict, VerdictSummary, for_backend
+from ..verdicts import ChunkVerdict, VerdictSummary, for_backend, looser
 from ..models.loader import LoadedModel
 from ..types import FinishReason
 from ..verification.verifier import Claim, ClaimReader
@@ -68,8 +68,9 @@ class VerifyReads:
         `vision`: the request's images or video, planned as for generating it (prompts.Prepared.vision), or None."""
         job = output.job
         claim = Claim(tuple(prompt), job.verify.output, job.sampling, job.verify.proof)
-        # The coordinator's, chosen for both backends; else this one's own (a producer on another backend may differ).
-        tolerance = job.verify.tolerance or for_backend(system_facts().backend)
+        # What this backend needs for this checkpoint, loosened to the coordinator's choice for both nodes' backends.
+        own = for_backend(system_facts().backend, bfloat16=_bfloat16(lm))
+        tolerance = looser(job.verify.tolerance, own) if job.verify.tolerance is not None else own
         if vision is None:
             self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim, grammar, tolerance=tolerance))
             return
@@ -127,3 +128,12 @@ class VerifyReads:
             read.close()
         self._reads.clear()
         return out
+
+
+def _bfloat16(lm: LoadedModel) -> bool:
+    """Whether the model computes in bfloat16 (its first floating parameter's dtype)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return next((a.dtype == mx.bfloat16 for _, a in tree_flatten(lm.model.parameters())
+                 if mx.issubdtype(a.dtype, mx.floating)), False)
