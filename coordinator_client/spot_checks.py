@@ -42,6 +42,7 @@ class Tally:
 class Pending:
     producer: str  # node id
     job_id: str
+    checker: str | None = None  # the node id it was sent to: the only one whose answer counts
 
 
 VERIFY_PREFIX = "verify-"
@@ -65,13 +66,16 @@ class SpotChecks:
         """On `coord` (a ReferenceCoordinator), a recorded outcome from `session`: a verify job's answer is
         tallied; a finished job picked for a spot check is sent to another node."""
         if job_id in self.pending:
-            self.answered(frame)
+            self.answered(frame, session)
             return
         if len(coord.outcomes[job_id]) > 1 or frame.WhichOneof("frame") != "job_done" \
-                or job_id.startswith(VERIFY_PREFIX):
-            return
+                or job_id.startswith(VERIFY_PREFIX) or frame.job_done.finish_reason == "cancelled":
+            return  # a cancelled job (by the coordinator, or a drain) is no finished work to pay for or check
         proof = proof_of(coord, frame.job_done)
-        if (not proof or not proof.commitment) and session.registration.verification.commits:
+        if proof is None:  # sealed by another sender: not ours to open, nor to check
+            self.unchecked(session.node_id)
+            return
+        if not proof.commitment and session.registration.verification.commits:
             self.failed(session.node_id, job_id, NO_PROOF)  # seen without a check: every such outcome counts
             return
         if not self.pick(job_id):
@@ -83,7 +87,7 @@ class SpotChecks:
             return
         request = self.verify_request(original, coord.completion(job_id)[1], proof,
                                       verify_tolerance(session.registration, checker.registration))
-        self.sent(request.job_id, session.node_id, job_id)
+        self.sent(request.job_id, session.node_id, job_id, checker.node_id)
         (coord.dispatch_sealed if job_id in coord.plain_requests else coord.dispatch)(checker, request)
 
     def pick(self, job_id: str) -> bool:
@@ -109,8 +113,8 @@ class SpotChecks:
                   and (self.verifiers is None or node_id in self.verifiers)]
         return self._rng.choice(others) if others else None
 
-    def sent(self, verify_job_id: str, producer: str, job_id: str) -> None:
-        self.pending[verify_job_id] = Pending(producer, job_id)
+    def sent(self, verify_job_id: str, producer: str, job_id: str, checker: str | None = None) -> None:
+        self.pending[verify_job_id] = Pending(producer, job_id, checker)
 
     def unchecked(self, producer: str) -> None:
         self.tally.setdefault(producer, Tally()).unchecked += 1
@@ -121,16 +125,24 @@ class SpotChecks:
         t.failed += 1
         t.failures.append({"job_id": job_id, "reason": reason, "first_failure": first_failure})
 
-    def answered(self, frame: pb.ProviderFrame) -> None:
-        """A verify job's outcome: its verdict counts for the node that made the claim."""
+    def answered(self, frame: pb.ProviderFrame, session=None) -> None:
+        """A verify job's outcome: its verdict counts for the node that made the claim. Only the checker it was sent
+        to answers it (another node's frame for that id, the producer's first of all, is ignored). A claim the
+        checker refuses as invalid (a proof or output ids no node would send) fails: an error must not be a way
+        round the check."""
         kind = frame.WhichOneof("frame")
         outcome = getattr(frame, kind)
-        pending = self.pending.pop(outcome.job_id, None)
-        if pending is None:
+        pending = self.pending.get(outcome.job_id)
+        if pending is None or (pending.checker is not None and session is not None
+                               and session.node_id != pending.checker):
             return
+        del self.pending[outcome.job_id]
         t = self.tally.setdefault(pending.producer, Tally())
         if kind == "job_error":
-            t.errors += 1
+            if outcome.cause == pb.ERROR_CAUSE_INVALID_REQUEST:
+                self.failed(pending.producer, pending.job_id, f"the claim is invalid: {outcome.message}", 0)
+            else:
+                t.errors += 1
             return
         v = outcome.verdict
         if not v.passed:

@@ -20,7 +20,7 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 @contextlib.asynccontextmanager
 async def connected_nodes(fixtures_dir, tmp_path, *settings: dict):
     """The reference coordinator and a node per `settings` (on llama-tiny) in session with it, all stopped after."""
-    coord = ReferenceCoordinator(heartbeat_interval_ms=100)
+    coord = ReferenceCoordinator(heartbeat_interval_ms=100, verify_fraction=0.0)  # routing, not spot checks
     await coord.start()
     stop, tasks, nodes = asyncio.Event(), [], []
     for i, kw in enumerate(settings):

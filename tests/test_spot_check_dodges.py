@@ -127,3 +127,18 @@ def test_the_network_seeds_every_sampled_job_and_names_its_max_tokens():
     other = pb.JobRequest(sampling=pb.SamplingParams(temperature=0.7))
     network_terms(other)
     assert other.sampling.seed != sampled.sampling.seed  # each job its own
+
+
+def test_only_the_chosen_checker_answers_and_an_invalid_claim_fails():
+    """A verify job's id is no secret: the producer (or anyone) sending an outcome under it is ignored, and a claim
+    the checker refuses as invalid (a proof no honest node sends) counts as failed, not as an error."""
+    checks = SpotChecks(1.0)
+    checks.sent("verify-j", "producer", "j", "checker")
+    forged = pb.ProviderFrame(job_error=pb.JobError(job_id="verify-j", cause=pb.ERROR_CAUSE_INTERNAL))
+    checks.answered(forged, SimpleNamespace(node_id="producer"))
+    assert "verify-j" in checks.pending and "producer" not in checks.tally
+    refused = pb.ProviderFrame(job_error=pb.JobError(job_id="verify-j", cause=pb.ERROR_CAUSE_INVALID_REQUEST,
+                                                     message="verify.proof.seed: a replayable proof needs the seed"))
+    checks.answered(refused, SimpleNamespace(node_id="checker"))
+    t = checks.tally["producer"]
+    assert (t.failed, t.errors) == (1, 0) and "invalid" in t.failures[0]["reason"], t

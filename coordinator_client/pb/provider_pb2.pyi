@@ -193,7 +193,7 @@ class Verification(_message.Message):
     def __init__(self, commits: _Optional[bool] = ..., tolerance: _Optional[_Union[Tolerance, _Mapping]] = ...) -> None: ...
 
 class Tolerance(_message.Message):
-    __slots__ = ("profile", "rel_tol", "min_overlap", "max_mean_err", "tie", "max_tie_share", "floor")
+    __slots__ = ("profile", "rel_tol", "min_overlap", "max_mean_err", "tie", "max_tie_share", "floor", "min_ties")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     REL_TOL_FIELD_NUMBER: _ClassVar[int]
     MIN_OVERLAP_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class Tolerance(_message.Message):
     TIE_FIELD_NUMBER: _ClassVar[int]
     MAX_TIE_SHARE_FIELD_NUMBER: _ClassVar[int]
     FLOOR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TIES_FIELD_NUMBER: _ClassVar[int]
     profile: str
     rel_tol: float
     min_overlap: float
@@ -208,7 +209,8 @@ class Tolerance(_message.Message):
     tie: float
     max_tie_share: float
     floor: float
-    def __init__(self, profile: _Optional[str] = ..., rel_tol: _Optional[float] = ..., min_overlap: _Optional[float] = ..., max_mean_err: _Optional[float] = ..., tie: _Optional[float] = ..., max_tie_share: _Optional[float] = ..., floor: _Optional[float] = ...) -> None: ...
+    min_ties: int
+    def __init__(self, profile: _Optional[str] = ..., rel_tol: _Optional[float] = ..., min_overlap: _Optional[float] = ..., max_mean_err: _Optional[float] = ..., tie: _Optional[float] = ..., max_tie_share: _Optional[float] = ..., floor: _Optional[float] = ..., min_ties: _Optional[int] = ...) -> None: ...
 
 class NodeGroup(_message.Message):
     __slots__ = ("ranks", "backend", "rank_memory_bytes", "rank_budget_bytes")

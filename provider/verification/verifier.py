@@ -259,5 +259,6 @@ def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str,
 
 def allowed_ties(tokens: int, tolerance: Tolerance) -> int:
     """Near-ties an honest output of `tokens` may show: a share of its length, rounded down, so none below the
-    length where the share is less than one (each tie is a token the producer could have chosen freely)."""
-    return math.floor(tolerance.max_tie_share * tokens + 1e-9)
+    length where the share is less than one (each tie is a token the producer could have chosen freely), unless
+    the profile's backend shows honest ties even there (`min_ties`)."""
+    return max(tolerance.min_ties, math.floor(tolerance.max_tie_share * tokens + 1e-9))
