@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import os
 import platform
@@ -33,7 +32,7 @@ from .memory.budget import Budget, freeze_startup_heap, pin_mlx_limits, system_f
 from .models import store
 from .models.catalog import Catalog
 from .models.residency import Residency
-from .prompts import PromptPreparer, encode_prompt
+from .prompts import PromptPreparer, encode_prompt, for_model
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
 from .metrics import Metrics
@@ -286,7 +285,7 @@ class Node:
     async def tokenize(self, job: Job, add_special_tokens: bool = True) -> tuple[list[int], int]:
         """The token ids a job's prompt encodes to (templated, as a completion would see them; a raw prompt
         without BOS if not `add_special_tokens`), and its model's context length."""
-        job = dataclasses.replace(job, model=self.resolve_model(job.model))
+        job = for_model(job, self.resolve_model(job.model))
         m = await asyncio.to_thread(self.prompts.tokenizer, job.model)
         m.check_size(job)  # before any templating or encoding, as a job's prompt is
         # Images are expanded to their soft tokens (which takes decoding them), offered tools rendered in the model's
@@ -322,7 +321,7 @@ class Node:
     def run(self, job: Job) -> JobStream:
         """Submit a job; its prompt is checked against its model and tokenized off the engine thread."""
         try:
-            job = dataclasses.replace(job, model=self.resolve_model(job.model))
+            job = for_model(job, self.resolve_model(job.model))
         except JobError as e:
             return JobStream(self.engine, job, lambda _, error=e: _failed_future(error))
         return JobStream(self.engine, job, self._prepare)

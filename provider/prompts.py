@@ -12,6 +12,7 @@ a job can be refused before its model is loaded.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -101,6 +102,14 @@ class PromptTokenizer:
         compiler = self.compiler()
         matcher = compile_rules(compiler, job.rules, self.tool_format)  # None: `auto` calls are only parsed
         return CompiledGrammar(matcher, compiler.n_vocab, job.rules.kind) if matcher is not None else None
+
+
+def for_model(job: Job, model_id: str) -> Job:
+    """`job` for the served id of its model. Its fields were checked when it was made, and are not again: a chat
+    of 20,000 messages took 60 ms to check, on the event loop (dataclasses.replace runs __post_init__)."""
+    served = copy.copy(job)
+    object.__setattr__(served, "model", model_id)
+    return served
 
 
 def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptTokenizer:
