@@ -14,10 +14,15 @@ hostile case end in a typed refusal. Then media (issue 37) against a vision node
 media variants, each a typed 4xx or served, RSS within the media bound (+ the tower's scratch) + 64 MiB.
 Between the HTTP cases and the frames, the hostile bodies of the agents' APIs (issue 38,
 tools/harness/hostile_agents.py): /v1/messages, count_tokens and /v1/responses, each 4xx in its own API's shape.
+Last, issue 56's floods (tools/harness/floods.py) against the bundled model on a coordinator session: count_tokens
+and /tokenize of 2.6 MB, chats of 99,999 empty messages, 150,000 tiny tools, previous_response_id chains of 2 MB
+requests, values nested 940-999 deep; 0 5xx, /health and a coordinator Ping answered within 100 ms at p99 during
+each, RSS bounded.
 
     python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--results 500] [--drains 20000]
                                           [--group 1000] [--media 200] [--seed N]
     python tools/scripts/fuzz_campaign.py --media-only [--media 200] [--seed N]
+    python tools/scripts/fuzz_campaign.py --floods-only
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from coordinator_client.sealing import seal_job  # noqa: E402
 from provider.logs import THROTTLE_BURST, THROTTLE_PER_S, THROTTLE_SUMMARY_S  # noqa: E402
 from provider.models import fixtures  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
+from tools.harness.floods import flood_phase, print_floods  # noqa: E402
 from tools.harness.hostile_agents import agent_failures  # noqa: E402
 from tools.harness.hostile_group import group_campaign  # noqa: E402
 from tools.harness.hostile import (garbage_frames, http_cases, job_requests, malformed_results,  # noqa: E402
@@ -533,7 +539,15 @@ def main() -> int:
                     help="hostile cases per part of a node group's wire (rendezvous, wake-up port, plans; default 1000)")
     ap.add_argument("--media", type=int, default=200, help="hostile media requests after the bombs (default 200)")
     ap.add_argument("--media-only", action="store_true", help="run only the media phase (bombs and hostile media)")
+    ap.add_argument("--floods-only", action="store_true", help="run only issue 56's floods")
     args = ap.parse_args()
+    if args.floods_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            floods, end = flood_phase(Path(tmp) / "floods")
+        print("fuzz campaign, floods phase")
+        ok = print_floods(floods, end)
+        print("verdict:", "ok" if ok else "FAILED")
+        return 0 if ok else 1
     if args.media_only:
         t = Tally()
         with tempfile.TemporaryDirectory() as tmp:
@@ -590,6 +604,7 @@ def main() -> int:
         media_tally, media_started = Tally(), time.monotonic()
         media = media_phase(args.media, args.seed, media_tally, root)
         media_s = time.monotonic() - media_started
+        floods, floods_end = flood_phase(root / "floods")
     c = t.counts
     crashes = c["crashes"] + (not alive)
     print(f"fuzz campaign (seed {args.seed}) against a live node daemon, llama-tiny (vocabulary 512)")
@@ -620,6 +635,7 @@ def main() -> int:
     for crash in group.crashes[:3]:
         print(f"    first exceptions: {crash}")
     media_ok = print_media(media_tally, media, media_s)
+    floods_ok = print_floods(floods, floods_end)
     print(f"  crashes             {crashes:6d}  (must be 0)")
     print(f"  tracebacks in the node's log {tracebacks:3d}  (must be 0)")
     print(f"  hangs (> {HANG_S:.0f} s)      {c['hangs']:6d}  (must be 0)")
@@ -634,7 +650,8 @@ def main() -> int:
     ok = (not c["http_5xx"] and not c["agent_bad"] and not c["grpc_internal"] and not crashes and not c["hangs"] and not tracebacks
           and t.good_ok == t.good_checks and code == 0 and gaps["ratio"] <= 2
           and coordinator_attacks_ok(t, log_text, node_s)
-          and group.meetings == 6 and not group.crashes and not group.hangs and not group.error_logs and media_ok)
+          and group.meetings == 6 and not group.crashes and not group.hangs and not group.error_logs and media_ok
+          and floods_ok)
     print("verdict:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -1,0 +1,250 @@
+"""Issue 56: every request's cost is bounded before work, in the units the work takes, through `provider start
+--local` on the bundled model (context 2048 tokens, its longest token 16 characters: at most 32,768 characters of
+prompt; its template spends at least 2 tokens on a message). Each flood is refused with a 400 or 413 before the
+work it asks for, while /health answers beside it; how fast it answers is measured by tools/scripts/fuzz_campaign.py
+(--floods), not here. Each test fails on the code before issue 56's bounds (seen: a 200 after tokenizing or
+templating, a 500, no store in the books)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from coordinator_client.pb import provider_pb2 as pb
+from coordinator_client.reference_coordinator import ReferenceCoordinator
+from tests.helpers import LocalServer
+
+MODEL = "gemma4-demo"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = LocalServer(None, tmp_path_factory.mktemp("bounds"))
+    yield srv
+    assert srv.stop() == 0
+
+
+def _post(srv: LocalServer, path: str, body, timeout: float = 300) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(srv.url + path, content=content, timeout=timeout,
+                      headers={**srv.headers, "Content-Type": "application/json"})
+
+
+def _beside_health(srv: LocalServer, requests: list[tuple[str, object]]) -> list[httpx.Response]:
+    """Send `requests` at once while /health is asked over and over beside them; every /health must answer 200
+    (how soon is the campaign's to measure). Returns the requests' responses."""
+    done, health = threading.Event(), []
+
+    def poll():
+        with httpx.Client(timeout=300) as c:
+            while not done.is_set():
+                health.append(c.get(srv.url + "/health").status_code)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(min(len(requests), 8)) as pool:
+            out = list(pool.map(lambda r: _post(srv, *r), requests))
+    finally:
+        done.set()
+        poller.join()
+    assert health and set(health) == {200}, health
+    return out
+
+
+def _refused(r: httpx.Response, status: int, *fragments: str) -> dict:
+    assert r.status_code == status, r.text[:500]
+    body = r.json()
+    err = body["error"]
+    message = err["message"]
+    assert all(f in message for f in fragments), message
+    return err
+
+
+def _good(srv: LocalServer) -> None:
+    r = _post(srv, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "temperature": 0,
+                                            "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+
+
+# --- characters before tokenizing, count_tokens and /tokenize included -------------------------------------------
+
+
+def test_count_tokens_and_tokenize_refuse_a_prompt_past_the_context_before_tokenizing(server):
+    text = "word " * 520_000  # 2.6 MB: tokenized whole before (5.6 s holding the tokenizer's lock)
+    flood = [("/v1/messages/count_tokens", {"model": MODEL, "messages": [{"role": "user", "content": text}]}),
+             ("/tokenize", {"model": MODEL, "prompt": text}),
+             ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": text}]})] * 2
+    for r in _beside_health(server, flood):
+        if "/tokenize" in str(r.request.url):
+            err = _refused(r, 400, "32768 characters", "tokens can hold")
+            assert err["code"] == "context_length_exceeded"
+        else:
+            assert _refused(r, 400, "tokens can hold")["type"] == "invalid_request_error"
+    ok = _post(server, "/tokenize", {"model": MODEL, "prompt": "word " * 100})
+    assert ok.status_code == 200 and ok.json()["count"] > 100
+    _good(server)
+
+
+# --- items and templated size before templating ------------------------------------------------------------------
+
+
+def _empty_turns(n: int) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": ""} for i in range(n)]
+
+
+def test_empty_messages_are_counted_before_templating(server):
+    # 5,000 empty messages: 0 characters, 2 template tokens each at least: refused before the template renders
+    # them (before: templated to 25,001 tokens, then refused on that count).
+    few = _empty_turns(4999)
+    chat = ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": few})
+    anthropic = ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [m | {"content": "x"} for m in few]})
+    tokenize = ("/tokenize", {"model": MODEL, "messages": few})
+    # 99,999 of them (3.4 MB): past the values one body may hold, refused before it is parsed (before: parsed,
+    # built into a job and templated to 950,000 tokens, 7.1 s).
+    huge = ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": _empty_turns(99_999)})
+    got = _beside_health(server, [chat, anthropic, tokenize, huge])
+    for r in got[:3]:
+        _refused(r, 400, "4999 messages", "tokens can hold", "fewer messages")
+    _refused(got[3], 413, "JSON values and keys", str(1 << 17))
+    _good(server)
+
+
+def test_a_coordinator_chat_of_65536_messages_is_refused_before_templating(tmp_path):
+    """The coordinator session's jobs take the same prompt path: 65,536 empty messages (the wire's own cap on a
+    chat's items) are refused on their count, not templated (before: 327,000 tokens templated, then refused)."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def call(coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    coord = ReferenceCoordinator(heartbeat_interval_ms=1000)
+    call(coord.start())
+    srv = LocalServer(None, tmp_path, "--coordinator", coord.url)
+    try:
+        session = call(coord.wait_for_node(60), 70)
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user" if i % 2 == 0 else "assistant", content="")
+                                         for i in range(1 << 16)])
+        frame = pb.CoordinatorFrame(job_request=pb.JobRequest(job_id="many", model=MODEL, chat=chat, max_tokens=1))
+        loop.call_soon_threadsafe(coord.send, session, frame)
+        out = call(coord.outcome("many", 120), 130)
+        assert out.WhichOneof("frame") == "job_error", out
+        assert out.job_error.cause == pb.ERROR_CAUSE_CONTEXT_LENGTH_EXCEEDED, out.job_error
+        assert "65536 messages" in out.job_error.message and "fewer messages" in out.job_error.message
+        assert httpx.get(srv.url + "/health", timeout=60).status_code == 200
+    finally:
+        assert srv.stop() == 0
+        call(coord.kill())
+
+
+# --- the tools' count before any is built ------------------------------------------------------------------------
+
+
+def _ask(**extra) -> dict:
+    return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+def test_tools_are_counted_before_any_is_built(server):
+    tiny = [{"name": f"t{i}", "input_schema": {}} for i in range(150_000)]  # 9.5 s to build before, /health blocked
+    flood = [("/v1/messages", _ask(tools=tiny)),
+             ("/v1/messages", _ask(tools=tiny[:600])),  # before: all 600 built and checked, 472 left out, a 200
+             ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 1,
+                                "tools": [{"type": "namespace", "name": "ns", "tools": [
+                                    {"type": "function", "name": f"f{i}", "parameters": {}} for i in range(600)]}]}),
+             # Chat Completions refused more than 128 after building them all: the first one's fault was found first
+             ("/v1/chat/completions", _ask(tools=[{"type": "function", "function": {"name": "bad name"}}]
+                                           + [{"type": "function", "function": {"name": f"t{i}"}} for i in range(128)]))]
+    got = _beside_health(server, flood)
+    _refused(got[0], 413, "JSON values and keys")
+    _refused(got[1], 400, "at most 512 entries", "got 600")
+    _refused(got[2], 400, "at most 512 entries", "got 601")
+    assert _refused(got[3], 400, "at most 128")["param"] == "tools"
+    # within the count: the first 128 offered, the rest left out (none called: 128 tools overflow this context)
+    offered = _post(server, "/v1/messages", _ask(tools=tiny[:200], tool_choice={"type": "none"}))
+    assert offered.status_code == 200, offered.text
+    assert "tools past the first 128" in offered.json()["telemetry"]["left_out"]
+
+
+# --- a previous_response_id chain's total -------------------------------------------------------------------------
+
+
+def test_a_previous_response_id_chain_is_bounded_as_one_request(server):
+    """Left-out items (reasoning, unknown types) cost the prompt nothing but are kept and parsed again on every
+    turn: a chain of them is bounded by what one request may hold, before the stored conversation is parsed
+    (before: 12 chained 2 MB requests reached 1.2 M items)."""
+    def turn(previous=None):
+        body = {"model": MODEL, "max_output_tokens": 1, "temperature": 0,
+                "input": [{"type": "reasoning", "summary": []}] * 10_000 + [{"role": "user", "content": "Hi"}]}
+        return ("/v1/responses", body | ({"previous_response_id": previous} if previous else {}))
+
+    first = _post(server, *turn())
+    assert first.status_code == 200, first.text
+    second = _post(server, *turn(first.json()["id"]))
+    assert second.status_code == 200, second.text  # 2 x 60,000 values, within the 131,072 of one request
+    third = _beside_health(server, [turn(second.json()["id"])] * 3)  # 3 x 60,000: past them
+    for r in third:
+        err = _refused(r, 413, "previous_response_id", "131072 values")
+        assert err["code"] == "conversation_too_large"
+    _good(server)
+
+
+# --- the responses store, by what it holds, in /health, `provider status` and the books ----------------------------
+
+
+def _memory(srv: LocalServer) -> dict:
+    return httpx.get(srv.url + "/health", timeout=60).json()["memory"]
+
+
+def test_the_responses_store_counts_what_it_holds_and_books_it(server):
+    before = _memory(server)["responses_store_bytes"]
+    junk = {f"k{i}": [0] * 8 for i in range(4000)}  # unknown keys: kept as sent, counted as kept
+    body = {"model": MODEL, "max_output_tokens": 1, "temperature": 0,
+            "input": [{"role": "user", "content": "Hi", "junk": junk}]}
+    r = _post(server, "/v1/responses", body)
+    assert r.status_code == 200, r.text
+    sent = len(json.dumps(junk, separators=(",", ":")))
+    mem = _memory(server)
+    held = mem["responses_store_bytes"] - before
+    assert sent < held < sent + 16_384, (sent, held)  # its items as compact JSON, the response beside them
+    assert mem["reserved_bytes"] >= mem["models_bytes"] + mem["responses_store_bytes"]
+    stored = httpx.get(f"{server.url}/v1/responses/{r.json()['id']}", headers=server.headers, timeout=60)
+    assert stored.status_code == 200 and stored.json() == r.json()
+    status = subprocess.run([sys.executable, "-m", "provider", "status"], env=server.env, capture_output=True,
+                            text=True, timeout=60)
+    assert "stored responses" in status.stdout, status.stdout + status.stderr
+    assert httpx.delete(f"{server.url}/v1/responses/{r.json()['id']}", headers=server.headers).status_code == 200
+    assert _memory(server)["responses_store_bytes"] == before
+
+
+# --- deep nesting anywhere is a 400 --------------------------------------------------------------------------------
+
+
+def _deep(n: int) -> bytes:
+    return b"[" * n + b"1" + b"]" * n
+
+
+def test_deep_nesting_anywhere_is_a_400(server):
+    chat = json.dumps(_ask(temperature=0)).encode()
+    responses = json.dumps({"model": MODEL, "input": "Hi", "max_output_tokens": 1, "metadata": {"m": 0}}).encode()
+    # Before: a 500 where the parser's stack still reached but a walk of the value did not (RecursionError in
+    # constraints.short; in the store's json.dumps, after the job ran): 966-969 levels here, ~980 elsewhere; deeper,
+    # the parser's own 400. A sweep finds the window wherever the stack puts it.
+    cases = [("/v1/chat/completions", chat.replace(b'"temperature": 0', b'"temperature": ' + _deep(d)))
+             for d in range(940, 1000)]
+    cases += [("/v1/responses", responses.replace(b'{"m": 0}', b'{"m": ' + _deep(d) + b"}")) for d in range(940, 1000)]
+    cases += [("/v1/messages", chat.replace(b'"temperature": 0', b'"temperature": ' + _deep(100))),
+              ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "extra": {"a": 1}}).encode()
+               .replace(b'{"a": 1}', _deep(65)))]  # before: a 200, the field unread
+    got = _beside_health(server, cases)
+    assert not [r.status_code for r in got if r.status_code >= 500], [r.status_code for r in got]
+    for r in got:
+        _refused(r, 400, "nested too deeply", "at most 64")
+    _good(server)
