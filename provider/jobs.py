@@ -153,12 +153,11 @@ def resolve_max_tokens(value: Any, default: int, limit: int, least: int = 1) -> 
 @dataclass(frozen=True)
 class PrefixScope:
     """Who may reuse a job's prompt prefix (engine.prefix_cache): the tenant ("" the node's own: the local API's
-    token holder), and whether it may be written to disk (never for a sealed job)."""
+    token holder), whether it may be written to disk, and whether it is kept at all: a sealed job's is not, nor is
+    anything kept served to it (its cached tokens go back in the clear)."""
 
     tenant: str = ""
     to_disk: bool = True
-    # False (a sealed job): nothing of it is kept, and nothing kept is served to it. Cached tokens, the tier and
-    # the timing go back in the clear, so any reuse across a sealed prompt would tell its first tokens.
     kept: bool = True
 
 
@@ -307,10 +306,9 @@ class Claim:
     tolerance: Tolerance | None = None  # the coordinator's (held to the loosest profile known); None: this backend's
 
     def __post_init__(self) -> None:
-        if self.tolerance is not None:
-            if not isinstance(self.tolerance, Tolerance):
-                raise _invalid("verify.tolerance", "must be a tolerance")
-            object.__setattr__(self, "tolerance", clamped(self.tolerance))
+        if self.tolerance is not None and not isinstance(self.tolerance, Tolerance):
+            raise _invalid("verify.tolerance", "must be a tolerance")
+        object.__setattr__(self, "tolerance", self.tolerance and clamped(self.tolerance))
         p = self.proof
         if p.end_token is not None:  # the wire's uint32; whether it is an end id is the verifier's to judge
             check_int("verify.proof.end_token", p.end_token, 0, (1 << 32) - 1)
@@ -329,8 +327,7 @@ class Claim:
 
     @property
     def length(self) -> int:
-        """Tokens the claim says the model generated: its output and the end token it claims (an output may be
-        only that)."""
+        """Tokens the claim says the model generated: its output and the end token it claims."""
         return len(self.output) + (self.proof.end_token is not None)
 
 
