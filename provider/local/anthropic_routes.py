@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from aiohttp import web
 
 from ..jobs import Done, Error
@@ -12,7 +10,7 @@ from . import anthropic_messages as am
 from . import openai_api as api
 from .agent_edge import collected, failed, run_job
 from .anthropic_stream import MessageEvents, sse
-from .bodies import off_loop, read_json
+from .bodies import read_parsed
 
 
 class AnthropicMessages:
@@ -21,9 +19,9 @@ class AnthropicMessages:
         self.limits = limits
 
     async def _parse(self, request: web.Request, counting: bool = False) -> am.MessagesRequest:
-        body = await read_json(request, self.node.settings.max_body_bytes)
-        return await off_loop(functools.partial(am.parse_messages, counting=counting), body,
-                              self.node.new_job_id("msg"), self.limits)
+        job_id = self.node.new_job_id("msg")
+        return await read_parsed(request, self.node.settings.max_body_bytes,
+                                 lambda body: am.parse_messages(body, job_id, self.limits, counting=counting))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         req = await self._parse(request, counting=True)

@@ -13,7 +13,7 @@ from ..jobs import Done, Error, TokenLogprob, Usage
 from ..node import Node
 from . import openai_api as api
 from . import openai_responses as out
-from .bodies import off_loop, read_json
+from .bodies import read_parsed
 from .choices import Choice, merged, open_choices
 
 # What the access line reports of a request that ran a job.
@@ -36,9 +36,9 @@ class Completions:
         if (request.charset or "utf-8").lower() not in ("utf-8", "utf8"):
             raise api.RequestError(f"charset {request.charset!r} is not supported; send JSON as UTF-8", status=415,
                                    code="unsupported_media_type")
-        body = await read_json(request, self.node.settings.max_body_bytes)
         job_id = self.node.new_job_id(prefix)
-        req = await off_loop(parse, body, job_id, self.limits)
+        req = await read_parsed(request, self.node.settings.max_body_bytes,
+                                lambda body: parse(body, job_id, self.limits))
         request[JOB_ID] = job_id
         async with contextlib.AsyncExitStack() as stack:  # closing it cancels whatever still runs
             model, choices = await open_choices(self.node, req, stack)

@@ -8,6 +8,8 @@ every turn: 12 chained 2 MB requests reached 1.2 M items)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from aiohttp import web
 
 from ..jobs import Done, Error
@@ -15,11 +17,11 @@ from ..node import Node
 from . import openai_api as api
 from . import responses_output as out
 from .agent_edge import collected, failed, run_job
-from .bodies import Body, off_loop, parse_bounded, read_bounded
+from .bodies import Body, off_loop, parse_bounded, read_body
 from .json_bounds import MAX_JSON_VALUES
 from .openai_responses import now
 from .responses_api import ResponsesRequest, parse_responses
-from .responses_store import ResponseStore, Stored
+from .responses_store import ResponseStore, Stored, compact, joined
 
 MAX_ID_CHARS = 128
 
@@ -49,7 +51,25 @@ class Responses:
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        body = await read_bounded(request, self.node.settings.max_body_bytes)
+        raw = await read_body(request, self.node.settings.max_body_bytes)
+        job_id = self.node.new_job_id("resp")
+        req, conversation = await off_loop(self._request, raw, job_id)
+        resp_id = job_id.replace("-", "_")
+        async with run_job(self.node, request, req.job, req.notes, tools=req.tools) as (model, events):
+            events_out = out.ResponseEvents(resp_id, model, now(), req.echo, req.notes)
+            if req.stream:
+                return await self._stream(request, req, conversation, events_out, events)
+            text, calls, end = await collected(events)
+            items = out.output_items(resp_id, text, calls)
+            body = out.response_object(resp_id, model, events_out.created, req.echo, items, end, req.notes)
+            await self._keep(req, resp_id, conversation, items, body)
+            return web.json_response(body)
+
+    def _request(self, raw: bytes, job_id: str) -> tuple[ResponsesRequest, bytes]:
+        """On the parser thread: the request as a job over the stored conversation it continues, and that
+        conversation with this input as compact JSON. The parsed values go no further (the loop never frees them,
+        nor does its collector walk them while the job runs)."""
+        body = parse_bounded(raw)
         entry = None
         if isinstance(body.value, dict) and body.value.get("previous_response_id") is not None:
             previous = body.value["previous_response_id"]
@@ -57,18 +77,10 @@ class Responses:
                 raise api.RequestError("previous_response_id must be a string", "previous_response_id")
             entry = self._stored(previous, "previous_response_id")
             self._check_chain(entry, body)
-        job_id = self.node.new_job_id("resp")
-        req = await off_loop(_parsed, body.value, job_id, self.limits, entry)
-        resp_id = job_id.replace("-", "_")
-        async with run_job(self.node, request, req.job, req.notes, tools=req.tools) as (model, events):
-            events_out = out.ResponseEvents(resp_id, model, now(), req.echo, req.notes)
-            if req.stream:
-                return await self._stream(request, req, events_out, events)
-            text, calls, end = await collected(events)
-            items = out.output_items(resp_id, text, calls)
-            body = out.response_object(resp_id, model, events_out.created, req.echo, items, end, req.notes)
-            await self._keep(req, resp_id, items, body)
-            return web.json_response(body)
+        prior = () if entry is None else tuple(parse_bounded(entry.items, what="the stored conversation").value)
+        req = parse_responses(body.value, job_id, self.limits, prior)
+        sent = compact(req.items[len(prior):])
+        return dataclasses.replace(req, items=[]), sent if entry is None else joined(entry.items, sent)
 
     def _check_chain(self, entry: Stored, body: Body) -> None:
         limit = self.node.settings.max_body_bytes
@@ -79,12 +91,13 @@ class Responses:
                 f"in {size} bytes, more than one request may ({MAX_JSON_VALUES} values, {limit} bytes); send the "
                 "conversation anew, shortened", "previous_response_id", status=413, code="conversation_too_large")
 
-    async def _keep(self, req: ResponsesRequest, resp_id: str, items: list[dict], body: dict) -> None:
+    async def _keep(self, req: ResponsesRequest, resp_id: str, conversation: bytes, items: list[dict],
+                    body: dict) -> None:
         if req.store:
-            await off_loop(self.store.put, resp_id, req.items + out.as_input(items), body)
+            await off_loop(lambda: self.store.put(resp_id, joined(conversation, compact(out.as_input(items))), body))
 
-    async def _stream(self, request: web.Request, req: ResponsesRequest, events_out: out.ResponseEvents,
-                      events) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: ResponsesRequest, conversation: bytes,
+                      events_out: out.ResponseEvents, events) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         for e in events_out.start():
@@ -98,7 +111,7 @@ class Responses:
             if isinstance(end, Done):
                 closing, body = events_out.end(end)
                 chunk += closing
-                await self._keep(req, events_out.resp_id, events_out.items, body)
+                await self._keep(req, events_out.resp_id, conversation, events_out.items, body)
             elif isinstance(end, Error):
                 e = failed(end)
                 chunk += events_out.failed(e.code or e.type, e.message, e.param)
@@ -107,8 +120,3 @@ class Responses:
         await resp.write_eof()
         return resp
 
-
-def _parsed(body: object, job_id: str, limits: api.Limits, entry: Stored | None) -> ResponsesRequest:
-    """The request as a job, over the stored conversation it continues (parsed here, off the event loop)."""
-    prior = () if entry is None else tuple(parse_bounded(entry.items, what="the stored conversation").value)
-    return parse_responses(body, job_id, limits, prior)

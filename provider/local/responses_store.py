@@ -26,7 +26,6 @@ ENTRY_BYTES = 512  # what an entry holds beside its two byte strings: its id, th
 class Stored:
     items: bytes  # the whole conversation up to and including this response's output, a JSON array
     values: int  # JSON values and keys in `items` (json_bounds.scan): a chain is bounded as one body is
-    count: int  # items in it
     body: bytes  # the response object, as returned
     at: float
 
@@ -40,6 +39,13 @@ def compact(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
+def joined(first: bytes, then: bytes) -> bytes:
+    """Two JSON arrays (compact) as one, without parsing either."""
+    if first == b"[]":
+        return then
+    return first if then == b"[]" else first[:-1] + b"," + then[1:]
+
+
 class ResponseStore:
     def __init__(self, max_responses: int = MAX_RESPONSES, max_bytes: int = MAX_BYTES, max_age_s: float = MAX_AGE_S,
                  clock=time.monotonic, on_change: Callable[[int], None] | None = None):
@@ -50,11 +56,11 @@ class ResponseStore:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, items: list[dict[str, Any]], body: dict[str, Any]) -> bool:
-        """Keep a response; False when it alone is larger than the store (it is then not kept). Serializes and
-        counts its items: call it off the event loop."""
-        blob = compact(items)
-        entry = Stored(blob, scan(blob).values, len(items), compact(body), self._clock())
+    def put(self, response_id: str, items: list[dict[str, Any]] | bytes, body: dict[str, Any]) -> bool:
+        """Keep a response (its conversation as items, or as a compact JSON array); False when it alone is larger
+        than the store (it is then not kept). Serializes and counts: call it off the event loop."""
+        blob = items if isinstance(items, bytes) else compact(items)
+        entry = Stored(blob, scan(blob).values, compact(body), self._clock())
         if entry.size > self.max_bytes:
             return False
         with self._lock:
