@@ -1,10 +1,12 @@
 """Issue 56's floods against a live node (`provider start --local --coordinator`, the bundled model), each
 measured by what answers beside it: /health's latency and a coordinator Ping's round trip, sampled every 10 ms
-while the flood runs, and the node's RSS. Used by tools/scripts/fuzz_campaign.py (--floods).
+while the flood runs, and the node's RSS; and a bare aiohttp server's /health meanwhile, for the machine's own
+share of any latency. Used by tools/scripts/fuzz_campaign.py (--floods-only, and after the media phase).
 
-The floods: count_tokens and /tokenize with 2.6 MB prompts; chats of 99,999 and of 4,999 empty messages; 150,000
-and 600 tiny tools (/v1/messages, /v1/responses, Chat Completions); previous_response_id chains of 2 MB requests of
-left-out items; values nested 940-999 deep in temperature and in Responses metadata. Expected: 0 5xx, /health
+Each flood is sent for 15 s by a process of its own, so its senders hold none of the probes' interpreter. The
+floods: count_tokens and /tokenize with 2.6 MB prompts; chats of 99,999 and of 4,999 empty messages; 150,000
+and 600 tiny tools (/v1/messages, /v1/responses, Chat Completions); values nested 940-999 deep in temperature and
+in Responses metadata; previous_response_id chains of 2 MB requests of left-out items. Expected: 0 5xx, /health
 and the Ping answered within 100 ms at the 99th percentile during each, RSS bounded.
 """
 
@@ -71,7 +73,8 @@ class Flood:
                 f"{self.pct(self.health_ms, .5):5.1f} p99 {self.pct(self.health_ms, .99):6.1f} max "
                 f"{max(self.health_ms, default=0):6.1f} ms ({len(self.health_ms)}); Ping p99 "
                 f"{self.pct(self.ping_ms, .99):6.1f} max {max(self.ping_ms, default=0):6.1f} ms; a bare server's "
-                f"/health p99 {self.pct(self.control_ms, .99):6.1f} ms; RSS peak +{self.rss_peak_mib:.0f} MiB")
+                f"/health p99 {self.pct(self.control_ms, .99):6.1f} max {max(self.control_ms, default=0):6.1f} ms; RSS peak "
+                f"+{self.rss_peak_mib:.0f} MiB")
 
 
 def _bodies() -> dict[str, list[tuple[str, bytes]]]:
@@ -160,7 +163,13 @@ class Probes:
         flood.rss_peak_mib = (peak[0] - self.idle_rss) / 2**20
 
 
-def _send(srv: LocalServer, flood: Flood, path: str, body: bytes) -> httpx.Response | None:
+@dataclass(frozen=True)
+class Target:
+    url: str
+    headers: dict
+
+
+def _send(srv: Target, flood: Flood, path: str, body: bytes) -> httpx.Response | None:
     try:
         r = httpx.post(srv.url + path, content=body, timeout=300,
                        headers={**srv.headers, "Content-Type": "application/json"})
@@ -172,7 +181,7 @@ def _send(srv: LocalServer, flood: Flood, path: str, body: bytes) -> httpx.Respo
     return r
 
 
-def _repeat(srv: LocalServer, flood: Flood, requests: list[tuple[str, bytes]]) -> None:
+def _repeat(srv: Target, flood: Flood, requests: list[tuple[str, bytes]]) -> None:
     """`requests` sent by SENDERS threads, over and over, for SECONDS."""
     deadline = time.monotonic() + SECONDS
 
@@ -186,7 +195,7 @@ def _repeat(srv: LocalServer, flood: Flood, requests: list[tuple[str, bytes]]) -
         list(pool.map(sender, range(SENDERS)))
 
 
-def _chains(srv: LocalServer, flood: Flood, links: int = 12) -> None:
+def _chains(srv: Target, flood: Flood, links: int = 12) -> None:
     """Chains of `links` 2 MB turns, SENDERS at once, begun anew for SECONDS."""
     deadline = time.monotonic() + SECONDS
 
@@ -203,6 +212,29 @@ def _chains(srv: LocalServer, flood: Flood, links: int = 12) -> None:
 
     with ThreadPoolExecutor(SENDERS) as pool:
         list(pool.map(chain, range(SENDERS)))
+
+
+def _flood(srv: LocalServer, flood: Flood, bodies: Path) -> None:
+    """One flood, sent by a process of its own: its senders' work (json, sockets, the interpreter they hold) is
+    not the probes'. `bodies`: a directory of requests (index.json: [path, file] each), or none for chains."""
+    out = subprocess.run([sys.executable, "-m", "tools.harness.floods", srv.url, json.dumps(srv.headers),
+                          str(bodies)], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    got = json.loads(out.stdout)
+    flood.requests, flood.statuses = got["requests"], Counter({int(k) if k.isdigit() else k: v
+                                                               for k, v in got["statuses"].items()})
+
+
+def _written(root: Path, name: str, requests: list[tuple[str, bytes]]) -> Path:
+    where = root / "bodies" / name
+    where.mkdir(parents=True, exist_ok=True)
+    index = []
+    for i, (path, body) in enumerate(requests):
+        (where / f"{i}.json").write_bytes(body)
+        index.append([path, f"{i}.json"])
+    (where / "index.json").write_text(json.dumps(index))
+    return where
 
 
 def flood_phase(root: Path) -> tuple[list[Flood], dict]:
@@ -226,19 +258,16 @@ def flood_phase(root: Path) -> tuple[list[Flood], dict]:
                 time.sleep(0.1)
         session = call(coord.wait_for_node(60), 70)
         bodies = _bodies()
-        _send(srv, Flood("warm"), "/v1/chat/completions", json.dumps(
+        _send(Target(srv.url, srv.headers), Flood("warm"), "/v1/chat/completions", json.dumps(
             {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}).encode())
         probes = Probes(srv, coord, loop, session, f"http://127.0.0.1:{port}")
         quiet = Flood("(none: idle)")
         probes.during(quiet, lambda: time.sleep(SECONDS))
         floods.append(quiet)
-        for name, requests in bodies.items():
-            flood = Flood(name)
-            probes.during(flood, lambda requests=requests, flood=flood: _repeat(srv, flood, requests))
+        for name, requests in [*bodies.items(), ("response_chains", [])]:
+            flood, where = Flood(name), _written(root, name, requests)
+            probes.during(flood, lambda flood=flood, where=where: _flood(srv, flood, where))
             floods.append(flood)
-        chains = Flood("response_chains")
-        probes.during(chains, lambda: _chains(srv, chains))
-        floods.append(chains)
         health = httpx.get(srv.url + "/health", timeout=60).json()
         end = {"alive": srv.proc.poll() is None, "store_bytes": health["memory"].get("responses_store_bytes"),
                "rss_mib": probes.proc.memory_info().rss / 2**20, "idle_rss_mib": probes.idle_rss / 2**20}
@@ -267,3 +296,13 @@ def print_floods(floods: list[Flood], end: dict, rss_bound_mib: float = 512) -> 
     print(f"    0 5xx, /health and Ping p99 < 100 ms during each, RSS peak < +{rss_bound_mib:.0f} MiB: "
           f"{'ok' if ok else 'FAILED'}")
     return bool(ok)
+
+
+if __name__ == "__main__":  # a flood's senders: URL HEADERS DIR; prints {"requests", "statuses"}
+    target, flood = Target(sys.argv[1], json.loads(sys.argv[2])), Flood("sent")
+    index = json.loads((Path(sys.argv[3]) / "index.json").read_text())
+    if index:
+        _repeat(target, flood, [(path, (Path(sys.argv[3]) / name).read_bytes()) for path, name in index])
+    else:
+        _chains(target, flood)
+    print(json.dumps({"requests": flood.requests, "statuses": {str(k): v for k, v in flood.statuses.items()}}))
