@@ -10,6 +10,7 @@ runs twice, and once finished it gets the same outcome again.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from .routing import HeldPrefixes
 from .sealing import JobKeys, SealingError, SealingKey
 
 log = logs.get("coordinator")
+_CONVERTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coordinator-admit")
 ROUTING_FIELDS = ("job_id", "model", "deadline_ms", "model_sha256")  # stay in the clear on a sealed job
 
 
@@ -117,35 +119,39 @@ class CoordinatorJobs:
                               state="finished")
             outbox.put_nowait(finished)
             return
-        s = self.settings
-        keys, received, sealed = None, req, req.HasField("sealed")
         try:
-            convert.check_job_id(req.job_id)  # before opening: the id is hashed into the keys and associated data
-            req, keys = open_request(req, self.sealing, required=s.require_sealed_jobs)
-            job = convert.job_from_request(req, max_tokens_limit=s.max_tokens_limit,
-                                           default_max_tokens=s.default_max_tokens, sealed=sealed)
-            if self.draining or self.node.draining:
-                raise JobError(Cause.DRAINING, "the node is draining and accepts no new jobs")
-            if req.deadline_ms and req.deadline_ms <= time.time() * 1000:
-                raise JobError(Cause.DEADLINE_EXCEEDED, "the job's deadline passed before it started")
-            if req.model_sha256 and not is_sha256_hex(req.model_sha256):
-                raise JobError(Cause.INVALID_REQUEST, "model_sha256 must be 64 lowercase hex digits (the hash the "
-                               "node registered for the model)", "model_sha256")
+            convert.check_job_id(req.job_id)  # before anything: the id is hashed into the keys and associated data
         except JobError as e:
             if convert.valid_job_id(req.job_id):  # a bad id is never stored, nor echoed (see the session)
-                self._outcome(outbox, convert.error_frame(req.job_id, e.cause, e.message, sealed=sealed,
-                                                          param=e.param), req.job_id, refused=True)
+                self._outcome(outbox, convert.error_frame(req.job_id, e.cause, e.message, sealed=req.HasField(
+                    "sealed"), param=e.param), req.job_id, refused=True)
             return
-        self._started[job.id] = time.perf_counter()
-        task = asyncio.create_task(self._serve(job, req, keys, outbox, request_digest(received)))
-        self._running[job.id] = task
-        task.add_done_callback(lambda _: self._running.pop(job.id, None))
+        self._started[req.job_id] = time.perf_counter()
+        task = asyncio.create_task(self._serve(req, outbox))
+        self._running[req.job_id] = task
+        task.add_done_callback(lambda _: self._running.pop(req.job_id, None))
 
-    async def _serve(self, job, req: pb.JobRequest, keys: JobKeys | None, outbox: asyncio.Queue,
-                     request_sha256: bytes) -> None:
-        """The job's whole life, pin check included, in one `try`: every way out records exactly one outcome
-        (its end, an error, or COORDINATOR_LOST when the session is abandoned) and stops the engine job."""
-        job_id, sealed = job.id, keys is not None
+    def _admitted(self, req: pb.JobRequest) -> tuple:
+        """On the converter thread (a 64 MiB request takes ~0.6 s to open, convert and hash, which would
+        hold every other job's frames and the heartbeats): the job to run, its request opened, its keys and
+        the digest its result signs; JobError when it is refused at the door."""
+        s = self.settings
+        received, sealed = req, req.HasField("sealed")
+        req, keys = open_request(req, self.sealing, required=s.require_sealed_jobs)
+        job = convert.job_from_request(req, max_tokens_limit=s.max_tokens_limit,
+                                       default_max_tokens=s.default_max_tokens, sealed=sealed)
+        if req.deadline_ms and req.deadline_ms <= time.time() * 1000:
+            raise JobError(Cause.DEADLINE_EXCEEDED, "the job's deadline passed before it started")
+        if req.model_sha256 and not is_sha256_hex(req.model_sha256):
+            raise JobError(Cause.INVALID_REQUEST, "model_sha256 must be 64 lowercase hex digits (the hash the "
+                           "node registered for the model)", "model_sha256")
+        return job, req, keys, request_digest(received)
+
+    async def _serve(self, req: pb.JobRequest, outbox: asyncio.Queue) -> None:
+        """The job's whole life, its admission and pin check included, in one `try`: every way out records exactly
+        one outcome (its end, a refusal, an error, or COORDINATOR_LOST when the session is abandoned) and stops
+        the engine job."""
+        job_id, sealed, keys = req.job_id, req.HasField("sealed"), None
         transcript, model, stream, timer = Transcript(), "", None, None
         expired = []  # set when the deadline cancelled the job: its end is then DEADLINE_EXCEEDED, not "cancelled"
         answer: list[str] = []
@@ -157,6 +163,15 @@ class CoordinatorJobs:
                 self._outcome(to, frame, job_id)
 
         try:
+            try:
+                job, req, keys, request_sha256 = await asyncio.get_running_loop().run_in_executor(
+                    _CONVERTER, self._admitted, req)
+                if self.draining or self.node.draining:
+                    raise JobError(Cause.DRAINING, "the node is draining and accepts no new jobs")
+            except JobError as e:
+                self._outcome(outbox, convert.error_frame(job_id, e.cause, e.message, sealed=sealed, param=e.param),
+                              job_id, refused=True)
+                return
             if req.model_sha256:  # before the job reaches the engine, so weights that do not match never load
                 await asyncio.to_thread(self.node.check_pin, job.model, req.model_sha256)
             stream = self.node.run(job)
