@@ -1,4 +1,4 @@
-"""`provider` command line: start the node, build fixtures, and (later) manage models."""
+"""`provider` command line: start the node, and the one-shot commands (models, generate, bench, doctor, ...)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(config=None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_start(sub)
-    fx = sub.add_parser("fixtures", help="write small deterministic test checkpoints into DIR")
-    fx.add_argument("dir", type=Path)
     config = [_config_option()]
     from .model_commands import add_parser as add_models_parser
 
@@ -122,12 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "fixtures":
-        from .models import fixtures
-
-        for path in fixtures.write_all(args.dir):
-            print(path)
-        return 0
     if args.command == "start":
         # Leave without the interpreter's teardown, as the one-shot commands do: MLX 0.32's CPU backend can
         # abort there (SIGABRT) after a clean drain, and the service manager would read a crash.

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from provider import logs
-from provider.models import fixtures
+from tools.fixtures import factory
 
 
 def _run_root(tmp_path_factory) -> Path:
@@ -30,13 +30,13 @@ def _built_once(out: Path, build) -> Path:
 def fixtures_dir(tmp_path_factory) -> Path:
     """Every fixture checkpoint, built once per test run with the real factory."""
     root = _run_root(tmp_path_factory) / "fixtures"
-    return _built_once(root, lambda: fixtures.write_all(root))
+    return _built_once(root, lambda: factory.write_all(root))
 
 
 @pytest.fixture(scope="session")
 def head_fixture(tmp_path_factory):
-    """head_fixture(name): a target with its own MTP head (fixtures_mtp.HEAD_FIXTURES), built when first asked."""
-    from provider.models.fixtures_mtp import build_head_fixture
+    """head_fixture(name): a target with its own MTP head (fixtures.mtp.HEAD_FIXTURES), built when first asked."""
+    from tools.fixtures.mtp import build_head_fixture
 
     root = _run_root(tmp_path_factory) / "heads"
     return lambda name: _built_once(root / name, lambda: build_head_fixture(name, root))

@@ -14,8 +14,8 @@ from provider.jobs import Job, SamplingParams
 from provider.memory import estimate
 from provider.models import capability
 from provider.models.dflash_head import load_dflash
-from provider.models.fixtures_dflash import drafter_dir
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.dflash import drafter_dir
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint
 from provider.types import SpecMode
 from provider.verification.hidden_tap import model_layers
@@ -24,7 +24,7 @@ from tests.helpers import collect, greedy, make_node, run
 
 
 def load_dflash_beside(target, model):
-    """The DFlash drafter the fixture factory wrote beside `target` (fixtures_dflash.drafter_dir), loaded for its
+    """The DFlash drafter the fixture factory wrote beside `target` (fixtures.dflash.drafter_dir), loaded for its
     `model`: the DFlash families' tests' load_head."""
     return load_dflash(drafter_dir(target), model)
 

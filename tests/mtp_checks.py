@@ -20,7 +20,7 @@ from provider.jobs import Job, SamplingParams
 from provider.memory import estimate
 from provider.models import capability
 from provider.models.checkpoint import open_checkpoint
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.gemma4_target import Target
 from provider.telemetry import SpecTelemetry

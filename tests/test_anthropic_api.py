@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from provider.models.vision_fixtures import make_gemma4_vlm
+from tools.fixtures.vision import make_gemma4_vlm
 from tests.helpers import LocalServer
 
 MODEL = "gemma4-demo"

@@ -1,5 +1,6 @@
-"""The house rules that can be checked mechanically: layers talk downward only, no import cycles, small modules,
-and one NodeStatus behind /health, heartbeats and registration."""
+"""The house rules that can be checked mechanically: layers talk downward only, no import cycles, the product never
+imports tools/ (test support, benchmarks, scripts), small modules, and one NodeStatus behind /health, heartbeats and
+registration."""
 
 import ast
 from pathlib import Path
@@ -85,6 +86,35 @@ def test_tools_do_not_import_tests():
 
 def _tool_module(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _tools_imported(module: str, path: Path) -> list[str]:
+    """What of tools/ this module imports: any import statement (at any depth, as _imports reads them), and
+    importlib.import_module / __import__ called with a literal name."""
+    found = {t for t in _imports(module, path, {}) if t.split(".")[0] == "tools"}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__") \
+                and str(node.args[0].value).split(".")[0] == "tools":
+            found.add(node.args[0].value)
+    return sorted(found)
+
+
+def test_the_product_never_imports_tools():
+    # Fixture factories, cheat models and harnesses live in tools/ (not installed); the daemon never loads them.
+    found = {m: _tools_imported(m, p) for m, p in _modules().items()}
+    assert not {m: t for m, t in found.items() if t}, {m: t for m, t in found.items() if t}
+
+
+def test_the_checker_sees_an_import_of_tools(tmp_path):
+    fake = tmp_path / "x.py"
+    fake.write_text("import json\nfrom .store import discover\n\n\ndef build(root):\n"
+                    "    from tools.fixtures import factory\n    import tools.harness.nodes\n"
+                    "    return importlib.import_module('tools.fixtures.mtp')\n")
+    assert _tools_imported("provider.models.x", fake) == [
+        "tools.fixtures", "tools.fixtures.factory", "tools.fixtures.mtp", "tools.harness.nodes"]
+    fake.write_text("import json\nfrom .store import discover\nfrom ..tools_of_mine import x\n")
+    assert _tools_imported("provider.models.x", fake) == []
 
 
 def test_no_import_cycles():

@@ -207,7 +207,7 @@ def test_auto_is_free_until_the_opening_marker_then_held_to_the_call_then_free(t
 
     from provider.engine.grammar_compile import compile_rules
     from provider.engine.tool_calls import ToolCallSplitter
-    from provider.models.tool_format_fixtures import make_tool_format
+    from tools.fixtures.tool_formats import make_tool_format
     from provider.models.tool_format import tool_format_for
 
     make_tool_format(tmp_path / fmt_name, fmt_name)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator_client.pb import provider_pb2 as pb
-from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 from tests.helpers import run
 from tests.test_vision import MAX_TOKENS, image, reference
 from tools.harness.nodes import harness, job

@@ -15,8 +15,8 @@ from mlx_lm import load
 from provider.engine.dflash_drafter import DFlashDrafter
 from provider.models import capability, dflash
 from provider.models.dflash_head import DFlashHead
-from provider.models.fixtures_dflash import drafter_dir
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.dflash import drafter_dir
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape
 from provider.verification.hidden_tap import install_layers
 from tests import drafter_checks

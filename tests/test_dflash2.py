@@ -3,7 +3,7 @@ convolutions over the block's positions, and a candidate selector that picks eac
 by its logit plus an edge of the token before it (issue 42), served as the dflash kind.
 
 The fixture (fixture factory: `qwen3-dflash2-tiny`) is fixtures' tiny Qwen3 target and a DFlash2 drafter beside it
-(fixtures_dflash's layers plus convolutions of kernel 3, a selector of rank 16 over the top 32, an input scale, output
+(fixtures.dflash's layers plus convolutions of kernel 3, a selector of rank 16 over the top 32, an input scale, output
 multiplier and softcap), distilled for seconds. Greedy output must equal plain decoding; sampled output must be
 distributed as plain sampling: each draft is drawn from the softmax of its candidates' scores given the draft before
 it, and that distribution is its q."""
@@ -15,8 +15,8 @@ from mlx_lm import load
 from provider.engine.dflash_drafter import DFlashDrafter
 from provider.models import capability, dflash
 from provider.models.dflash2_head import DFlash2Head, load_dflash2
-from provider.models.fixtures_dflash import drafter_dir
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.dflash import drafter_dir
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape
 from tests import drafter_checks
 from tests.drafter_checks import broken

@@ -2,7 +2,7 @@
 logits are corrected by a low-rank Markov term of the token before each (issue 42), served as the dflash kind.
 
 The fixture (fixture factory: `qwen3-dspark-tiny`) is fixtures' tiny Qwen3 target and a DSpark drafter beside it
-(fixtures_dflash's layers plus markov_head.markov_w1/w2 of rank 16 and an untrained confidence head, the anchor's
+(fixtures.dflash's layers plus markov_head.markov_w1/w2 of rank 16 and an untrained confidence head, the anchor's
 position drafting the first token), distilled for seconds. Greedy output must equal plain decoding; sampled output
 must be distributed as plain sampling: each draft is drawn from the logits corrected by the draft before it, and
 that distribution is its q."""
@@ -14,8 +14,8 @@ from mlx_lm import load
 from provider.engine.dflash_drafter import DFlashDrafter
 from provider.models import capability, dflash
 from provider.models.dflash_head import DFlashHead, load_dflash
-from provider.models.fixtures_dflash import drafter_dir
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.dflash import drafter_dir
+from tools.fixtures.mtp import train_prompts
 from tests import drafter_checks
 from tests.drafter_checks import broken
 

@@ -16,8 +16,8 @@ from mlx_lm import load
 from provider.engine.drafters import Eagle3Drafter
 from provider.models import capability, eagle3
 from provider.models.eagle3_head import Eagle3Head, load_eagle3
-from provider.models.fixtures_eagle3 import drafter_dir
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.eagle3 import drafter_dir
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import eagle3_kv_shape
 from provider.verification.hidden_tap import install_layers
 from tests import drafter_checks

@@ -17,7 +17,7 @@ import pytest
 
 from provider.group.proofs import refuse_false_commitments, why_not_committing
 from provider.jobs import Claim, Done, Job, Proof, SamplingParams
-from provider.models import cheat_fixtures
+from tools.fixtures import cheats as cheat_fixtures
 from tests.helpers import collect, make_node, run
 from tools.harness.daemon import LocalServer
 from tools.harness.group import Follower, start_group, write_hostfile, write_secret

@@ -18,7 +18,7 @@ from provider.engine.spec_rounds import rollback
 from provider.jobs import Done, Job, SamplingParams
 from provider.memory.batch_kv import plain_batch_bytes
 from provider.memory.estimate import KVQuant, kv_shape
-from provider.models import fixtures
+from tools.fixtures import factory
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from tests.helpers import collect, greedy, make_node, run
 
@@ -369,7 +369,7 @@ def test_speculation_with_a_draft_model_over_quantized_target_kv(tmp_path, fixtu
     shutil.copytree(fixtures_dir / "llama-tiny", target)
     config = json.loads((target / "config.json").read_text()) | {"hidden_size": 128, "head_dim": 32}
     (target / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(target / "model.safetensors"), fixtures._random_weights(config, seed=2))
+    mx.save_safetensors(str(target / "model.safetensors"), factory._random_weights(config, seed=2))
     prompts = ["The cache holds a window", "batch token prompt model", "memory budget stream"]
 
     def serve(spec: str):

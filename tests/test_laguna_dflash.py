@@ -17,8 +17,8 @@ from provider.engine.dflash_drafter import DFlashDrafter
 from provider.jobs import SamplingParams
 from provider.models import capability, dflash
 from provider.models.dflash_head import WindowedContext, load_dflash, target_embedding
-from provider.models.fixtures_dflash import drafter_dir
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.dflash import drafter_dir
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape
 from provider.models.laguna_dflash_head import LagunaHead
 from tests import drafter_checks, mtp_checks

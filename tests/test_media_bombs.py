@@ -20,7 +20,7 @@ from provider.content import ImageInput, VideoInput
 from provider.images import MAX_MEDIA_BYTES
 from provider.media_decode import MAX_PIXELS
 from provider.memory.estimate import vision_scratch_bytes
-from provider.models.vision_fixtures import make_gemma4_vlm
+from tools.fixtures.vision import make_gemma4_vlm
 from provider.types import JobError
 from tests.helpers import LocalServer
 from tools.harness.hostile import image_part, media_bombs

@@ -184,7 +184,7 @@ def _image_job(job_id: str, images: int, size: tuple[int, int] = (1, 1), detail:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory) -> Path:
-    from provider.models.vision_fixtures import make_gemma4_vlm
+    from tools.fixtures.vision import make_gemma4_vlm
 
     root = tmp_path_factory.mktemp("vlm")
     make_gemma4_vlm(root / "gemma4-vlm")
@@ -288,7 +288,7 @@ HYBRID = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, full_a
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory) -> Path:
-    from provider.models.fixtures_mtp import make_qwen3_5_mtp_tiny
+    from tools.fixtures.mtp import make_qwen3_5_mtp_tiny
 
     out = tmp_path_factory.mktemp("hybrid") / "qwen3_5-stateful"
     make_qwen3_5_mtp_tiny(out, train=False, **HYBRID)
@@ -434,8 +434,8 @@ def _mla_held(config: dict, prompt: int = 40, decoded: int = 8) -> tuple[int, in
 @pytest.mark.parametrize("family", ["glm4_moe_lite", "deepseek_v3", "mistral4", "glm_moe_dsa", "deepseek_v32"])
 def test_an_mla_targets_kv_is_booked_as_its_caches_hold_it(family):
     from provider.memory.estimate import KVQuant, full_layer_quant, kv_shape
-    from provider.models.fixtures_mtp_glm import glm_config
-    from provider.models.fixtures_mtp_glm5 import glm5_config
+    from tools.fixtures.mtp_glm import glm_config
+    from tools.fixtures.mtp_glm5 import glm5_config
 
     ids = {"<|im_end|>": 2}
     config = (glm5_config(ids) if family in ("glm_moe_dsa", "deepseek_v32") else glm_config(ids)) | {

@@ -2,7 +2,7 @@
 
 The fixture is a tiny hybrid Qwen3.5 (Gated DeltaNet and full-attention layers) in Hugging Face's layout with
 `mtp.*` head weights, built by the fixture factory and its head distilled briefly on its target's greedy
-continuations of a few prompts (`fixtures_mtp.train_prompts`): on those its drafts are often accepted, elsewhere
+continuations of a few prompts (`fixtures.mtp.train_prompts`): on those its drafts are often accepted, elsewhere
 seldom, so rounds accept every number of drafts from 0 to k. Greedy output must equal plain decoding."""
 
 import asyncio
@@ -14,7 +14,7 @@ from provider.engine.drafters import HeadDrafter
 from provider.engine.spec_rounds import Speculator
 from provider.jobs import Job, SamplingParams
 from provider.models import capability
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.gemma4_target import Target
 from provider.models.qwen3_5_mtp import load_head

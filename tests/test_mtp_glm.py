@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 
 from provider.jobs import SamplingParams
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.glm4_moe_lite_mtp import load_head
 from provider.types import SpecMode

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from provider.jobs import SamplingParams
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.mtp import train_prompts
 from provider.models.glm4_moe_lite_mtp import load_head
 from tests import mtp_checks
 

@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from provider.jobs import SamplingParams
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.mtp import train_prompts
 from provider.models.glm4_moe_lite_mtp import load_head
 from tests import mtp_checks
 

@@ -9,7 +9,7 @@ output must be distributed as plain sampling."""
 import mlx.core as mx
 import pytest
 
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.mtp import train_prompts
 from provider.models.mimo_v2_mtp import load_head
 from tests import mtp_checks
 

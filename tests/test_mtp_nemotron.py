@@ -2,7 +2,7 @@
 
 The fixture is a tiny Nemotron-H (Mamba2, attention, MoE and MLP blocks by `hybrid_override_pattern`) in Hugging
 Face's layout with `mtp.*` head weights of the head's own pattern (attention then MoE), its head distilled briefly
-on its target's continuations of `fixtures_mtp.train_prompts`: rounds accept every number of drafts from 0 to k,
+on its target's continuations of `fixtures.mtp.train_prompts`: rounds accept every number of drafts from 0 to k,
 so the Mamba2 layers are rolled back (provider.engine.recurrent) from every point. Greedy output must equal plain
 mlx-lm decoding."""
 
@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache
 from provider.engine import recurrent
 from provider.jobs import Job, SamplingParams
 from provider.models import capability
-from provider.models.fixtures_mtp import train_prompts
+from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import head_kv_shape, kv_shape_of
 from provider.models.nemotron_h_mtp import load_head, serves
 from tests import mtp_checks
@@ -205,7 +205,7 @@ def test_the_config_is_what_mlx_lm_and_mlx_vlm_read(target):
 def stateful(tmp_path_factory):
     """A Nemotron-H whose Mamba2 state dominates: 3 Mamba2 blocks of 32 heads x 64 x 128 float32 (1 MiB each a
     row), one attention block of 256 bytes of K/V a token."""
-    from provider.models.fixtures_mtp_nemotron import make_nemotron_h_mtp_tiny
+    from tools.fixtures.mtp_nemotron import make_nemotron_h_mtp_tiny
 
     out = tmp_path_factory.mktemp("stateful") / "nemotron_h-stateful"
     make_nemotron_h_mtp_tiny(out, train=False, mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128)

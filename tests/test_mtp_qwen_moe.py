@@ -1,9 +1,9 @@
 """Speculation with the MTP heads of Qwen3.5's MoE relatives (issue 42): Qwen3.5-MoE and Qwen3-Next, whose `mtp.*`
 head's decoder layer carries a MoE MLP (experts and a gated shared expert), through the real engine.
 
-The fixtures (fixtures_mtp_moe) are tiny hybrid targets (Gated DeltaNet and full attention, MoE MLPs) in the
+The fixtures (fixtures.mtp_moe) are tiny hybrid targets (Gated DeltaNet and full attention, MoE MLPs) in the
 published layout, the head's experts one tensor per expert, and each head distilled briefly on its target's greedy
-continuations of `fixtures_mtp.train_prompts`. What tests/test_mtp_families.py checks for dense Qwen3.5, here for
+continuations of `fixtures.mtp.train_prompts`. What tests/test_mtp_families.py checks for dense Qwen3.5, here for
 both families: greedy output equals plain decoding, the head is mlx-vlm's on the same weights, sampling is exact."""
 
 import json
@@ -17,7 +17,7 @@ from mlx_lm import load
 from provider.engine import recurrent
 from provider.jobs import SamplingParams
 from provider.models import capability
-from provider.models.fixtures_mtp import HF_METADATA, train_prompts
+from tools.fixtures.mtp import HF_METADATA, train_prompts
 from provider.models.footprint import head_kv_shape
 from provider.models.qwen3_5_mtp import load_head
 from tests import mtp_checks

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from provider.jobs import Done, Error, Job, SamplingParams
-from provider.models import fixtures
+from tools.fixtures import factory
 from provider.models.default import DEMO_TARGET
 from provider.types import Cause
 from tests.helpers import collect, greedy, make_node, run
@@ -33,19 +33,19 @@ def _tokenizer_beyond_the_weights(src, out):
 def _weights_beyond_the_tokenizer(out, *, hidden=64, layers=2, seed=7, tokenizer_from=None):
     """A Llama whose output scores 88 ids past its 512-token tokenizer, and scores them highest: those rows of
     the head are 50 x real rows, so for any hidden state the best padded id outscores every real one."""
-    fixtures._mkdir(out)
+    factory._mkdir(out)
     if tokenizer_from is None:
-        ids = fixtures.build_tokenizer(out, 512, fixtures.CHATML_TEMPLATE, "<eos>", add_bos=True)
+        ids = factory.build_tokenizer(out, 512, factory.CHATML_TEMPLATE, "<eos>", add_bos=True)
     else:  # a draft model: the target's tokenizer, as a same-vocabulary drafter has
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tokenizer_from / name, out / name)
         ids = json.loads((tokenizer_from / "ids.json").read_text())
     (out / "ids.json").write_text(json.dumps(ids))
-    config = fixtures._llama_config(ids, 600, hidden, layers)
-    weights = fixtures._random_weights(config, seed=seed)
+    config = factory._llama_config(ids, 600, hidden, layers)
+    weights = factory._random_weights(config, seed=seed)
     head = weights["lm_head.weight"]
     weights["lm_head.weight"] = mx.concatenate([head[:512], head[:88] * 50], axis=0)
-    fixtures._save(out, config, weights)
+    factory._save(out, config, weights)
     return out
 
 

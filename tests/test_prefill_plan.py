@@ -81,7 +81,7 @@ def _one_pixel() -> bytes:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory) -> Path:
-    from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+    from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 
     root = tmp_path_factory.mktemp("vlm")
     make_gemma4_vlm(root / "gemma4-vlm")

@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 
-from provider.models.tool_format_fixtures import TOOL_FORMATS, make_tool_format
+from tools.fixtures.tool_formats import TOOL_FORMATS, make_tool_format
 from tests.helpers import make_node
 
 FORMATS = [*TOOL_FORMATS, "gemma4"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from provider.jobs import Done, Job, Proof, SamplingParams
-from provider.models import cheat_fixtures
+from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.verification.commitment import (CHUNK, HEADER, TOP_K, CommitmentBuilder, CommitmentError, decode,
                                               encode_chunk)

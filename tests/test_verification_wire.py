@@ -10,7 +10,7 @@ import contextlib
 from coordinator_client.identity import Identity
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
-from provider.models import cheat_fixtures
+from tools.fixtures import cheats as cheat_fixtures
 from tests.helpers import run, until
 from tools.harness.nodes import harness
 

@@ -21,7 +21,7 @@ from coordinator_client import convert
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.spot_checks import SpotChecks
 from provider.jobs import Claim, Done, Job, Proof, SamplingParams
-from provider.models import cheat_fixtures
+from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.verdicts import CPU, DIVERGENT_KERNELS, Tolerance, clamped, looser
 from provider.verification.commitment import CommitmentBuilder

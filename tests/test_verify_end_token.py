@@ -14,7 +14,7 @@ from coordinator_client.outcomes import proof_digest
 from coordinator_client.pb import provider_pb2 as pb
 from provider.jobs import Claim as JobClaim
 from provider.jobs import Done, Job, Proof, SamplingParams
-from provider.models import cheat_fixtures
+from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.types import JobError
 from provider.verification.commitment import CommitmentBuilder, decode

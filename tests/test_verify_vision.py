@@ -14,8 +14,8 @@ import pytest
 
 from provider.content import IMAGE_PART, ImageInput
 from provider.jobs import Claim, Done, Error, Job, Proof, SamplingParams
-from provider.models import cheat_fixtures
-from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+from tools.fixtures import cheats as cheat_fixtures
+from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 from provider.types import Cause, SpecMode
 from tests.helpers import collect, make_node, run
 from tests.test_vision import image

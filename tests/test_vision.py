@@ -14,7 +14,7 @@ from PIL import Image
 
 from provider.content import IMAGE_PART, ImageInput
 from provider.jobs import Done, Error, Job
-from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 from provider.types import Cause, SpecMode
 from tests.helpers import collect, greedy, make_node, run
 from tools.harness.isolated import run_isolated

@@ -2,20 +2,16 @@
 
 The default is the trained demo pair in provider/models/demo/ (a small Gemma 4 target and its MTP
 assistant, trained by tools/scripts/train_demo_pair.py), so a first run shows MTP speculation and its telemetry.
-A tree without those weights falls back to the gemma4-tiny fixture, built locally on first use.
+Its weights are committed with the code and installed with the package: a tree without them is incomplete.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .. import paths
-from . import fixtures
-
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_TARGET = DEMO_DIR / "gemma4-demo"
 DEMO_ASSISTANT = DEMO_DIR / "gemma4-demo-assistant"
-FALLBACK_NAME = "gemma4-tiny"
 
 
 def _has_weights(path: Path) -> bool:
@@ -23,14 +19,12 @@ def _has_weights(path: Path) -> bool:
 
 
 def default_pair() -> tuple[Path, Path | None]:
-    """The bundled target and its drafter (None for the fallback fixture)."""
-    if _has_weights(DEMO_TARGET):
-        return DEMO_TARGET, DEMO_ASSISTANT if _has_weights(DEMO_ASSISTANT) else None
-    root = paths.cache_dir() / "models"
-    target = root / FALLBACK_NAME
-    if not (target / "model.safetensors").exists():
-        fixtures.FIXTURES[FALLBACK_NAME](root)
-    return target, None
+    """The bundled target and its drafter (None if the assistant's weights are missing)."""
+    if not _has_weights(DEMO_TARGET):
+        raise FileNotFoundError(f"the bundled demo model is missing (no config.json and model.safetensors in "
+                                f"{DEMO_TARGET}): this installation or checkout is incomplete; reinstall the "
+                                f"package, or restore provider/models/demo/ from git")
+    return DEMO_TARGET, DEMO_ASSISTANT if _has_weights(DEMO_ASSISTANT) else None
 
 
 def ensure_default_model() -> Path:

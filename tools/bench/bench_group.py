@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 from tools.harness.group import start_group  # noqa: E402
 
@@ -67,7 +67,7 @@ def main() -> int:
     model = args.model
     if model is None:
         model = work / "llama-100m"
-        fixtures.make_llama_100m(model)
+        factory.make_llama_100m(model)
     config = json.loads((model / "config.json").read_text())
     eos = config.get("eos_token_id")
     no_end = {str(t): -100 for t in (eos if isinstance(eos, list) else [eos] if eos is not None else [])}

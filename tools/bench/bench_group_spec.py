@@ -25,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.models.fixtures_mtp import build_head_fixture, train_prompts  # noqa: E402
+from tools.fixtures.mtp import build_head_fixture, train_prompts  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 from tools.harness.group import start_group  # noqa: E402
 

@@ -31,7 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.models.default import ensure_default_model  # noqa: E402
-from provider.models.fixtures import make_llama_100m  # noqa: E402
+from tools.fixtures.factory import make_llama_100m  # noqa: E402
 from tools.bench.bench_vs_server import free_port, start_mlx_lm_server  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 

@@ -39,7 +39,7 @@ from provider.engine import kv_quant  # noqa: E402
 from provider.engine.kv_quant import make_caches  # noqa: E402
 from provider.jobs import Done, Job, SamplingParams  # noqa: E402
 from provider.memory.estimate import KVQuant, quant_group, sliding_head_dim  # noqa: E402
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from provider.models.default import DEMO_TARGET  # noqa: E402
 from tools.harness.nodes import make_node  # noqa: E402
 
@@ -222,7 +222,7 @@ def main() -> int:
     if not args.skip_llama:
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "llama-kv-heavy"
-            fixtures.make_llama_kv_heavy(path)
+            factory.make_llama_kv_heavy(path)
             eos = json.loads((path / "config.json").read_text())["eos_token_id"]
             report("KV-heavy Llama fixture (llama-kv-heavy)", path, args, list(eos), LLAMA_BUDGET_MIB, windows=False)
     return 0

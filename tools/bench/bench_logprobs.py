@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from provider.models.default import ensure_default_model  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 
@@ -84,7 +84,7 @@ def main() -> int:
     path = ensure_default_model()
     model, tok = load(str(path))
     rng = random.Random(0)
-    words = fixtures.CORPUS.split()
+    words = factory.CORPUS.split()
     prompts = []
     for _ in range(a.prompts):
         ids = tok.encode(" ".join(rng.choice(words) for _ in range(a.prompt_tokens)))

@@ -57,7 +57,7 @@ def prompts(path: Path, n: int, tokens: int) -> list[list[int]]:
     generate_step does not, so the two would deliver different counts)."""
     from mlx_lm import load
 
-    from provider.models.fixtures_mtp import train_prompts
+    from tools.fixtures.mtp import train_prompts
 
     _, tok = load(str(path))
     text = tok.encode(TEXT * 8)
@@ -142,7 +142,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a checkpoint with its MTP head (default: --fixture, built now)")
     ap.add_argument("--fixture", default="qwen3_5-mtp-tiny",
-                    help="a target with its own head, by name (fixtures_mtp.HEAD_FIXTURES)")
+                    help="a target with its own head, by name (tools.fixtures.mtp.HEAD_FIXTURES)")
     ap.add_argument("--drafter", type=Path, help="an EAGLE-3 or DFlash drafter for --model (a fixture's is found beside it)")
     ap.add_argument("--k", default="1,2,3,4")
     ap.add_argument("--tokens", type=int, default=24)
@@ -154,12 +154,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:
-            from provider.models.fixtures_mtp import build_head_fixture
+            from tools.fixtures.mtp import build_head_fixture
 
             path = build_head_fixture(args.fixture, Path(tmp))
-        from provider.models import fixtures_dflash, fixtures_eagle3
+        from tools.fixtures import dflash, eagle3
 
-        beside = [d for d in (fixtures_eagle3.drafter_dir(path), fixtures_dflash.drafter_dir(path)) if d.is_dir()]
+        beside = [d for d in (eagle3.drafter_dir(path), dflash.drafter_dir(path)) if d.is_dir()]
         drafter = args.drafter or (beside[0] if beside else None)
         ps = prompts(path, args.prompts, args.tokens)
         truth = plain(path, ps, args.tokens)

@@ -22,7 +22,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from provider.models.checkpoint import context_length, read_config  # noqa: E402
 from provider.models.default import ensure_default_model  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_100m:
             big = Path(tmp) / "llama-100m"
-            fixtures.make_llama_100m(big)
+            factory.make_llama_100m(big)
             rows.append(measure(big, args.tokens, args.rounds))
     print()
     for r in rows:

@@ -36,7 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from provider.models.default import default_pair  # noqa: E402
 
 PROMPT = "Tell me a short story about a cache that remembered everything."
@@ -165,7 +165,7 @@ def main() -> int:
     models: list[tuple[str, Path | None, Path]] = [("bundled pair", None, target)]  # (label, --model, mlx-lm's)
     if not args.skip_100m:
         llama = work / "llama-100m"
-        fixtures.make_llama_100m(llama)
+        factory.make_llama_100m(llama)
         models.append(("llama-100m", llama, llama))
     load0 = os.getloadavg()
     print(f"{os.cpu_count()} cores; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at start; "

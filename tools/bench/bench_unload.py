@@ -24,7 +24,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from provider.models.default import ensure_default_model  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 
@@ -73,7 +73,7 @@ def main() -> int:
         model = args.model
         if model is None:
             model = home / "llama-100m"
-            fixtures.make_llama_100m(model)
+            factory.make_llama_100m(model)
         config = home / "config.toml"
         config.write_text(f'[models.big]\nsource = "{model}"\nidle_timeout_s = 2\n')
         server = LocalServer(ensure_default_model(), home, "--config", str(config))

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider.jobs import Done, Job, SamplingParams  # noqa: E402
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from provider.models.default import default_pair  # noqa: E402
 from provider.verification.verifier import Claim, ClaimReader  # noqa: E402
 from tools.harness.nodes import make_node  # noqa: E402
@@ -123,7 +123,7 @@ def main() -> int:
     results = [] if args.skip_bundled else [bench("bundled", default_pair()[0], args)]
     if not args.skip_100m:
         with tempfile.TemporaryDirectory() as tmp:
-            fixtures.make_llama_100m(Path(tmp) / "llama-100m")
+            factory.make_llama_100m(Path(tmp) / "llama-100m")
             results.append(bench("llama-100m", Path(tmp) / "llama-100m", args))
     print(json.dumps(results))
     return 0

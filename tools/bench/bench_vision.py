@@ -142,7 +142,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-vision-"))
     model, drafter = args.model, args.drafter
     if model is None:
-        from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+        from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 
         model, drafter = work / "gemma4-vlm", work / "gemma4-vlm-assistant"
         make_gemma4_vlm(model, soft_tokens=280)

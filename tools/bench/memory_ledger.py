@@ -79,14 +79,14 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 
 MiB = 2**20
 RSS_SLACK = 64 * MiB  # phase d's RSS target: ledger x 1.10 + this
 PHASE_TIMEOUT = 600.0  # seconds for a phase's jobs; its idle period has its own bound below
 IDLE_TIMEOUT, IDLE_SAMPLE = 30.0, 2.0  # wait at most this for every job to end, then sample this long
-WORDS = fixtures.CORPUS.split()
+WORDS = factory.CORPUS.split()
 # Phase e: an agent's prompt (a system prompt of AGENT_SYSTEM tokens and AGENT_TOOLS tools of AGENT_TOOL tokens of text,
 # ~440 tokens each as the generic tool preamble renders them: ~10k tokens in all), on a model with this context.
 AGENT_CONTEXT = 32768
@@ -98,7 +98,7 @@ AGENT_TURNS = 3
 def build_model(out: Path, context: int = 4096) -> tuple[Path, list[int]]:
     """The fixture factory's KV-heavy Llama (8 KiB of fp32 KV per token) with a `context`-token window (its
     rotary embedding is unscaled, so the window is the config's bound alone), and its end-of-sequence ids."""
-    fixtures.make_llama_kv_heavy(out)
+    factory.make_llama_kv_heavy(out)
     config = json.loads((out / "config.json").read_text())
     if config["max_position_embeddings"] != context:
         (out / "config.json").write_text(json.dumps(config | {"max_position_embeddings": context}, indent=2))
@@ -395,7 +395,7 @@ def describe(tag: str, samples: list[dict]) -> str:
 
 def build_vlm(out: Path) -> tuple[Path, list[int]]:
     """The fixture factory's Gemma 4 VLM with a 280-token default image budget, and its end-of-sequence ids."""
-    from provider.models.vision_fixtures import make_gemma4_vlm
+    from tools.fixtures.vision import make_gemma4_vlm
 
     make_gemma4_vlm(out, soft_tokens=280)
     eos = json.loads((out / "config.json").read_text())["eos_token_id"]
@@ -407,7 +407,7 @@ def build_hybrid(out: Path) -> tuple[Path, list[int]]:
     DeltaNet with 256 KiB of recurrent state each per row, 2 of full attention (4 KiB of KV per token), a 4k
     context; its head untrained (memory does not depend on what it drafts). No end-of-sequence bias: a logit bias
     would keep a job off the speculating path."""
-    from provider.models.fixtures_mtp import make_qwen3_5_mtp_tiny
+    from tools.fixtures.mtp import make_qwen3_5_mtp_tiny
 
     make_qwen3_5_mtp_tiny(out, train=False, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                           full_attention_interval=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -422,8 +422,8 @@ def build_dflash(out: Path) -> tuple[Path, Path]:
     """The fixture factory's Qwen3 at a size where the books show (4 layers, 8 KV heads x 32, fp32: 8 KiB of KV
     a token, a 4k context) and an untrained 2-layer DFlash drafter on it, whose context K/V per committed token
     is 4 KiB (memory does not depend on what it drafts). Returns the target and the drafter."""
-    from provider.models.fixtures import make_qwen3_tiny
-    from provider.models.fixtures_dflash import drafter_dir, write_drafter
+    from tools.fixtures.factory import make_qwen3_tiny
+    from tools.fixtures.dflash import drafter_dir, write_drafter
 
     make_qwen3_tiny(out, num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=16,
                     num_key_value_heads=16, head_dim=64, max_position_embeddings=4096)
@@ -436,8 +436,8 @@ def build_windowed(out: Path) -> tuple[Path, Path]:
     2-layer MuseGlimmer assistant of window 128 on it: 16 KiB of context K/V a committed token, at most 2 MiB a row
     however long its prompt (its cache keeps the window). Returns the target and the drafter."""
     from provider.models.dflash_head import DFlashHead
-    from provider.models.fixtures_dflash import build_beside, drafter_dir
-    from provider.models.fixtures_muse_glimmer import assistant_config, make_muse_glimmer_tiny, muse_names
+    from tools.fixtures.dflash import build_beside, drafter_dir
+    from tools.fixtures.muse_glimmer import assistant_config, make_muse_glimmer_tiny, muse_names
 
     sizes = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 16,
              "num_key_value_heads": 16, "head_dim": 64, "max_position_embeddings": 4096}

@@ -21,7 +21,7 @@ numerics, on its own model instance only (the verifier's is untouched):
   output dtype, the pessimistic bound);
 - on a float16 copy (the bundled demo model's dtype): `cpu`, the control only.
 
-Cheats (provider.models.cheat_fixtures: 8- and 4-bit, 1% noise, a layer dropped; built from the float32 and the
+Cheats (tools.fixtures.cheats: 8- and 4-bit, 1% noise, a layer dropped; built from the float32 and the
 bfloat16 checkpoint) decode on the verifier's own numerics, the closest a cheater can come to the verifier. Every
 outcome is decoded by the producer's own loop (mlx-lm's prompt cache; logits - logsumexp as mlx-lm's generator
 computes it; greedy, or the node's positional Gumbel sampler with the job's seed, so seeded tokens are the node's
@@ -72,7 +72,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from provider.engine.output import end_ids  # noqa: E402
 from provider.engine.sampling import sampler_for  # noqa: E402
 from provider.jobs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, Proof, SamplingParams  # noqa: E402
-from provider.models import cheat_fixtures, fixtures  # noqa: E402
+from tools.fixtures import cheats as cheat_fixtures, factory  # noqa: E402
 from provider.models.loader import LoadedModel, load, warm_up  # noqa: E402
 from provider.verification.commitment import CHUNK, ChunkMatch, CommitmentBuilder, decode, match_chunk  # noqa: E402
 from provider.verification.hidden_tap import install, top_entries  # noqa: E402
@@ -175,7 +175,7 @@ class Job:
 
 def jobs_for(tokenizer, n: int, tokens: int, rng: random.Random) -> list[Job]:
     """Chat prompts of corpus words; a third greedy, a third seeded at T 0.3-1.2, a third seeded with a filter."""
-    words = fixtures.CORPUS.split()
+    words = factory.CORPUS.split()
     out = []
     for i in range(n):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
@@ -490,7 +490,7 @@ def splits_by_projections(model: str) -> bool:
     from mlx_lm.utils import _get_classes
 
     with tempfile.TemporaryDirectory() as tmp:
-        fixtures.FIXTURES[model](Path(tmp))
+        factory.FIXTURES[model](Path(tmp))
         config = json.loads((Path(tmp) / model / "config.json").read_text())
     return hasattr(_get_classes(config)[0], "shard")
 
@@ -526,7 +526,7 @@ def main() -> int:
                                                         "seeded, seeded with a filter)")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens of every job")
     ap.add_argument("--seed", type=int, default=55)
-    ap.add_argument("--models", default="gemma4-tiny,llama-tiny", help="fixture models (provider.models.fixtures)")
+    ap.add_argument("--models", default="gemma4-tiny,llama-tiny", help="fixture models (tools.fixtures.factory)")
     ap.add_argument("--json", default="", help="also write the proposals and statistics here")
     ap.add_argument("--save", default="", help="pickle the outcomes here (to judge them again with --load)")
     ap.add_argument("--load", default="", help="judge the outcomes a --save pickled instead of making new ones")
@@ -546,7 +546,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             for model in args.models.split(","):
-                fixtures.FIXTURES[model](root / "fx")
+                factory.FIXTURES[model](root / "fx")
                 everything[model] = run_model(model, root, args, rng, log)
         if args.save:
             with open(args.save, "wb") as f:

@@ -3,7 +3,7 @@ CLI over OpenAI's Responses API, each for two turns, headless and offline.
 
 - Installs `@anthropic-ai/claude-code` and `@openai/codex` from npm into --cache (once; npm's registry is the
   only network it needs).
-- Builds a fixture model with the real factory (provider.models.fixtures): a small Llama whose tokenizer is
+- Builds a fixture model with the real factory (tools.fixtures.factory): a small Llama whose tokenizer is
   trained on this repository's docs and code, with a 64k context, room for the agents' 10-25k-token system
   prompts and tool lists. Its weights are random: the agents get nonsense back, which is all this needs.
 - Starts the node on it, with max_tokens capped (the agents ask 32000; the node clamps, says so in telemetry).
@@ -60,15 +60,15 @@ def corpus() -> list[str]:
 
 
 def build_model(root: Path) -> Path:
-    from provider.models import fixtures
+    from tools.fixtures import factory
 
     out = root / MODEL
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    ids = fixtures.build_tokenizer(out, VOCAB, fixtures.CHATML_TEMPLATE, "<eos>", add_bos=True, corpus=corpus())
-    config = fixtures._llama_config(ids, VOCAB, 64, 2) | {"max_position_embeddings": CONTEXT}
-    fixtures._save(out, config, ending(fixtures._random_weights(config, seed=38), ids["<|im_end|>"]))
+    ids = factory.build_tokenizer(out, VOCAB, factory.CHATML_TEMPLATE, "<eos>", add_bos=True, corpus=corpus())
+    config = factory._llama_config(ids, VOCAB, 64, 2) | {"max_position_embeddings": CONTEXT}
+    factory._save(out, config, ending(factory._random_weights(config, seed=38), ids["<|im_end|>"]))
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from provider import logs  # noqa: E402
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from tools.harness.nodes import kill_restart_scenario  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def main() -> int:
     logs.configure("error", "json")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        fixtures.FIXTURES["gemma4-tiny"](root)
+        factory.FIXTURES["gemma4-tiny"](root)
         report = asyncio.run(kill_restart_scenario(root / "gemma4-tiny", root / "state", cycles=args.cycles))
     print("\n".join(report.lines()))
     ok = (report.jobs_with_one_outcome == report.jobs and report.completed_streams_with_gaps_or_duplicates == 0

@@ -51,7 +51,7 @@ from coordinator_client.pb import provider_pb2 as pb  # noqa: E402
 from coordinator_client.reference_coordinator import ReferenceCoordinator  # noqa: E402
 from coordinator_client.sealing import seal_job  # noqa: E402
 from provider.logs import THROTTLE_BURST, THROTTLE_PER_S, THROTTLE_SUMMARY_S  # noqa: E402
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 from tools.harness.floods import flood_phase, print_floods  # noqa: E402
 from tools.harness.hostile_agents import agent_failures  # noqa: E402
@@ -318,7 +318,7 @@ def media_phase(n: int, seed: int, t: Tally, root: Path) -> dict:
 
     from provider.images import MAX_MEDIA_BYTES
     from provider.memory.estimate import vision_scratch_bytes
-    from provider.models.vision_fixtures import make_gemma4_vlm
+    from tools.fixtures.vision import make_gemma4_vlm
     from tools.harness.hostile import _png, image_part
 
     make_gemma4_vlm(root / "media" / "gemma4-vlm")
@@ -569,7 +569,7 @@ def main() -> int:
     t = Tally()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        fixtures.write_all(root / "fixtures")
+        factory.write_all(root / "fixtures")
         node_started = time.monotonic()
         srv = LocalServer(root / "fixtures" / "llama-tiny", root, "--coordinator", coord.url,
                           env={"PROVIDER_MAX_TOKENS_LIMIT": "16", "PROVIDER_DEFAULT_MAX_TOKENS": "4"})

@@ -28,7 +28,7 @@ from coordinator_client.pb import provider_pb2 as pb  # noqa: E402
 from coordinator_client.reference_coordinator import ReferenceCoordinator  # noqa: E402
 from coordinator_client.routing import dispatch_routed  # noqa: E402
 from coordinator_client.session import CoordinatorSession  # noqa: E402
-from provider.models import fixtures  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 from provider.settings import Settings  # noqa: E402
 from tools.harness.nodes import FAST_RECONNECT, make_node  # noqa: E402
 
@@ -101,7 +101,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = root / "llama-kv-heavy"
-        fixtures.make_llama_kv_heavy(model)
+        factory.make_llama_kv_heavy(model)
         rows = {name: asyncio.run(campaign(model, aware, args, root)) for name, aware in
                 (("cache-aware", True), ("load-only", False))}
     for name, r in rows.items():

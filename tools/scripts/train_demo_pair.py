@@ -228,7 +228,7 @@ def main() -> int:
     import torch
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
-    from provider.models.fixtures import GEMMA_TEMPLATE, build_tokenizer
+    from tools.fixtures.factory import GEMMA_TEMPLATE, build_tokenizer
 
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -64,7 +64,7 @@ from provider.constraints import OutputRules, ResponseFormat  # noqa: E402
 from provider.engine.kv_quant import caches_for  # noqa: E402
 from provider.engine.output import end_ids  # noqa: E402
 from provider.jobs import REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Job, Proof, SamplingParams  # noqa: E402
-from provider.models import cheat_fixtures, fixtures  # noqa: E402
+from tools.fixtures import cheats as cheat_fixtures, factory as fixtures  # noqa: E402
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
 from provider.verification.commitment import CommitmentBuilder  # noqa: E402
 from provider.verification.hidden_tap import install, top_entries  # noqa: E402
@@ -198,7 +198,7 @@ def image_outcomes(root: Path, rng: random.Random, args) -> list[tuple[str, bool
 
     from provider.content import IMAGE_PART, ImageInput
     from provider.jobs import Claim as ClaimOf
-    from provider.models.vision_fixtures import make_gemma4_vlm, make_gemma4_vlm_assistant
+    from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
     from provider.types import SpecMode
 
     make_gemma4_vlm(root / "vlm")
