@@ -8,6 +8,14 @@ drew with (jobs.Proof.sampler) decides the check.
   the job's filtered support (top-p / min-p / top-k), and its probability under the declared temperature is
   not below `floor`. A plausibility check only: docs/verification.md says what it cannot catch.
 
+The filtered support's edge is judged with the same tolerance (`support_scores`): a token within `tie` of a
+top-k / top-p / min-p boundary may have been in the producer's support or out of it (its log-softmax rounds
+otherwise: mlx-lm's takes it in the model's dtype, and float16 ties at the k-th place break either way). So a
+drawn token passes when it is inside the support loosened by `tie` and its score is at least the best of
+the support tightened by `tie`. Seen: a seeded top_k 40 job on the float16 demo pair, whose 40th to 42nd
+tokens tie in float16 and part by 0.005 nats in float32; the verifier's support kept the one whose noise
+won, the producer's another (verify_campaign, 1 honest job in 2,600, fails without this).
+
 The logits are the model's raw ones; penalties and logit bias are applied as the node applied them (mlx-lm's
 processors, over the context so far), then a constrained job's grammar mask (`GrammarReplay`: the producer's
 masks, recomputed by walking the job's own grammar along the claimed tokens), then log-softmax, as mlx-lm's
@@ -22,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine.grammar import RowGrammar, masked
-from ..engine.sampling import logits_processors_for, perturbed, sampling_scores
+from ..engine.sampling import logits_processors_for, perturbed
 from ..jobs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SamplingParams
 from ..types import Cause
 
@@ -48,9 +56,10 @@ def processed(logits: mx.array, params: SamplingParams, context: list[int], firs
 
 
 def token_gaps(logprobs: mx.array, tokens: list[int], positions: list[int], params: SamplingParams, sampler: str,
-               seed: int | None, limit: int | None) -> mx.array:
-    """Per position, how far the token falls short of the one the check expects (0 when it is that one; +inf
-    when it cannot be drawn at all), lazily: [m] float32.
+               seed: int | None, limit: int | None, edge: float = 0.0) -> mx.array:
+    """Per position, how far the token falls short of the one the check expects (0 when it is that one or
+    better; +inf when it cannot be drawn at all), lazily: [m] float32. `edge`: how far (nats) a filter's
+    boundary may lie otherwise on the producer (support_scores).
 
     greedy / replayable: best score - the token's score; speculative: -(the token's log-probability under the
     temperature) when it is inside the filtered support, else +inf."""
@@ -58,25 +67,58 @@ def token_gaps(logprobs: mx.array, tokens: list[int], positions: list[int], para
         outside = mx.array([t >= limit for t in tokens])
         tokens = [min(t, limit - 1) for t in tokens]
     at = mx.array(tokens)[:, None]
-    gaps = _gaps(logprobs, at, positions, params, sampler, seed, limit)
+    gaps = _gaps(logprobs, at, positions, params, sampler, seed, limit, edge)
     return mx.where(outside, math.inf, gaps) if limit is not None else gaps
 
 
 def _gaps(logprobs: mx.array, at: mx.array, positions: list[int], params: SamplingParams, sampler: str,
-          seed: int | None, limit: int | None) -> mx.array:
+          seed: int | None, limit: int | None, edge: float) -> mx.array:
     if sampler == GREEDY_SAMPLER:
-        scores = logprobs[..., :limit]
+        best = theirs = logprobs[..., :limit]
     elif sampler == REPLAYABLE_SAMPLER:
-        base = sampling_scores(logprobs, params, limit)
-        scores = mx.concatenate([perturbed(base[i:i + 1], seed, p) for i, p in enumerate(positions)], axis=0)
+        surely, maybe = support_scores(logprobs, params, limit, edge)
+        best = mx.concatenate([perturbed(surely[i:i + 1], seed, p) for i, p in enumerate(positions)], axis=0)
+        theirs = mx.concatenate([perturbed(maybe[i:i + 1], seed, p) for i, p in enumerate(positions)], axis=0)
     else:
-        scores = sampling_scores(logprobs, params, limit)
-        probs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        _, maybe = support_scores(logprobs, params, limit, edge)
+        probs = maybe - mx.logsumexp(maybe, axis=-1, keepdims=True)
         own = mx.take_along_axis(probs, at, axis=-1)[:, 0]
         return mx.where(mx.isfinite(own), -own, math.inf)
-    own = mx.take_along_axis(scores, at, axis=-1)[:, 0]
-    gap = scores.max(axis=-1) - own
+    own = mx.take_along_axis(theirs, at, axis=-1)[:, 0]
+    gap = mx.maximum(best.max(axis=-1) - own, 0.0)
     return mx.where(mx.isfinite(own), gap, math.inf)
+
+
+def support_scores(logprobs: mx.array, params: SamplingParams, limit: int | None,
+                   edge: float) -> tuple[mx.array, mx.array]:
+    """The request's sampling scores (engine.sampling.sampling_scores: filtered log-probabilities over the
+    temperature) twice: over the tokens surely inside its filters, more than `edge` nats inside each boundary
+    (top_p's also at top_p - edge), and over those maybe inside, within `edge` of one (top_p + edge). Filters
+    keep a prefix of the tokens by probability, so each is a threshold on log-probability, and mlx-lm's
+    top_p, min_p, top_k in turn keep the tokens above the highest."""
+    lp = logprobs[..., :limit].astype(mx.float32)
+    surely = maybe = mx.full(lp.shape[:-1] + (1,), -math.inf)
+    if 0 < params.top_p < 1.0:
+        surely = _top_p_threshold(lp, max(params.top_p - edge, 1e-6))
+        maybe = _top_p_threshold(lp, min(params.top_p + edge, 1.0))
+    if params.min_p != 0.0:
+        t = lp.max(axis=-1, keepdims=True) + math.log(params.min_p)
+        surely, maybe = mx.maximum(surely, t), mx.maximum(maybe, t)
+    if 0 < params.top_k < lp.shape[-1]:
+        t = mx.sort(lp, axis=-1)[..., -params.top_k:][..., :1]  # the k-th largest
+        surely, maybe = mx.maximum(surely, t), mx.maximum(maybe, t)
+    inv_t = 1 / params.temperature
+    return (mx.where(lp >= surely + edge, lp, -math.inf) * inv_t,
+            mx.where(lp >= maybe - edge, lp, -math.inf) * inv_t)
+
+
+def _top_p_threshold(lp: mx.array, top_p: float) -> mx.array:
+    """The lowest log-probability mlx-lm's apply_top_p keeps at `top_p` (its own arithmetic): [..., 1]."""
+    ascending = mx.sort(lp, axis=-1)
+    probs = mx.exp(ascending)
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    dropped = (mass_above >= top_p * (mass_above[..., :1] + probs[..., :1])).sum(axis=-1, keepdims=True)
+    return mx.take_along_axis(ascending, dropped, axis=-1)
 
 
 class GrammarReplay:

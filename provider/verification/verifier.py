@@ -169,7 +169,7 @@ class ClaimReader:
         masks = None if self._grammar is None else self._grammar.masks(tokens, j0)
         logprobs = processed(logits, self.claim.sampling, self._sequence, lo + 1, masks)
         gaps = token_gaps(logprobs, tokens, list(range(j0, j1)), self.claim.sampling, self._check.sampler,
-                          self._check.seed, self.lm.decodable)
+                          self._check.seed, self.lm.decodable, edge=self.tolerance.tie)
         self._pending = (*top_entries(hidden), gaps)
         return list(self._pending)
 
