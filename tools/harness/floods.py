@@ -30,6 +30,7 @@ import psutil
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from tools.harness.daemon import LocalServer
+from tools.harness.privacy_probes import ProbeReport, origin_probe, planted_probe, sealed_probe
 
 MODEL = "gemma4-demo"
 SENDERS = 4  # requests in flight at once
@@ -271,10 +272,22 @@ def flood_phase(root: Path) -> tuple[list[Flood], dict]:
         health = httpx.get(srv.url + "/health", timeout=60).json()
         end = {"alive": srv.proc.poll() is None, "store_bytes": health["memory"].get("responses_store_bytes"),
                "rss_mib": probes.proc.memory_info().rss / 2**20, "idle_rss_mib": probes.idle_rss / 2**20}
+        report = end["probes"] = ProbeReport()
+        report.sealed = sealed_probe(coord, call, session)
+        origin_probe(srv.url, srv.headers, report)
+        tracebacks = srv.logs().count("Traceback")
+
+        def restart() -> LocalServer:
+            nonlocal srv
+            srv = LocalServer(None, root, "--coordinator", coord.url)
+            return srv
+
+        report.planted = planted_probe(srv, restart, lambda s: s.headers)
+        report.planted.pop("srv", None)
     finally:
         control.terminate()
         end["code"] = srv.stop()
-        end["tracebacks"] = srv.logs().count("Traceback")
+        end["tracebacks"] = srv.logs().count("Traceback") + locals().get("tracebacks", 0)
         call(coord.kill())
     return floods, end
 
@@ -291,9 +304,13 @@ def print_floods(floods: list[Flood], end: dict, rss_bound_mib: float = 512) -> 
         print("    " + f.line())
     print(f"    node RSS idle {end.get('idle_rss_mib', 0):.0f} MiB, after {end.get('rss_mib', 0):.0f} MiB; stored "
           f"responses {end.get('store_bytes')} bytes; tracebacks {end.get('tracebacks')}; exit code {end.get('code')}")
+    report = end.get("probes")
+    for line in report.lines() if report else ["the probes did not run"]:
+        print("    " + line)
     ok = (all(f.ok for f in floods) and end.get("alive") and end.get("code") == 0 and not end.get("tracebacks")
-          and all(f.rss_peak_mib < rss_bound_mib for f in floods))
-    print(f"    0 5xx, /health and Ping p99 < 100 ms during each, RSS peak < +{rss_bound_mib:.0f} MiB: "
+          and all(f.rss_peak_mib < rss_bound_mib for f in floods) and report is not None and report.ok)
+    print(f"    0 5xx, /health and Ping p99 < 100 ms during each, RSS peak < +{rss_bound_mib:.0f} MiB, no sealed "
+          "prompt found, no cross-origin or rebinding request served, no planted file used: "
           f"{'ok' if ok else 'FAILED'}")
     return bool(ok)
 

@@ -17,7 +17,10 @@ tools/harness/hostile_agents.py): /v1/messages, count_tokens and /v1/responses, 
 Last, issue 56's floods (tools/harness/floods.py) against the bundled model on a coordinator session: count_tokens
 and /tokenize of 2.6 MB, chats of 99,999 empty messages, 150,000 tiny tools, previous_response_id chains of 2 MB
 requests, values nested 940-999 deep; 0 5xx, /health and a coordinator Ping answered within 100 ms at p99 during
-each, RSS bounded.
+each, RSS bounded Then issue 56's probes on the same node (tools/harness/privacy_probes.py): a sealed prompt probed
+by unsealed and sealed jobs in its scope (told 0 cached tokens; a control told it hit), every route and method
+from a foreign origin or a rebinding Host (none served), and the disk tier's entries rewritten without its key
+beside a symlink, a FIFO and a sparse 1 GiB file planted while the node was down (none used after a restart).
 
     python tools/scripts/fuzz_campaign.py [--http 2000] [--frames 1000] [--results 500] [--drains 20000]
                                           [--group 1000] [--media 200] [--seed N]
