@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .jobs import JobError
 from .models import capability, loader, manifest, store
-from .models.checkpoint import read_config
+from .memory.checkpoint import read_config
 from .models.footprint import estimate_footprint
 from .machine import longest_prefill_read
 from .settings import Settings

@@ -116,7 +116,7 @@ def load_prompt_tokenizer(model_id: str, path: Path, config: dict) -> PromptToke
     from mlx_lm.utils import load_tokenizer
 
     from .models.capability import images_refused, vocab_size
-    from .models.checkpoint import context_length
+    from .memory.checkpoint import context_length
 
     try:  # the same call mlx_lm.load makes, so ids and templates match the loaded model's
         tok = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

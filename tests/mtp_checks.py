@@ -19,7 +19,7 @@ from provider.engine.spec_rounds import Speculator
 from provider.jobs import Job, SamplingParams
 from provider.memory import estimate
 from provider.models import capability
-from provider.models.checkpoint import open_checkpoint
+from provider.memory.checkpoint import open_checkpoint
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.gemma4_target import Target

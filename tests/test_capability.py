@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from provider.memory.estimate import kv_shape
-from provider.models.checkpoint import HeaderError, open_checkpoint, read_safetensors_header
+from provider.memory.checkpoint import HeaderError, open_checkpoint, read_safetensors_header
 from provider.models import capability
 from provider.models.store import find_drafter_for
 

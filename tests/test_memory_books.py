@@ -136,7 +136,7 @@ def test_a_long_prompt_beside_short_jobs_is_booked_as_the_padded_batch_it_makes(
 
 
 def test_drafter_headroom_counts_what_running_jobs_hold(fixtures_dir):
-    from provider.models.checkpoint import read_config
+    from provider.memory.checkpoint import read_config
     from provider.models.footprint import drafter_footprint, estimate_footprint
     from provider.types import SpecMode
 
@@ -301,7 +301,7 @@ def test_a_hybrid_row_is_booked_as_the_caches_mlx_lm_makes_for_it(hybrid):
     row at 5 % of what it holds)."""
     from mlx_lm import load
 
-    from provider.models.checkpoint import read_config
+    from provider.memory.checkpoint import read_config
     from provider.models.footprint import kv_shape_of
 
     model, _ = load(str(hybrid))
@@ -371,7 +371,7 @@ def _hybrid_read_peaks(model: str, reads=((1, 100), (2, 50))) -> list[tuple[int,
     books for that read: its footprint's act_shape)."""
     from mlx_lm import load
 
-    from provider.models.checkpoint import read_config
+    from provider.memory.checkpoint import read_config
     from provider.models.footprint import estimate_footprint
 
     lm, _ = load(model)

@@ -10,7 +10,7 @@ import pytest
 from provider.jobs import Done, Error, Job, JobError, Tokens
 from provider.types import Cause
 from provider.models import manifest
-from provider.models.checkpoint import read_config
+from provider.memory.checkpoint import read_config
 from provider.models.footprint import estimate_footprint
 from provider.models.store import StoredModel
 from tests.helpers import collect, greedy, make_node, paused_models, run, until

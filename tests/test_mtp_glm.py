@@ -50,7 +50,7 @@ def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path
 
 
 def open_tensors(path):
-    from provider.models.checkpoint import open_checkpoint
+    from provider.memory.checkpoint import open_checkpoint
 
     return open_checkpoint(path).tensors
 

@@ -17,7 +17,7 @@ import pytest
 
 from provider.engine.prefill_plan import longest_read
 from provider.memory.budget import GiB
-from provider.models.checkpoint import read_config
+from provider.memory.checkpoint import read_config
 from provider.models.footprint import estimate_footprint
 from tools.harness.daemon import LocalServer
 

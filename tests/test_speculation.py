@@ -235,7 +235,7 @@ def test_serving_qwen3_never_reads_drafter_weights(fixtures_dir, monkeypatch):
 
 
 def test_budget_too_small_for_the_drafter_serves_the_target_alone(fixtures_dir):
-    from provider.models.checkpoint import read_config
+    from provider.memory.checkpoint import read_config
     from provider.models.footprint import estimate_footprint
 
     target = estimate_footprint(fixtures_dir / "gemma4-tiny", read_config(fixtures_dir / "gemma4-tiny"),

@@ -1,5 +1,5 @@
 """Footprint arithmetic over what a checkpoint's files say (its config and tensor table). Pure: the files are
-read by provider.models.checkpoint; nothing here opens one."""
+read by memory.checkpoint; nothing here opens one."""
 
 from __future__ import annotations
 

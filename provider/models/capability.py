@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..memory.estimate import text_config
-from .checkpoint import HeaderError, context_length, open_checkpoint, read_config
+from ..memory.checkpoint import HeaderError, context_length, open_checkpoint, read_config
 
 ASSISTANT_TYPES = {"gemma4_assistant"}
 OWN_HEAD, ASSISTANT, DRAFT_MODEL = "own_mtp_head", "mtp_assistant", "draft_model"  # Capabilities.speculates_with

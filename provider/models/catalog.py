@@ -16,7 +16,7 @@ from ..types import Cause, ModelId
 from ..memory import estimate
 from ..status import ModelFacts
 from . import loader, manifest
-from .checkpoint import open_checkpoint, read_config
+from ..memory.checkpoint import open_checkpoint, read_config
 from .store import StoredModel
 
 log = logs.get("models")

@@ -26,7 +26,7 @@ from ..memory.estimate import DTYPE_BYTES, text_config
 from . import dflash2, dspark, gemma4_dspark
 from . import laguna_dflash as laguna
 from . import muse_glimmer_assistant as muse
-from .checkpoint import HeaderError, open_checkpoint
+from ..memory.checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
 # mlx-vlm's other block drafters (DSpark last: Gemma4DSparkModel is a Gemma 4 one)

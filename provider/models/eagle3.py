@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 
 from ..memory.estimate import text_config
-from .checkpoint import HeaderError, open_checkpoint, read_safetensors_header
+from ..memory.checkpoint import HeaderError, open_checkpoint, read_safetensors_header
 
 EAGLE3 = "eagle3"  # Capabilities.speculates_with
 LAYER_PREFIXES = ("midlayer.", "layers.0.")

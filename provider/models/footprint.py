@@ -10,7 +10,7 @@ from ..memory import estimate
 from ..types import SpecMode
 from . import dflash, eagle3
 from .capability import images_refused, native_head_family
-from .checkpoint import context_length, open_checkpoint
+from ..memory.checkpoint import context_length, open_checkpoint
 from .dflash import is_dflash
 from .eagle3 import is_eagle3
 from .mtp_heads import head_module

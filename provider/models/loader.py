@@ -9,7 +9,7 @@ from typing import Any
 
 from ..jobs import JobError
 from ..types import Cause, SpecMode, SpecReason
-from .checkpoint import context_length, read_config
+from ..memory.checkpoint import context_length, read_config
 
 @dataclass
 class LoadedModel:

@@ -101,7 +101,7 @@ def head_tensors(names) -> list[str]:
 def _hf_layout(path: Path) -> bool:
     """Hugging Face layout (conv1d [C, 1, K], norms zero-centred) rather than mlx-lm's converted one: the same test
     mlx-lm's qwen3_5 sanitize applies to the target, so the head's norms follow the target's."""
-    from .checkpoint import open_checkpoint
+    from ..memory.checkpoint import open_checkpoint
 
     return any("conv1d.weight" in n and shape[-1] != 1 for n, (_, shape) in open_checkpoint(path).tensors.items())
 

@@ -27,7 +27,7 @@ from ..speculation import SpeculationConfig, plan_drafter, plan_group_drafter
 from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
-from .checkpoint import HeaderError, read_config
+from ..memory.checkpoint import HeaderError, read_config
 from .footprint import drafter_footprint, estimate_footprint, head_kv_shape, kv_shape_of
 from .loader import LoadedModel
 from .resident_model import ResidentModel, free_mlx_cache, mlx_active

@@ -23,7 +23,7 @@ def booked_bytes(path: Path, config: dict, ranks: int) -> int:
     import math
 
     from ..memory.estimate import DTYPE_BYTES
-    from .checkpoint import open_checkpoint
+    from ..memory.checkpoint import open_checkpoint
 
     text = config.get("text_config") or config
     if ranks < 2 or text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)):

@@ -137,7 +137,7 @@ def _to_head(weights: dict[str, mx.array], path: Path, args) -> dict[str, mx.arr
     decide whether the checkpoint is in the published layout as they do for the target."""
     from mlx_lm.models.step3p5 import Model
 
-    from .checkpoint import open_checkpoint
+    from ..memory.checkpoint import open_checkpoint
 
     weights = {k.replace("transformer.", "", 1): v for k, v in weights.items()}  # shared_head's published place
     others = {n: mx.zeros((1,)) for n in open_checkpoint(path).tensors if not n.startswith("model.layers.0.")}

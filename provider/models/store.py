@@ -36,7 +36,7 @@ class StoredModel:
 
 
 def _config(path: Path) -> dict | None:
-    from .checkpoint import open_checkpoint
+    from ..memory.checkpoint import open_checkpoint
 
     try:
         return open_checkpoint(path).config  # read once per state of the files

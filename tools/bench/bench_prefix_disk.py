@@ -23,7 +23,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.fixtures import factory  # noqa: E402
-from provider.models.checkpoint import context_length, read_config  # noqa: E402
+from provider.memory.checkpoint import context_length, read_config  # noqa: E402
 from provider.models.default import ensure_default_model  # noqa: E402
 from tools.harness.daemon import LocalServer  # noqa: E402
 

@@ -1,8 +1,9 @@
 """A checkpoint's files, read once: config.json and the safetensors headers, as a frozen description.
 
-The one reader of both. Capability detection, footprint estimates, the catalog and the store all read
-through it; nothing here loads weights. A description is cached per file state, so a changed file is read
-again and an unchanged one never is.
+The one reader of both. Capability detection, footprint estimates, the catalog, the store and the drafter
+kinds (provider.drafters) all read through it; nothing here loads weights. A description is cached per file
+state, so a changed file is read again and an unchanged one never is. It sits with the arithmetic over what it
+reads (memory.estimate), below both models and drafters, so that either may read a checkpoint.
 """
 
 from __future__ import annotations
