@@ -1,4 +1,7 @@
+import hashlib
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +17,54 @@ def _run_root(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+REPO = Path(__file__).resolve().parents[1]
+# What a distilled head is made from: the fixture modules and the drafters' code they train (a change to either
+# builds them anew), beside MLX's and mlx-lm's versions.
+FIXTURE_SOURCES = ("tools/fixtures/**/*.py", "provider/drafters/**/*.py", "provider/models/*mtp*.py")
+KEEP_OTHER_KEYS_S = 7 * 86400  # caches of other sources left this long untouched are removed
+
+
+def _fixture_key() -> str:
+    import mlx.core as mx
+    import mlx_lm
+
+    h = hashlib.sha256(f"mlx {mx.__version__} mlx-lm {mlx_lm.__version__}".encode())
+    for pattern in FIXTURE_SOURCES:
+        for f in sorted(REPO.glob(pattern)):
+            h.update(f.relative_to(REPO).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _kept_root() -> Path | None:
+    """Where distilled heads outlive the run (they take 30-120 s each to distil, and a clean clone of the same
+    sources builds the same bytes): $XDG_CACHE_HOME/provider-node-tests/<key>, or PROVIDER_TEST_FIXTURES (a
+    directory, or "off" to build them per run). Read at import, before tests isolate XDG_CACHE_HOME."""
+    where = os.environ.get("PROVIDER_TEST_FIXTURES", "")
+    if where == "off":
+        return None
+    base = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "provider-node-tests"
+    root = base / _fixture_key()
+    if not root.exists():
+        for other in base.glob("*"):  # another version's, long unused
+            if other.is_dir() and time.time() - other.stat().st_mtime > KEEP_OTHER_KEYS_S:
+                shutil.rmtree(other, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    os.utime(root)
+    return root
+
+
+KEPT_ROOT = _kept_root()
+
+
 def _built_once(out: Path, build) -> Path:
-    """`build()` into `out` unless a worker has finished it: under a lock, with a marker written last."""
+    """`build()` into `out` unless a worker (of this run, or of an earlier one where `out` is kept) has finished
+    it: under a lock, with a marker written last; what an interrupted build left is removed first."""
     from filelock import FileLock
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not (out.parent / f"{out.name}.built").exists():
+            shutil.rmtree(out, ignore_errors=True)
             build()
             (out.parent / f"{out.name}.built").touch()
     return out
@@ -38,7 +82,7 @@ def head_fixture(tmp_path_factory):
     """head_fixture(name): a target with its own MTP head (fixtures.mtp.HEAD_FIXTURES), built when first asked."""
     from tools.fixtures.mtp import build_head_fixture
 
-    root = _run_root(tmp_path_factory) / "heads"
+    root = KEPT_ROOT / "heads" if KEPT_ROOT is not None else _run_root(tmp_path_factory) / "heads"
     return lambda name: _built_once(root / name, lambda: build_head_fixture(name, root))
 
 
