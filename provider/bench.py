@@ -104,7 +104,7 @@ def _pair(model_path: Path, drafter_path: Path):
 
     from .engine.drafters import drafter_for
     from .models import capability
-    from .models.gemma4_assistant import load_assistant
+    from .drafters.gemma4_assistant import load_assistant
     from .models.loader import LoadedModel
     from .types import SpecMode
 

@@ -24,6 +24,7 @@ GC_OFF_AT_MOST_S = 30.0  # `provider start` turns the collector off until its mo
 async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None) -> int:
     """Run the node with its front ends until SIGINT/SIGTERM, then drain: engine first, listeners last. As rank 0
     of a node group (`group`), first join the other ranks; the model then loads split across them."""
+    from .local.dashboard import login_link
     from .local.server import load_or_mint_token, start_control_socket, start_local_api
     from .models.default import primary_models
     from .machine import decide_node_budget, node_step_tokens
@@ -56,15 +57,33 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     node.on_engine_failure(lambda why: loop.call_soon_threadsafe(lambda: (engine_failed.append(why), stop.set())))
     node.start()
     model_id = node.resolve_model(None)
+
+    def session_state() -> str | None:
+        if session is None:
+            return None
+        return "rejected" if session.rejected else "connected" if session.welcomed.is_set() else "connecting"
+
+    def session_detail() -> dict | None:
+        if session is None:
+            return None
+        return {"state": session_state(), "connected_since": session.connected_since,
+                "sessions": session.stats.sessions, "jobs_received": session.jobs.stats.jobs_received,
+                "outcomes_sent": session.jobs.stats.outcomes_sent}
+
+    mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
+    # What `provider status` and the node's page say of the daemon beside NodeStatus (status_file.DaemonFacts).
+    facts = status_file.DaemonFacts(pid=os.getpid(), started=time.time(), mode=mode,
+                                    coordinator=settings.coordinator or None, session=session_detail)
     runner = url = None
     if local and membership is None:
         # Listen at once: /health says `loading` and a request waits for the model, instead of a refused
         # connection, while it loads. The API's line (its URL) still comes once the model serves.
         node.loading = True
-        runner, url = await start_local_api(node, settings.bind, settings.port, token)
+        runner, url = await start_local_api(node, settings.bind, settings.port, token, facts=facts)
+        facts.local_url = url
         print(f"provider {__version__}: loading {model_id}; health at {url}/health", flush=True)
     # The command line's way in (`provider generate`), with or without the TCP API, and after it: on its runner.
-    runner, control = await start_control_socket(node, token, runner)
+    runner, control = await start_control_socket(node, token, runner, facts=facts)
     loading = asyncio.create_task(service.while_loading(model_id))
     try:
         await node.preload(model_id)  # load and warm up before saying we are ready
@@ -99,10 +118,14 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     print(f"provider {__version__}: serving {model_id}", flush=True)
     if local:
         if url is None:
-            runner, url = await start_local_api(node, settings.bind, settings.port, token, runner)
+            runner, url = await start_local_api(node, settings.bind, settings.port, token, runner, facts=facts)
+            facts.local_url = url
         print(f"  local OpenAI-compatible API at {url}/v1", flush=True)
         print(f"  token file: {token_path}  (send: Authorization: Bearer <its contents>)" if token_path
               else "  auth: off (--no-auth)", flush=True)
+        print(f"  dashboard: {login_link(runner.app, url)}"
+              + ("  (one-time login link; `provider status --open` prints a new one)" if token_path else ""),
+              flush=True)
     session_task = None
     if session is not None:
         session_task = asyncio.create_task(session.run(stop))
@@ -110,24 +133,14 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
             session_task.add_done_callback(lambda _: session.rejected and stop.set())
         print(f"  coordinator: {settings.coordinator} as {identity.node_id}", flush=True)
 
-    def session_state() -> str | None:
-        if session is None:
-            return None
-        return "rejected" if session.rejected else "connected" if session.welcomed.is_set() else "connecting"
-
-    mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
-
     def describe() -> str:
         st = node.status()
         return (f"{st.health}, {mode}; models {','.join(st.resident) or 'none'}; {st.active_jobs} active, "
                 f"{st.queued_jobs} queued" + (f"; coordinator {session_state()}" if session else ""))
 
     async def publish_status() -> None:  # for `provider status`
-        started = time.time()
         while not stop.is_set():
-            status_file.write(paths.state_dir(), status_file.snapshot(
-                node.status(), pid=os.getpid(), started=started, mode=mode, local_url=url,
-                coordinator=settings.coordinator or None, session=session_state()))
+            status_file.write(paths.state_dir(), facts.snapshot(node.status()))
             try:
                 await asyncio.wait_for(stop.wait(), 2.0)
             except asyncio.TimeoutError:

@@ -61,6 +61,17 @@ class Metrics:
                 child.observe(1 / t.decode_tokens_per_s)
         self.e2e.labels(model_id).observe(t.total_ms / 1000)
 
+    def ttft_buckets(self) -> list[tuple[float, float]]:
+        """The time-to-first-token histogram over every model: (upper bound in seconds, cumulative count), +Inf
+        last, as /metrics exposes it (the page's TTFT quantiles are computed from it as Prometheus would)."""
+        sums: dict[float, float] = {}
+        for family in self.ttft.collect():
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    sums[le] = sums.get(le, 0.0) + s.value
+        return sorted(sums.items())
+
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest
 
@@ -111,6 +122,13 @@ class _StatusCollector:
         yield counter("request_failure", "Jobs that ended with an error.", c.jobs_failed)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", c.spec_drafted)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", c.spec_accepted)
+        yield counter("spec_decode_num_drafts", "Speculative rounds, each one target forward.", c.spec_target_forwards)
+        yield counter("proofs", "Outcomes that carried a proof (docs/verification.md).", c.proofs_made)
+        verdicts = CounterMetricFamily(NS + "verify_verdicts", "Verify jobs run on other nodes' claims, by verdict.",
+                                       labels=["verdict"])
+        verdicts.add_metric(["passed"], c.verify_passed)
+        verdicts.add_metric(["failed"], c.verify_jobs - c.verify_passed)
+        yield verdicts
         load = GaugeMetricFamily(NS + "model_load_seconds", "How long each resident model took to load.",
                                  labels=["model_name"])
         for model in st.models:

@@ -79,6 +79,9 @@ class Counters:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_target_forwards: int = 0
+    proofs_made: int = 0  # outcomes that carried a proof (a committing node's, docs/verification.md)
+    verify_jobs: int = 0  # verify jobs this node ran on another node's claim
+    verify_passed: int = 0  # of them, those whose verdict passed
 
 
 @dataclass

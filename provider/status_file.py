@@ -11,24 +11,50 @@ import dataclasses
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from . import __version__
 from .status import NodeStatus
 
 FILE_NAME = "status.json"
 
 
 def snapshot(st: NodeStatus, *, pid: int, started: float, mode: str, local_url: str | None,
-             coordinator: str | None, session: str | None) -> dict[str, Any]:
+             coordinator: str | None, session: str | None, session_detail: dict | None = None) -> dict[str, Any]:
     body = dataclasses.asdict(st)
     body.pop("last_tick", None)  # a monotonic time means nothing to another process
     return {
-        "pid": pid, "written_at": time.time(), "uptime_s": round(time.time() - started, 1), "mode": mode,
+        "pid": pid, "version": __version__, "written_at": time.time(), "started_at": round(started, 3),
+        "uptime_s": round(time.time() - started, 1), "mode": mode,
         "local_url": local_url, "coordinator": coordinator, "coordinator_session": session,
+        "coordinator_session_detail": session_detail,
         "engine_tick_age_s": round(time.monotonic() - st.last_tick, 3),
         **body,
     }
+
+
+@dataclass
+class DaemonFacts:
+    """What the daemon knows of itself beside `NodeStatus` (its process, mode and front ends): the status file and
+    the node's page (provider/local/dashboard.py) are both made by `snapshot`, so they never disagree. The daemon
+    sets `local_url` once it listens."""
+
+    pid: int
+    started: float
+    mode: str = ""
+    coordinator: str | None = None
+    local_url: str | None = None
+    # The coordinator session, or None without one: {"state": connecting | connected | rejected, "connected_since":
+    # unix time or None, "sessions", "jobs_received", "outcomes_sent"}.
+    session: Callable[[], dict | None] = lambda: None
+
+    def snapshot(self, st: NodeStatus) -> dict[str, Any]:
+        detail = self.session()
+        return snapshot(st, pid=self.pid, started=self.started, mode=self.mode, local_url=self.local_url,
+                        coordinator=self.coordinator, session=detail["state"] if detail else None,
+                        session_detail=detail)
 
 
 def write(state_dir: Path, body: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from mlx_lm import load
 from provider.jobs import Job, SamplingParams
 from provider.memory import estimate
 from provider.models import capability
-from provider.models.dflash_head import load_dflash
+from provider.drafters.dflash.head import load_dflash
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint
@@ -130,8 +130,8 @@ def sampled_as_plain(target, load_head, drafter_class) -> None:
 
 
 def weights_and_activations_booked(target, drafter, load_head, family, head_class):
-    """The drafter as it loads (a `head_class`) holds `family.weight_bytes` (family: models.eagle3 or
-    models.dflash), and its footprint beyond them is its activations. Returns (target model, head, its config)."""
+    """The drafter as it loads (a `head_class`) holds `family.weight_bytes` (family: drafters.eagle3.config or
+    drafters.dflash.config), and its footprint beyond them is its activations. Returns (target model, head, its config)."""
     config = capability.read_config(drafter)
     model, _ = load(str(target))
     head = load_head(target, model)

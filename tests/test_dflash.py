@@ -13,8 +13,9 @@ import pytest
 from mlx_lm import load
 
 from provider.engine.dflash_drafter import DFlashDrafter
-from provider.models import capability, dflash
-from provider.models.dflash_head import DFlashHead
+from provider.models import capability
+from provider.drafters.dflash import config as dflash
+from provider.drafters.dflash.head import DFlashHead
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape
@@ -36,7 +37,7 @@ load_head = drafter_checks.load_dflash_beside
 def test_paired_as_dflash_from_config_and_headers_listed_and_registered(target):
     drafter_checks.paired_listed_and_registered(target, NAME, drafter_dir(target), "dflash")
     # Not taken for an EAGLE-3 drafter, nor an EAGLE-3 one for it.
-    from provider.models.eagle3 import is_eagle3
+    from provider.drafters.eagle3.config import is_eagle3
     assert not is_eagle3(capability.read_config(drafter_dir(target)))
 
 

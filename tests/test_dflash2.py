@@ -13,8 +13,9 @@ import pytest
 from mlx_lm import load
 
 from provider.engine.dflash_drafter import DFlashDrafter
-from provider.models import capability, dflash
-from provider.models.dflash2_head import DFlash2Head, load_dflash2
+from provider.models import capability
+from provider.drafters.dflash import config as dflash
+from provider.drafters.dflash.dflash2_head import DFlash2Head, load_dflash2
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape

@@ -12,8 +12,9 @@ import pytest
 from mlx_lm import load
 
 from provider.engine.dflash_drafter import DFlashDrafter
-from provider.models import capability, dflash
-from provider.models.dflash_head import DFlashHead, load_dflash
+from provider.models import capability
+from provider.drafters.dflash import config as dflash
+from provider.drafters.dflash.head import DFlashHead, load_dflash
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from tests import drafter_checks

@@ -14,8 +14,9 @@ import pytest
 from mlx_lm import load
 
 from provider.engine.drafters import Eagle3Drafter
-from provider.models import capability, eagle3
-from provider.models.eagle3_head import Eagle3Head, load_eagle3
+from provider.models import capability
+from provider.drafters.eagle3 import config as eagle3
+from provider.drafters.eagle3.head import Eagle3Head, load_eagle3
 from tools.fixtures.eagle3 import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import eagle3_kv_shape

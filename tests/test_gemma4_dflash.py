@@ -15,8 +15,8 @@ from mlx_lm import load
 
 from provider.engine.dflash_drafter import DFlashDrafter
 from provider.jobs import SamplingParams
-from provider.models import dflash
-from provider.models.dflash_head import DFlashHead, target_embedding
+from provider.drafters.dflash import config as dflash
+from provider.drafters.dflash.head import DFlashHead, target_embedding
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape

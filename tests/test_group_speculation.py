@@ -120,7 +120,7 @@ def test_rank_0s_whole_lm_head_is_the_checkpoints_own_or_refused(fixtures_dir, h
     from mlx.nn.layers.distributed import shard_linear
 
     from provider.models.loader import load
-    from provider.models.split_lm_head import booked_bytes, held_bytes, whole_lm_head
+    from provider.drafters.mtp.split_lm_head import booked_bytes, held_bytes, whole_lm_head
 
     path = head_fixture("qwen3_5-mtp-tiny")
     lm = load("t", path)

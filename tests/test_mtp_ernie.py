@@ -8,7 +8,7 @@ output must equal plain decoding; sampled output must be distributed as plain sa
 import mlx.core as mx
 import pytest
 
-from provider.models.ernie4_5_mtp import load_head
+from provider.drafters.mtp.ernie4_5 import load_head
 from tests import mtp_checks
 
 NAME = "ernie4_5_moe-mtp-tiny"

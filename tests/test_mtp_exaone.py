@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from provider.models.exaone_moe_mtp import load_head
+from provider.drafters.mtp.exaone_moe import load_head
 from tests import mtp_checks
 
 NAME = "exaone_moe-mtp-tiny"

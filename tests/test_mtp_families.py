@@ -17,7 +17,7 @@ from provider.models import capability
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
 from provider.models.gemma4_target import Target
-from provider.models.qwen3_5_mtp import load_head
+from provider.drafters.mtp.qwen3_5 import load_head
 from provider.telemetry import SpecTelemetry
 from provider.types import SpecMode
 from provider.verification.hidden_tap import install
@@ -80,7 +80,7 @@ def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(tar
 
 
 def test_the_head_computes_what_mlx_vlms_qwen3_5_mtp_drafter_computes_on_the_same_weights(target):
-    """The head as loaded here (models.qwen3_5_mtp) against mlx-vlm's Qwen3_5MTPDraftModel, loaded by mlx-vlm's
+    """The head as loaded here (drafters.mtp.qwen3_5) against mlx-vlm's Qwen3_5MTPDraftModel, loaded by mlx-vlm's
     own split of the same checkpoint: the same parameters, and on the prompt's pairs then four draft steps the
     same hidden state and draft tokens bit for bit, and the same K/V: V bit for bit, K within 1e-6 (mlx-lm's layer
     rotates with mx.fast.rope, mlx-vlm's with its own M-RoPE arithmetic: 2e-9 apart on one element here)."""

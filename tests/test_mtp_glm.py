@@ -15,7 +15,7 @@ from mlx_lm import load
 from provider.jobs import SamplingParams
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import drafter_footprint, head_kv_shape
-from provider.models.glm4_moe_lite_mtp import load_head
+from provider.drafters.mtp.glm4_moe_lite import load_head
 from provider.types import SpecMode
 from tests import mtp_checks
 

@@ -11,7 +11,7 @@ import pytest
 
 from provider.jobs import SamplingParams
 from tools.fixtures.mtp import train_prompts
-from provider.models.glm4_moe_lite_mtp import load_head
+from provider.drafters.mtp.glm4_moe_lite import load_head
 from tests import mtp_checks
 
 NEXTN = "model.layers.3."  # num_hidden_layers = 3

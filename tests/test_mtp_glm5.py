@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from provider.jobs import SamplingParams
 from tools.fixtures.mtp import train_prompts
-from provider.models.glm4_moe_lite_mtp import load_head
+from provider.drafters.mtp.glm4_moe_lite import load_head
 from tests import mtp_checks
 
 NAME = "glm_moe_dsa-mtp-tiny"

@@ -11,7 +11,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from provider.models.longcat_flash_mtp import load_head
+from provider.drafters.mtp.longcat_flash import load_head
 from tests import mtp_checks
 
 NAME = "longcat_flash-mtp-tiny"

@@ -10,7 +10,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from provider.models.mimo_mtp import load_head
+from provider.drafters.mtp.mimo import load_head
 from tests import mtp_checks
 
 NAME = "mimo-mtp-tiny"

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from tools.fixtures.mtp import train_prompts
-from provider.models.mimo_v2_mtp import load_head
+from provider.drafters.mtp.mimo_v2 import load_head
 from tests import mtp_checks
 
 NAME = "mimo_v2_flash-mtp-tiny"

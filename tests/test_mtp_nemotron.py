@@ -20,7 +20,7 @@ from provider.jobs import Job, SamplingParams
 from provider.models import capability
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import head_kv_shape, kv_shape_of
-from provider.models.nemotron_h_mtp import load_head, serves
+from provider.drafters.mtp.nemotron_h import load_head, serves
 from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
 

@@ -19,7 +19,7 @@ from provider.jobs import SamplingParams
 from provider.models import capability
 from tools.fixtures.mtp import HF_METADATA, train_prompts
 from provider.models.footprint import head_kv_shape
-from provider.models.qwen3_5_mtp import load_head
+from provider.drafters.mtp.qwen3_5 import load_head
 from tests import mtp_checks
 from tests.helpers import make_node, run
 

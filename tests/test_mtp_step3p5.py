@@ -11,7 +11,7 @@ sampling."""
 import mlx.core as mx
 import pytest
 
-from provider.models.step3p5_mtp import load_head
+from provider.drafters.mtp.step3p5 import load_head
 from tests import mtp_checks
 
 NAME = "step3p5-mtp-tiny"

@@ -16,8 +16,9 @@ from mlx_lm import load
 
 from provider.engine.dflash_drafter import DFlashDrafter
 from provider.jobs import SamplingParams
-from provider.models import capability, dflash
-from provider.models.dflash_head import DFlashHead, WindowedContext, target_embedding
+from provider.models import capability
+from provider.drafters.dflash import config as dflash
+from provider.drafters.dflash.head import DFlashHead, WindowedContext, target_embedding
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.models.footprint import dflash_kv_shape

@@ -24,7 +24,7 @@ from provider.engine.spec_rounds import SpecRow, speculative_tokens  # noqa: E40
 from provider.telemetry import SpecTelemetry
 from provider.models.gemma4_target import Target
 from provider.models import capability  # noqa: E402
-from provider.models.gemma4_assistant import load_assistant  # noqa: E402
+from provider.drafters.gemma4_assistant import load_assistant  # noqa: E402
 
 WINDOW = 32
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2

@@ -18,7 +18,7 @@ from provider.models.gemma4_target import Target
 from provider.types import SpecReason
 from provider.jobs import Done, Job, Tokens
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
-from provider.models.gemma4_assistant import load_assistant
+from provider.drafters.gemma4_assistant import load_assistant
 from tests.helpers import collect, greedy, make_node, run
 
 TEXT = "The cache keeps the keys. Once upon a time, a model read its prompt and wrote a story. "

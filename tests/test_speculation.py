@@ -404,7 +404,7 @@ def test_the_trained_demo_pair_alone_is_lossless_across_its_window():
     from provider.engine.drafters import MTPDrafter
     from provider.models.gemma4_target import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
-    from provider.models.gemma4_assistant import load_assistant
+    from provider.drafters.gemma4_assistant import load_assistant
 
     model, tok = load(str(DEMO_TARGET))
     drafter = MTPDrafter(load_assistant(DEMO_ASSISTANT), Target(model))

@@ -101,6 +101,11 @@ class Books:
         self.stats.spec_drafted += spec.drafted
         self.stats.spec_accepted += spec.accepted
         self.stats.spec_target_forwards += spec.target_forwards
+        if ev.proof is not None:
+            self.stats.proofs_made += 1
+        if ev.verdict is not None:
+            self.stats.verify_jobs += 1
+            self.stats.verify_passed += int(ev.verdict.passed)
 
     def _observe(self, ev: Event, model_id: str | None) -> None:
         """Observers (metrics) and the log line, after the job's own consumer has its event."""

@@ -1,12 +1,12 @@
-"""A DFlash drafter (models.dflash_head) in the node's round loop (spec_rounds.Speculator).
+"""A DFlash drafter (drafters.dflash.head) in the node's round loop (spec_rounds.Speculator).
 
 Each row has the drafter's context cache of its own (the K/V of every committed position's tapped target features)
 and `pending`, the features of positions committed since its last round. A round, per row: the pending features
 into the cache, then one forward of the block [last, mask x k] at the positions after the context, whose block
 positions 1..k give the k draft distributions at once; each row then draws its drafts position by position, under
 its grammar (the mask of position j follows the drafts before it; the logits do not, but for a DSpark drafter's
-Markov correction by the draft before each, models.dspark_head, and for a DFlash2 drafter's candidate selector,
-which scores the top-k by the draft before each, models.dflash2_head). After the verify, the tapped
+Markov correction by the draft before each, drafters.dflash.dspark_head, and for a DFlash2 drafter's candidate selector,
+which scores the top-k by the draft before each, drafters.dflash.dflash2_head). After the verify, the tapped
 outputs of the row's `last` and accepted drafts become its pending features: the cache held the context only, so
 nothing is rolled back.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..models.dflash_head import DFlashHead
+from ..drafters.dflash.head import DFlashHead
 from ..models.gemma4_target import Target
 from .acceptance import draw_drafts
 from .spec_rounds import SpecRow

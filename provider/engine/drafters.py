@@ -2,7 +2,7 @@
 
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
-- HeadDrafter: an MTP head shipped inside the target's checkpoint (models.mtp_heads), with a KV cache of its own
+- HeadDrafter: an MTP head shipped inside the target's checkpoint (drafters.mtp.heads), with a KV cache of its own
   per row, fed the target's final-norm hidden states. An EAGLE-3 drafter runs the same rounds (Eagle3Drafter).
 
 Both draft every row of a round together, each row drawing from its own logits by its own choice (greedy
@@ -14,9 +14,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..models.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
+from ..drafters.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
 from ..models.gemma4_target import Target
-from ..models.mtp_heads import OwnHead
+from ..drafters.mtp.heads import OwnHead
 from ..types import SpecMode
 from .acceptance import draw_drafts
 from .spec_rounds import SpecRow, merged, rollback, split
@@ -98,7 +98,7 @@ class MTPDrafter:
 
 
 class HeadDrafter:
-    """A native MTP head (models.mtp_heads): the pair (token t+1, target hidden at t) at position t, its own K/V.
+    """A native MTP head (drafters.mtp.heads): the pair (token t+1, target hidden at t) at position t, its own K/V.
 
     A row's head cache holds every pair the head has read for good; `pending` the pairs it reads at the start of
     the next round, ending with (last, the hidden that produced last). A round reads them all in its first step
@@ -199,7 +199,7 @@ class HeadDrafter:
 
 
 class Eagle3Drafter(HeadDrafter):
-    """An EAGLE-3 drafter (models.eagle3_head): HeadDrafter's rounds, pairs and rollback, fed the concatenated outputs
+    """An EAGLE-3 drafter (drafters.eagle3.head): HeadDrafter's rounds, pairs and rollback, fed the concatenated outputs
     of three of the target's decoder layers (the layer tap its load installed: verification.hidden_tap.LayerTap)
     instead of the final-norm hidden, and its draft-vocabulary logits scattered onto the target's vocabulary
     through d2t (ids outside it: probability 0), so a sampled round's q is over the target's vocabulary."""
@@ -224,8 +224,8 @@ class Eagle3Drafter(HeadDrafter):
 
 def drafter_for(lm):
     """The drafter of a loaded pair (`models.loader.LoadedModel`); per-row state lives on the rows."""
-    from ..models.dflash_head import DFlashHead
-    from ..models.eagle3_head import Eagle3Head
+    from ..drafters.dflash.head import DFlashHead
+    from ..drafters.eagle3.head import Eagle3Head
 
     if isinstance(lm.drafter, DFlashHead):
         from .dflash_drafter import DFlashDrafter

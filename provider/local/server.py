@@ -17,6 +17,7 @@ from aiohttp import web
 from .. import logs, paths
 from ..jobs import JobError
 from ..node import Node
+from ..status_file import DaemonFacts
 from . import openai_api as api
 from . import openai_responses as out
 from . import anthropic_messages
@@ -24,6 +25,7 @@ from .anthropic_routes import AnthropicMessages
 from ..daemon_client import socket_path
 from .bodies import off_loop, read_json
 from .cli_jobs import CliJobs
+from .dashboard import Dashboard
 from .model_controls import ModelControls
 from .origin_guard import OriginGuard, over_control_socket
 from .completions import JOB_ID, USAGE, Completions
@@ -55,7 +57,7 @@ def _error(e: api.RequestError, path: str = "") -> web.Response:
 
 
 class LocalAPI:
-    def __init__(self, node: Node, token: str | None):
+    def __init__(self, node: Node, token: str | None, facts: DaemonFacts | None = None):
         self.node = node
         self.token = token
         s = node.settings
@@ -65,6 +67,7 @@ class LocalAPI:
         self.responses = Responses(node, self.limits)
         self.cli_jobs = CliJobs(node)
         self.model_controls = ModelControls(node)
+        self.page = Dashboard(node, token, facts)  # the node's page at / (dashboard.py)
         # The guard refuses a foreign Host or Origin on every method and route, before auth and any handler
         # (origin_guard.py); _errors renders its refusals in the route's surface's shape.
         self.guard = OriginGuard(s)
@@ -90,6 +93,7 @@ class LocalAPI:
             web.post("/provider/v1/models/load", self.model_controls.load),  # `provider models load|unload`
             web.post("/provider/v1/models/unload", self.model_controls.unload),
         ])
+        self.page.add_routes(self.app)
 
     # --- middlewares ----------------------------------------------------------------
 
@@ -158,7 +162,9 @@ class LocalAPI:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         open_paths = ("/health", "/metrics") if self.node.settings.metrics_public else ("/health",)
-        if self.token is not None and request.path not in open_paths and not over_control_socket(request):
+        # The page's paths decide for themselves, and its session cookie opens its own calls (dashboard.py).
+        if self.token is not None and request.path not in open_paths and not over_control_socket(request) \
+                and not self.page.admits(request):
             header = request.headers.get("Authorization", "")
             # Anthropic's clients send the key as x-api-key (anthropic-version beside it is accepted, unread).
             given = header[7:] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
@@ -204,20 +210,20 @@ class LocalAPI:
         return web.json_response({"prompt": await self.node.detokenize(model, ids)})
 
 
-async def _runner(node: Node, token: str | None) -> web.AppRunner:
-    runner = web.AppRunner(LocalAPI(node, token).app, handler_cancellation=True, shutdown_timeout=5.0,
+async def _runner(node: Node, token: str | None, facts: DaemonFacts | None) -> web.AppRunner:
+    runner = web.AppRunner(LocalAPI(node, token, facts).app, handler_cancellation=True, shutdown_timeout=5.0,
                            access_log=None, auto_decompress=False)  # see bodies.read_body
     await runner.setup()
     return runner
 
 
-async def start_control_socket(node: Node, token: str | None,
-                               runner: web.AppRunner | None = None) -> tuple[web.AppRunner, Path | None]:
+async def start_control_socket(node: Node, token: str | None, runner: web.AppRunner | None = None, *,
+                               facts: DaemonFacts | None = None) -> tuple[web.AppRunner, Path | None]:
     """Serve the API on STATE/control.sock too (the TCP API's runner, or one of its own for a node without it),
     for the same user's command line (`provider generate`). Only while holding the state directory's instance
     lock: a socket file found there is a dead daemon's and is replaced. The socket is made 0600 before it
     listens. Returns the runner and the socket's path, or None (and a warning) if it could not be made."""
-    runner = runner or await _runner(node, token)
+    runner = runner or await _runner(node, token, facts)
     path = socket_path()
     sock, bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), False
     try:
@@ -237,11 +243,11 @@ async def start_control_socket(node: Node, token: str | None,
     return runner, path
 
 
-async def start_local_api(node: Node, bind: str, port: int, token: str | None,
-                          runner: web.AppRunner | None = None) -> tuple[web.AppRunner, str]:
+async def start_local_api(node: Node, bind: str, port: int, token: str | None, runner: web.AppRunner | None = None,
+                          *, facts: DaemonFacts | None = None) -> tuple[web.AppRunner, str]:
     """Start listening (on `runner`, the control socket's, if it is already set up); return the runner (call
     `cleanup()` after the node stopped) and the base URL."""
-    runner = runner or await _runner(node, token)
+    runner = runner or await _runner(node, token, facts)
     site = web.TCPSite(runner, bind, port)
     await site.start()
     sock = site._server.sockets[0].getsockname()  # the real port when port=0

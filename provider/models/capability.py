@@ -81,8 +81,8 @@ def has_mtp_tensors(names: list[str], config: dict) -> bool:
 
 
 def native_head_family(config: dict) -> bool:
-    """A family whose MTP head the node loads as a drafter (models.mtp_heads); the rest are detected and reported."""
-    from .mtp_heads import head_module
+    """A family whose MTP head the node loads as a drafter (drafters.mtp.heads); the rest are detected and reported."""
+    from ..drafters.mtp.heads import head_module
 
     return head_module(config) is not None
 
@@ -191,14 +191,14 @@ def with_drafter(caps: Capabilities, target: Path, drafter: Path | None, target_
         reason = "no_drafter" if caps.family in GEMMA4_TYPES else "not_mtp_capable"
         return replace(caps, drafter_reason=reason)
     dcfg = read_config(drafter)
-    from .dflash import DFLASH, is_dflash
-    from .dflash import check_pair as dflash_check
-    from .eagle3 import EAGLE3, check_pair, is_eagle3
+    from ..drafters.dflash.config import DFLASH, is_dflash
+    from ..drafters.dflash.config import check_pair as dflash_check
+    from ..drafters.eagle3.config import EAGLE3, check_pair, is_eagle3
 
     if is_dflash(dcfg):  # a DFlash drafter: drafts a block a forward from several of the target's layers
         why = dflash_check(target_config, drafter, dcfg)
         return replace(caps, mtp_capable=why == "ok", drafter_reason=why, speculates_with=DFLASH if why == "ok" else "")
-    if is_eagle3(dcfg):  # an EAGLE-3 drafter: reads three of the target's layers (models.eagle3)
+    if is_eagle3(dcfg):  # an EAGLE-3 drafter: reads three of the target's layers (drafters.eagle3.config)
         why = check_pair(target_config, drafter, dcfg)
         return replace(caps, mtp_capable=why == "ok", drafter_reason=why, speculates_with=EAGLE3 if why == "ok" else "")
     if dcfg.get("model_type") in ASSISTANT_TYPES:

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from ..memory import estimate
 from ..types import SpecMode
-from . import dflash, eagle3
+from ..drafters.dflash import config as dflash
+from ..drafters.eagle3 import config as eagle3
 from .capability import images_refused, native_head_family
 from ..memory.checkpoint import context_length, open_checkpoint
-from .dflash import is_dflash
-from .eagle3 import is_eagle3
-from .mtp_heads import head_module
+from ..drafters.dflash.config import is_dflash
+from ..drafters.eagle3.config import is_eagle3
+from ..drafters.mtp.heads import head_module
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def drafter_footprint(path: Path, config: dict, mode: SpecMode, k: int, prefill_
 
 
 def head_kv_shape(path: Path, config: dict) -> estimate.KVShape:
-    """Per-token KV of a native MTP head: its attention layers, each row's own (models.mtp_heads)."""
+    """Per-token KV of a native MTP head: its attention layers, each row's own (drafters.mtp.heads)."""
     module = head_module(config)
     elements = module.depth(config) * module.kv_elements(config)
     return estimate.KVShape(elements * _dominant_float_bytes(open_checkpoint(path).tensors), 0, None)

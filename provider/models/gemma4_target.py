@@ -1,6 +1,6 @@
 """The target model as the speculative round loop sees it: logits for any mlx-lm model and its final-norm
 hidden state (for Gemma 4 computed here, for others read from its verification tap, when it has one), and for
-Gemma 4 also what its MTP assistant (provider.models.gemma4_assistant) reads: the committed K/V of the last
+Gemma 4 also what its MTP assistant (provider.drafters.gemma4_assistant) reads: the committed K/V of the last
 non-shared sliding and full layers. A layer served with quantized KV (provider.engine.kv_quant) gives its K and V
 as mlx-lm's quantized triples (packed, scales, biases), cut along the sequence axis alike; the assistant's
 attention reads them as Gemma 4's KV-shared layers do."""

@@ -159,13 +159,13 @@ def _in_target(lm: LoadedModel, drafter_path: Path) -> bool:
 
 
 def _dflash(lm: LoadedModel, drafter_path: Path) -> bool:
-    from .dflash import is_dflash
+    from ..drafters.dflash.config import is_dflash
 
     return is_dflash(read_config(drafter_path))
 
 
 def _eagle3(lm: LoadedModel, drafter_path: Path) -> bool:
-    from .eagle3 import is_eagle3
+    from ..drafters.eagle3.config import is_eagle3
 
     return is_eagle3(read_config(drafter_path))
 
@@ -175,18 +175,18 @@ def _anything(lm: LoadedModel, drafter_path: Path) -> bool:
 
 
 def _load_native_head(lm: LoadedModel, drafter_path: Path, group) -> None:
-    from .mtp_heads import head_module
+    from ..drafters.mtp.heads import head_module
 
     lm.drafter = head_module(lm.config).load_head(drafter_path, lm.model)
     if group is not None and lm.drafter.lm_head is None:  # it drafts on rank 0 alone, from a whole LM head
-        from .split_lm_head import whole_lm_head
+        from ..drafters.mtp.split_lm_head import whole_lm_head
 
         lm.drafter_lm_head = whole_lm_head(drafter_path, lm.model)
 
 
 def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own context KV a row
-    from .dflash import flat_config
-    from .dflash_head import load_dflash
+    from ..drafters.dflash.config import flat_config
+    from ..drafters.dflash.head import load_dflash
     from .footprint import dflash_kv_shape
 
     config = read_config(drafter_path)
@@ -195,22 +195,22 @@ def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its boo
 
 
 def dflash_head_class(variant: str | None) -> type:
-    """The model class of a DFlash drafter of `variant` (models.dflash.flat_config's)."""
-    from .dflash_head import DFlashHead
+    """The model class of a DFlash drafter of `variant` (drafters.dflash.config.flat_config's)."""
+    from ..drafters.dflash.head import DFlashHead
 
-    if variant == "dflash2":  # DFlash's layers, convolved, and a candidate selector (models.dflash2)
-        from .dflash2_head import DFlash2Head as head_class
-    elif variant == "gemma4_dspark":  # Gemma 4's layers, its own embedding and LM head (models.gemma4_dspark)
-        from .gemma4_dspark_head import Gemma4DSparkHead as head_class
-    elif variant == "laguna":  # aux norms on the tapped layers, gated heads (models.laguna_dflash)
-        from .laguna_dflash_head import LagunaHead as head_class
+    if variant == "dflash2":  # DFlash's layers, convolved, and a candidate selector (drafters.dflash.dflash2)
+        from ..drafters.dflash.dflash2_head import DFlash2Head as head_class
+    elif variant == "gemma4_dspark":  # Gemma 4's layers, its own embedding and LM head (drafters.dflash.gemma4_dspark)
+        from ..drafters.dflash.gemma4_dspark_head import Gemma4DSparkHead as head_class
+    elif variant == "laguna":  # aux norms on the tapped layers, gated heads (drafters.dflash.laguna)
+        from ..drafters.dflash.laguna_head import LagunaHead as head_class
     else:
         head_class = DFlashHead  # DSpark's Markov correction and MuseGlimmer's window included
     return head_class
 
 
 def _load_eagle3(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own KV a row, as a head's
-    from .eagle3_head import load_eagle3
+    from ..drafters.eagle3.head import load_eagle3
     from .footprint import eagle3_kv_shape
 
     lm.drafter = load_eagle3(drafter_path, lm.model)
@@ -218,7 +218,7 @@ def _load_eagle3(lm: LoadedModel, drafter_path: Path, group) -> None:  # its boo
 
 
 def _load_assistant(lm: LoadedModel, drafter_path: Path, group) -> None:
-    from .gemma4_assistant import load_assistant
+    from ..drafters.gemma4_assistant import load_assistant
 
     lm.drafter = load_assistant(drafter_path)
 

@@ -31,7 +31,7 @@ from ..memory.checkpoint import HeaderError, read_config
 from .footprint import drafter_footprint, estimate_footprint, head_kv_shape, kv_shape_of
 from .loader import LoadedModel
 from .resident_model import ResidentModel, free_mlx_cache, mlx_active
-from .split_lm_head import booked_bytes, held_bytes
+from ..drafters.mtp.split_lm_head import booked_bytes, held_bytes
 from .spec_profiles import SpecProfiles
 from .store import StoredModel
 

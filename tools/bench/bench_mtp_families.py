@@ -110,7 +110,7 @@ def vlm_runs(path: Path, ps: list[list[int]], n: int, k: int,
     DFlash drafter: dflash_vlm)."""
     if drafter is not None:
         from provider.models.capability import read_config
-        from provider.models.dflash import is_dflash
+        from provider.drafters.dflash.config import is_dflash
         from tools.bench import dflash_vlm, eagle3_vlm
 
         return (dflash_vlm if is_dflash(read_config(drafter)) else eagle3_vlm).runs(path, drafter, ps, n, k)

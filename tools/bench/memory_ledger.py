@@ -435,7 +435,7 @@ def build_windowed(out: Path) -> tuple[Path, Path]:
     """The fixture factory's Muse Glimmer at phase f's size (2 layers, 16 KV heads x 64, fp32) and an untrained
     2-layer MuseGlimmer assistant of window 128 on it: 16 KiB of context K/V a committed token, at most 2 MiB a row
     however long its prompt (its cache keeps the window). Returns the target and the drafter."""
-    from provider.models.dflash_head import DFlashHead
+    from provider.drafters.dflash.head import DFlashHead
     from tools.fixtures.dflash import build_beside, drafter_dir
     from tools.fixtures.muse_glimmer import assistant_config, make_muse_glimmer_tiny, muse_names
 

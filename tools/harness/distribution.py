@@ -169,7 +169,7 @@ def load_demo_pair():
     from provider.engine.drafters import MTPDrafter
     from provider.models.gemma4_target import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
-    from provider.models.gemma4_assistant import load_assistant
+    from provider.drafters.gemma4_assistant import load_assistant
 
     model, tok = load(str(DEMO_TARGET))
     assistant = load_assistant(DEMO_ASSISTANT)

@@ -1,7 +1,7 @@
 """Gemma 4 DSpark drafters (mlx-vlm's `gemma4_dspark`: Gemma4DSparkDraftModel), served as the `dflash` kind (issue
-42). A DSpark drafter (models.dspark: DFlash's block, a Markov correction) whose layers are Gemma 4's; this module
+42). A DSpark drafter (drafters.dflash.dspark: DFlash's block, a Markov correction) whose layers are Gemma 4's; this module
 holds what its config and safetensors headers decide beyond a DSpark drafter's, its layers are
-models.gemma4_dspark_head.
+drafters.dflash.gemma4_dspark_head.
 
 A checkpoint is one when its architectures name `Gemma4DSparkModel` (mlx-vlm's get_model_type); it declares the
 generic `gemma4_text` model type and its DSpark keys flat (or under dflash_config, read alike). What differs from

@@ -48,8 +48,8 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import CacheList, KVCache
 
-from ..memory.mla import mla_elements
-from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
+from ...memory.mla import mla_elements
+from .heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"glm4_moe_lite", "deepseek_v3", "glm_moe_dsa", "glm4_moe", "deepseek_v32"}
 # Each family's mlx-lm module holding its decoder layer and sanitize (glm_moe_dsa's model is deepseek_v32's).

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .mimo_mtp import PairProjectionHead
-from .mtp_heads import finish_load, read_prefixed, target_dtype
+from .mimo import PairProjectionHead
+from .heads import finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"exaone_moe"}
 DEPTH_KEY = "num_nextn_predict_layers"

@@ -28,7 +28,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # their heads share this layout (mlx-vlm: one drafter)
 PREFIX = "mtp."
@@ -101,7 +101,7 @@ def head_tensors(names) -> list[str]:
 def _hf_layout(path: Path) -> bool:
     """Hugging Face layout (conv1d [C, 1, K], norms zero-centred) rather than mlx-lm's converted one: the same test
     mlx-lm's qwen3_5 sanitize applies to the target, so the head's norms follow the target's."""
-    from ..memory.checkpoint import open_checkpoint
+    from ...memory.checkpoint import open_checkpoint
 
     return any("conv1d.weight" in n and shape[-1] != 1 for n, (_, shape) in open_checkpoint(path).tensors.items())
 

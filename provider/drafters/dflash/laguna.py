@@ -1,6 +1,6 @@
 """Laguna DFlash drafters (mlx-vlm's `laguna_dflash`), served as the `dflash` kind (issue 42). This module holds what
-the config and safetensors headers decide beyond a DFlash drafter's (models.dflash); its layers are
-models.laguna_dflash_head.
+the config and safetensors headers decide beyond a DFlash drafter's (drafters.dflash.config); its layers are
+drafters.dflash.laguna_head.
 
 A checkpoint is one when its `model_type` is `laguna` with a `dflash_config` (mlx-vlm's get_model_type). Keys, as
 mlx-vlm's config requires them: dflash_config {block_size, mask_token_id, target_layer_ids, num_target_layers, causal:

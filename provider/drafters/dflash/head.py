@@ -1,4 +1,4 @@
-"""The DFlash drafter as a model (checkpoints: models.dflash), built on MLX and mlx-lm's classes only, so the
+"""The DFlash drafter as a model (checkpoints: drafters.dflash.config), built on MLX and mlx-lm's classes only, so the
 text-only install needs nothing else (mlx-vlm's drafter imports its own model zoo).
 
 A round drafts a whole block in one forward, as z-lab's DFlash and mlx-vlm's DFlashDraftModel run it:
@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .dflash import canonical_tensors, flat_config, loaded
+from .config import canonical_tensors, flat_config, loaded
 from .dspark import VARIANTS as DSPARK_VARIANTS
 from .dspark_head import MarkovCorrection
 
@@ -39,7 +39,7 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = flat["hidden_size"], flat["head_dim"]
         self.n_heads, self.n_kv_heads, self.head_dim = flat["num_attention_heads"], flat["num_key_value_heads"], d
-        self.scale = flat.get("attention_scale", d ** -0.5)  # Gemma 4's is 1 (models.gemma4_dspark)
+        self.scale = flat.get("attention_scale", d ** -0.5)  # Gemma 4's is 1 (drafters.dflash.gemma4_dspark)
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
@@ -72,7 +72,7 @@ class DFlashAttention(nn.Module):
         return self.o_proj(self.gated(o.transpose(0, 2, 1, 3), x).reshape(b, n, -1))
 
     def gated(self, o: mx.array, x: mx.array) -> mx.array:
-        """The heads' outputs o [B, L, heads, D] before o_proj: ungated (Laguna's are: models.laguna_dflash_head)."""
+        """The heads' outputs o [B, L, heads, D] before o_proj: ungated (Laguna's are: drafters.dflash.laguna_head)."""
         return o
 
 
@@ -132,12 +132,12 @@ class DFlashHead(nn.Module):
         self.norm = nn.RMSNorm(h, eps=flat.get("rms_norm_eps", 1e-6))
         self.mask_token_id, self.block_size = flat["mask_token_id"], flat["block_size"]
         self.softcap = flat.get("final_logit_softcapping")
-        # DSpark (models.dspark): the Markov correction, and whether the anchor's position drafts the first token
+        # DSpark (drafters.dflash.dspark): the Markov correction, and whether the anchor's position drafts the first token
         dspark = flat.get("variant") in DSPARK_VARIANTS
         self.markov_head = MarkovCorrection(flat["vocab_size"], flat["markov_rank"]) if dspark else None
         self.from_anchor = int(dspark and bool(flat["sample_from_anchor"]))
-        # MuseGlimmer's (models.muse_glimmer_assistant): a context window, the target's output map on its logits;
-        # Laguna's (models.laguna_dflash): a window and a causal block
+        # MuseGlimmer's (drafters.dflash.muse_glimmer): a context window, the target's output map on its logits;
+        # Laguna's (drafters.dflash.laguna): a window and a causal block
         self.window, self.target_logits = flat.get("context_window"), bool(flat.get("target_logits"))
         self.causal = bool(flat.get("causal_block"))
         self.tap = None  # verification.hidden_tap.LayerTap on the target, set by load_dflash
@@ -243,10 +243,10 @@ def target_embedding(model) -> tuple:
 
 
 def load_dflash(path: Path, model, head_class=DFlashHead) -> DFlashHead:
-    """The drafter at `path` for the loaded target `model` (paired already: models.dflash.check_pair), in its own
+    """The drafter at `path` for the loaded target `model` (paired already: drafters.dflash.config.check_pair), in its own
     dtype, and the target's layer tap installed (only now: a target without a DFlash drafter has none);
     `head_class`: a DFlashHead's subclass (loader.dflash_head_class picks it)."""
-    from ..verification.hidden_tap import install_layers
+    from ...verification.hidden_tap import install_layers
 
     flat = flat_config(json.loads((path / "config.json").read_text()))
     weights = {}

@@ -1,5 +1,5 @@
-"""A Gemma 4 DSpark drafter as a model (checkpoints: models.gemma4_dspark): DFlashHead's context cache, block and
-Markov correction (models.dflash_head, models.dspark_head) with Gemma 4's layers, as mlx-vlm's Gemma4DSparkDraftModel
+"""A Gemma 4 DSpark drafter as a model (checkpoints: drafters.dflash.gemma4_dspark): DFlashHead's context cache, block and
+Markov correction (drafters.dflash.head, drafters.dflash.dspark_head) with Gemma 4's layers, as mlx-vlm's Gemma4DSparkDraftModel
 computes them: per layer
 
     a = o_proj(attention(input_layernorm(x)))        # K = k_norm(k_proj(.)), V = k_proj(.) unnormed (k_eq_v), scale 1
@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
-from .dflash_head import DFlashAttention, DFlashHead
+from .head import DFlashAttention, DFlashHead
 
 
 class Gemma4DSparkAttention(DFlashAttention):

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter as a model (checkpoints: models.eagle3), built on mlx-lm's Llama classes only, so the
+"""The EAGLE-3 drafter as a model (checkpoints: drafters.eagle3.config), built on mlx-lm's Llama classes only, so the
 text-only install needs nothing else (mlx-vlm's drafter imports its own model zoo).
 
 One step, as vLLM's / SGLang's llama_eagle3 and mlx-vlm's Eagle3DraftModel run it, for the pair (token t+1, h_t):
@@ -24,7 +24,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .eagle3 import canonical, flat_config, tapped_layers
+from .config import canonical, flat_config, tapped_layers
 
 
 class Eagle3Layer(nn.Module):
@@ -52,7 +52,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(nn.Module):
     """The drafter: `__call__` maps pairs to its hidden (what the next step takes), `readout` that hidden to what
-    its LM head reads, as models.mtp_heads.OwnHead; `target_logits` gives logits over the target's vocabulary."""
+    its LM head reads, as drafters.mtp.heads.OwnHead; `target_logits` gives logits over the target's vocabulary."""
 
     def __init__(self, flat: dict, own_embedding: bool):
         super().__init__()
@@ -113,9 +113,9 @@ def read_weights(path: Path) -> dict[str, mx.array]:
 
 
 def load_eagle3(path: Path, model) -> Eagle3Head:
-    """The drafter at `path` for the loaded target `model` (paired already: models.eagle3.check_pair), in its own
+    """The drafter at `path` for the loaded target `model` (paired already: drafters.eagle3.config.check_pair), in its own
     dtype, and the target's layer tap installed (only now: a target without an EAGLE-3 drafter has none)."""
-    from ..verification.hidden_tap import install_layers
+    from ...verification.hidden_tap import install_layers
 
     flat = flat_config(json.loads((path / "config.json").read_text()))
     weights = read_weights(path)

@@ -1,6 +1,6 @@
 """DFlash2 drafters (mlx-vlm's `dflash2`: DFlash2DraftModel), served as the `dflash` kind (issue 42). This module
-holds what the config and the safetensors headers decide beyond a DFlash drafter's (models.dflash); the layers and
-the candidate selector are models.dflash2_head.
+holds what the config and the safetensors headers decide beyond a DFlash drafter's (drafters.dflash.config); the layers and
+the candidate selector are drafters.dflash.dflash2_head.
 
 A checkpoint is DFlash2 when an architecture or its model type names it (mlx-vlm's get_model_type: the
 DFlash2DraftModel architecture). Its `dflash_config` adds, over DFlash's keys: `conv_kernel_size` and

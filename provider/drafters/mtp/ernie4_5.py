@@ -27,8 +27,8 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .mimo_mtp import at_position_zero_zeroed
-from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .mimo import at_position_zero_zeroed
+from .heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"ernie4_5_moe"}
 DEPTH_KEY = "num_nextn_predict_layers"

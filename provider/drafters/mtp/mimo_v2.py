@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
-from .mimo_mtp import PairProjectionHead
+from .mimo import PairProjectionHead
 
 FAMILIES = {"mimo_v2_flash"}
 PREFIX = "model.mtp.layers.0."

@@ -1,4 +1,4 @@
-"""DSpark's low-rank Markov correction (checkpoints: models.dspark), as mlx-vlm's VanillaMarkov computes it: block
+"""DSpark's low-rank Markov correction (checkpoints: drafters.dflash.dspark), as mlx-vlm's VanillaMarkov computes it: block
 position i's logits are base_i + markov_w2(markov_w1[previous token]). The previous token of the first position is
 the anchor (the row's last committed token), of each later one the draft drawn just before it; so a round draws its
 drafts one position after another, each from the corrected logits given the one before (engine.dflash_drafter)."""

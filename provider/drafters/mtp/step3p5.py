@@ -32,7 +32,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"step3p5"}
 DEPTH_KEY = "num_nextn_predict_layers"
@@ -83,7 +83,7 @@ class Step3p5MTPHead(OwnHead):
 def install_input_tap(model):
     """A verification.hidden_tap.HiddenTap on the text model's final norm that records its input (the hidden
     before it), installed once (over the final-norm tap if there is one, which keeps working)."""
-    from ..verification.hidden_tap import HiddenTap, _final_norm, _text_model
+    from ...verification.hidden_tap import HiddenTap, _final_norm, _text_model
 
     norm = _final_norm(_text_model(model))
     existing = getattr(type(norm), "input_tap", None)
@@ -137,7 +137,7 @@ def _to_head(weights: dict[str, mx.array], path: Path, args) -> dict[str, mx.arr
     decide whether the checkpoint is in the published layout as they do for the target."""
     from mlx_lm.models.step3p5 import Model
 
-    from ..memory.checkpoint import open_checkpoint
+    from ...memory.checkpoint import open_checkpoint
 
     weights = {k.replace("transformer.", "", 1): v for k, v in weights.items()}  # shared_head's published place
     others = {n: mx.zeros((1,)) for n in open_checkpoint(path).tensors if not n.startswith("model.layers.0.")}

@@ -1,4 +1,4 @@
-"""A Laguna DFlash drafter as a model (checkpoints: models.laguna_dflash): DFlashHead (models.dflash_head) with each
+"""A Laguna DFlash drafter as a model (checkpoints: drafters.dflash.laguna): DFlashHead (drafters.dflash.head) with each
 tapped slice of the context normed by its own `aux_hidden_norms`, and attention gated per head, as mlx-vlm's
 LagunaDFlashDraftModel computes it:
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
-from .dflash_head import DFlashAttention, DFlashHead, DFlashLayer
+from .head import DFlashAttention, DFlashHead, DFlashLayer
 
 
 class GatedAttention(DFlashAttention):

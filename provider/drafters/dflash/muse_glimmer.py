@@ -1,6 +1,6 @@
 """MuseGlimmer DFlash assistants (mlx-vlm's `muse_glimmer_assistant`: Meta's drafter for Muse Glimmer targets), served
 as the `dflash` kind (issue 42). This module holds what its config and safetensors headers decide beyond a DFlash
-drafter's (models.dflash); its model is DFlashHead with a context window (models.dflash_head).
+drafter's (drafters.dflash.config); its model is DFlashHead with a context window (drafters.dflash.head).
 
 A checkpoint is one when its `model_type` is `muse_glimmer_assistant`. Its DFlash keys sit at the top level (or under
 dflash_config: block_size, mask_token_id, target_layer_ids), with mlx-vlm's defaults (the published 30B assistant's:

@@ -1,5 +1,5 @@
-"""The DFlash2 drafter as a model (checkpoints: models.dflash2), as mlx-vlm's DFlash2DraftModel computes it, on MLX
-alone: a DFlash drafter (models.dflash_head) whose layers mix the block's positions causally and whose drafts are
+"""The DFlash2 drafter as a model (checkpoints: drafters.dflash.dflash2), as mlx-vlm's DFlash2DraftModel computes it, on MLX
+alone: a DFlash drafter (drafters.dflash.head) whose layers mix the block's positions causally and whose drafts are
 chosen by a candidate selector.
 
 Each layer wraps its attention and its MLP in a grouped dynamic causal convolution over the block's positions:
@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx import nn
 
-from .dflash_head import DFlashHead, DFlashLayer, load_dflash
+from .head import DFlashHead, DFlashLayer, load_dflash
 
 
 def grouped_causal_convolve(x: mx.array, dynamic: mx.array, base: mx.array, group_size: int) -> mx.array:

@@ -1,6 +1,6 @@
 """EAGLE-3 drafter checkpoints: a drafter of its own, trained against one target, that reads three of the target's
 decoder layers (issue 42). Detected, paired and refused here from config files and safetensors headers (and the
-drafter's small d2t index table); the model itself is models.eagle3_head.
+drafter's small d2t index table); the model itself is drafters.eagle3.head.
 
 Two published layouts, read alike:
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from ..memory.estimate import text_config
-from ..memory.checkpoint import HeaderError, open_checkpoint, read_safetensors_header
+from ...memory.estimate import text_config
+from ...memory.checkpoint import HeaderError, open_checkpoint, read_safetensors_header
 
 EAGLE3 = "eagle3"  # Capabilities.speculates_with
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
@@ -175,10 +175,10 @@ def read_tensor(drafter: Path, name: str, dtype: str):
 
 
 def weight_bytes(drafter: Path) -> int:
-    """What the drafter holds loaded (models.eagle3_head): every tensor but t2d, d2t as the int32 target ids."""
+    """What the drafter holds loaded (drafters.eagle3.head): every tensor but t2d, d2t as the int32 target ids."""
     import math
 
-    from ..memory.estimate import DTYPE_BYTES
+    from ...memory.estimate import DTYPE_BYTES
 
     checkpoint = open_checkpoint(drafter)
     flat = flat_config(checkpoint.config)

@@ -1,6 +1,6 @@
 """DFlash drafter checkpoints (z-lab's Qwen3-*-DFlash): a block-diffusion drafter of its own, trained against one
 target, that reads several of the target's decoder layers (issue 42). Detected, paired and refused here from config
-files and safetensors headers; the model itself is models.dflash_head, its rounds engine.dflash_drafter.
+files and safetensors headers; the model itself is drafters.dflash.head, its rounds engine.dflash_drafter.
 
 The published layout: a Qwen3-like config with `architectures: [DFlashDraftModel]`, `block_size` (the trained
 block: the bonus token and block_size - 1 mask tokens), `dflash_config` {mask_token_id, target_layer_ids}
@@ -11,10 +11,10 @@ or without a `model.` prefix; no embedding and no LM head (the target's are used
 The target layer ids are the target's decoder layers whose *outputs* the drafter reads (z-lab's
 hidden_states[id + 1], mlx-vlm's capture_layer_ids). mlx-vlm's DSpark (a low-rank Markov correction that makes
 each block position's logits depend on the previous draft, and a confidence head) is served as this kind
-(models.dspark holds its own checks), and so are DFlash2 (grouped dynamic causal convolutions around each layer's
-attention and MLP, and a candidate selector: models.dflash2), Gemma 4 DSpark (models.gemma4_dspark), MuseGlimmer's
-assistant (a context window: models.muse_glimmer_assistant) and Laguna's DFlash (a window, a causal block, gated
-heads: models.laguna_dflash).
+(drafters.dflash.dspark holds its own checks), and so are DFlash2 (grouped dynamic causal convolutions around each layer's
+attention and MLP, and a candidate selector: drafters.dflash.dflash2), Gemma 4 DSpark (drafters.dflash.gemma4_dspark), MuseGlimmer's
+assistant (a context window: drafters.dflash.muse_glimmer) and Laguna's DFlash (a window, a causal block, gated
+heads: drafters.dflash.laguna).
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..memory.estimate import DTYPE_BYTES, text_config
-from . import dflash2, dspark, gemma4_dspark
-from . import laguna_dflash as laguna
-from . import muse_glimmer_assistant as muse
-from ..memory.checkpoint import HeaderError, open_checkpoint
+from ...memory.estimate import DTYPE_BYTES, text_config
+from . import dflash2
+from . import dspark
+from . import gemma4_dspark
+from . import laguna
+from . import muse_glimmer as muse
+from ...memory.checkpoint import HeaderError, open_checkpoint
 
 DFLASH = "dflash"  # Capabilities.speculates_with
 # mlx-vlm's other block drafters (DSpark last: Gemma4DSparkModel is a Gemma 4 one)
@@ -62,7 +64,7 @@ def flat_config(config: dict) -> dict:
     if flat["variant"] == dflash2.VARIANT:
         dflash2.add_keys(config, flat)
     if flat["variant"] == "gemma4" and gemma4_dspark.is_gemma4_dspark(config):
-        flat["variant"] = gemma4_dspark.VARIANT  # a DSpark drafter with Gemma 4's layers (models.gemma4_dspark)
+        flat["variant"] = gemma4_dspark.VARIANT  # a DSpark drafter with Gemma 4's layers (drafters.dflash.gemma4_dspark)
         dspark.add_keys(config, flat)
     elif flat["variant"] == "gemma4":
         flat["variant"] = "gemma4_dflash"  # mlx-vlm's gemma4_dflash: a DFlash drafter, the mask token 4 by default
@@ -141,7 +143,7 @@ def _served(flat: dict) -> str | None:
         return f"DFlash variant {flat['variant']} is not served"
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
         return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
-    windowed = flat["variant"] in (muse.VARIANT, laguna.VARIANT)  # their sliding layers: models.dflash_head's window
+    windowed = flat["variant"] in (muse.VARIANT, laguna.VARIANT)  # their sliding layers: drafters.dflash.head's window
     if not windowed and any(t != "full_attention" for t in flat.get("layer_types") or []):
         return "DFlash drafters with sliding-window layers are not served"
     if flat.get("attention_bias"):
@@ -182,7 +184,7 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     gemma4 = str(tc.get("model_type", "")).startswith("gemma4")
     if str(tc.get("model_type", "")).startswith("gemma") and not gemma4:
         # Gemma 4 scales its embedding by sqrt(H) as a Python float (the drafter's embedding does it alike:
-        # models.dflash_head.target_embedding); Gemma 3 rounds the scale to bfloat16 first: not matched here
+        # drafters.dflash.head.target_embedding); Gemma 3 rounds the scale to bfloat16 first: not matched here
         return f"DFlash drafters for {tc.get('model_type')} targets are not served"
     if flat["variant"] in ("gemma4_dflash", gemma4_dspark.VARIANT) and not gemma4:
         return f"a Gemma 4 drafter ({flat['variant']}) does not draft for {tc.get('model_type')} targets"
@@ -225,7 +227,7 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
 
 
 def weight_bytes(drafter: Path) -> int:
-    """What the drafter holds loaded (models.dflash_head): every tensor but rotary tables and a DSpark confidence
+    """What the drafter holds loaded (drafters.dflash.head): every tensor but rotary tables and a DSpark confidence
     head (never loaded)."""
     return sum(DTYPE_BYTES.get(dtype, 4) * math.prod(shape) for name, (dtype, shape)
                in open_checkpoint(drafter).tensors.items() if loaded(name))

@@ -22,8 +22,8 @@ def booked_bytes(path: Path, config: dict, ranks: int) -> int:
     load says 0, and the books take that)."""
     import math
 
-    from ..memory.estimate import DTYPE_BYTES
-    from ..memory.checkpoint import open_checkpoint
+    from ...memory.estimate import DTYPE_BYTES
+    from ...memory.checkpoint import open_checkpoint
 
     text = config.get("text_config") or config
     if ranks < 2 or text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)):

@@ -28,8 +28,8 @@ from types import ModuleType
 import mlx.core as mx
 from mlx import nn
 
-_MODULES = ("qwen3_5_mtp", "nemotron_h_mtp", "glm4_moe_lite_mtp", "mimo_mtp", "mimo_v2_mtp",
-            "step3p5_mtp", "ernie4_5_mtp", "exaone_moe_mtp", "longcat_flash_mtp")
+_MODULES = ("qwen3_5", "nemotron_h", "glm4_moe_lite", "mimo", "mimo_v2", "step3p5", "ernie4_5", "exaone_moe",
+            "longcat_flash")
 
 
 class OwnHead(nn.Module):

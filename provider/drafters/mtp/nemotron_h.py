@@ -26,7 +26,7 @@ from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .mtp_heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import OwnHead, finish_load, read_prefixed, target_dtype
 
 FAMILIES = {"nemotron_h"}
 PREFIX = "mtp."

@@ -1,6 +1,6 @@
-"""DSpark drafters (mlx-vlm's `dspark` / `qwen3_dspark`): a DFlash block drafter (models.dflash) plus a low-rank
+"""DSpark drafters (mlx-vlm's `dspark` / `qwen3_dspark`): a DFlash block drafter (drafters.dflash.config) plus a low-rank
 Markov correction of its logits, served as the `dflash` kind (issue 42). This module holds what the config and the
-safetensors headers decide beyond a DFlash drafter's; the correction itself is models.dspark_head.
+safetensors headers decide beyond a DFlash drafter's; the correction itself is drafters.dflash.dspark_head.
 
 A checkpoint is DSpark (as mlx-vlm's get_model_type decides it) when `dflash_config.projector_type` is "dspark", a
 `markov_rank` is given (top level or in dflash_config), or an architecture / model type names DSpark. Its extra
@@ -18,7 +18,7 @@ anchor too.
 
 from __future__ import annotations
 
-VARIANTS = ("dspark", "gemma4_dspark")  # models.dflash's variants that carry the Markov correction
+VARIANTS = ("dspark", "gemma4_dspark")  # drafters.dflash.config's variants that carry the Markov correction
 MARKOV = "markov_head."
 CONFIDENCE = "confidence_head."  # read from headers and checked, never loaded
 
@@ -52,7 +52,7 @@ def check(flat: dict) -> str | None:
         return f"DSpark markov_head_type {flat['markov_head_type']!r} is not served (only vanilla)"
     if flat["projector_type"] not in (None, "dspark"):
         return f"DSpark projector_type {flat['projector_type']!r} is not served"
-    if flat["variant"] == "dspark" and flat.get("hidden_act", "silu") != "silu":  # Gemma 4's: models.gemma4_dspark
+    if flat["variant"] == "dspark" and flat.get("hidden_act", "silu") != "silu":  # Gemma 4's: drafters.dflash.gemma4_dspark
         return f"DSpark hidden_act {flat['hidden_act']!r} is not served (only silu)"
     p = flat["proposal_length"]
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
