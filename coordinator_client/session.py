@@ -95,6 +95,7 @@ class CoordinatorSession:
         self.coordinator_version = ""
         self.rejected: str | None = None  # set when a Reject said retrying cannot succeed; the node stops dialing
         self.welcomed = asyncio.Event()
+        self.connected_since: float | None = None  # unix time of the current session's Welcome; None between them
         self.throttle = logs.Throttle()  # for the lines a coordinator can make the node repeat
         self.jobs = CoordinatorJobs(node, settings, identity, self.sealing, coalesce_s=coalesce_ms / 1000,
                                     throttle=self.throttle)
@@ -169,6 +170,7 @@ class CoordinatorSession:
             return self._healthy(welcomed_at)
         finally:
             self.welcomed.clear()
+            self.connected_since = None
             for t in [*tasks, self._drain_report]:
                 if t is not None:
                     t.cancel()
@@ -212,6 +214,7 @@ class CoordinatorSession:
         # Keys what heartbeats say of the prefixes held; one of a size that is no key: nothing is told.
         self.jobs.held.key = bytes(w.routing_key) if 16 <= len(w.routing_key) <= 64 else b""
         self.welcomed.set()
+        self.connected_since = time.time()
         asked = w.heartbeat_interval_ms / 1000 or self.settings.heartbeat_interval_s
         interval = min(max(asked, HEARTBEAT_RANGE_S[0]), HEARTBEAT_RANGE_S[1])
         if interval != asked:
