@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify(sub)
     st = sub.add_parser("status", help="the running daemon's state (models, jobs, memory), from its state directory")
     st.add_argument("--json", action="store_true", help="the whole status as JSON")
+    st.add_argument("--open", action="store_true",
+                    help="print a new one-time login link to the node's page and open it in this machine's browser")
     return parser
 
 
@@ -141,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "group":
         _leave(_group_init(args) if args.group_command == "init" else _group_check(args))
     if args.command == "status":
+        if args.open:
+            from . import page_link
+
+            return page_link.run()
         return _status(args)
     if args.command == "service":
         from . import service_files
