@@ -11,8 +11,10 @@ prometheus_client is imported when the node is made.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
+from . import __version__
 from .jobs import Done
 from .status import NodeStatus
 
@@ -45,7 +47,7 @@ class Metrics:
                                  labels, buckets=LATENCY_BUCKETS, registry=registry)
             self.e2e = Histogram(NS + "e2e_request_latency_seconds", "Arrival to the end of the job.", labels,
                                  buckets=LATENCY_BUCKETS, registry=registry)
-            registry.register(_StatusCollector(self._status))
+            registry.register(_StatusCollector(self._status, time.time()))
             self.registry = registry
 
     def job_ended(self, done: Done, model_id: str) -> None:
@@ -81,8 +83,9 @@ class Metrics:
 
 
 class _StatusCollector:
-    def __init__(self, status: Callable[[], NodeStatus]):
+    def __init__(self, status: Callable[[], NodeStatus], started: float):
         self._status = status
+        self._started = started
 
     def describe(self):
         return []  # dynamic: families come from the status at scrape time
@@ -99,6 +102,11 @@ class _StatusCollector:
         def counter(name, doc, value):
             return CounterMetricFamily(NS + name, doc, value=value)
 
+        info = GaugeMetricFamily(NS + "node_info", "The node's version and backend (always 1).",
+                                 labels=["version", "backend"])
+        info.add_metric([__version__, st.platform.backend], 1)
+        yield info
+        yield gauge("node_start_time_seconds", "When the node started (unix time).", self._started)
         yield gauge("num_requests_running", "Jobs running now.", st.active_jobs)
         yield gauge("num_requests_waiting", "Jobs queued.", st.queued_jobs)
         yield gauge("num_requests_waiting_for_memory", "Queued jobs whose KV does not fit yet.",
@@ -135,9 +143,27 @@ class _StatusCollector:
             if model.load_seconds is not None:
                 load.add_metric([model.id], model.load_seconds)
         yield load
+        resident = GaugeMetricFamily(NS + "model_resident", "1 for each model loaded now, 0 for one served on demand.",
+                                     labels=["model_name"])
+        booked = GaugeMetricFamily(NS + "model_memory_bytes", "Budget each loaded model holds (weights, drafter, "
+                                   "activations).", labels=["model_name"])
+        jobs = GaugeMetricFamily(NS + "model_requests_running", "Jobs running on each loaded model.",
+                                 labels=["model_name"])
+        for model in st.models:
+            resident.add_metric([model.id], 1 if model.resident else 0)
+            if model.state != "available":
+                booked.add_metric([model.id], model.bytes)
+                jobs.add_metric([model.id], model.active_jobs)
+        yield resident
+        yield booked
+        yield jobs
+        yield counter("request_cancelled", "Jobs that ended cancelled.", c.jobs_cancelled)
         yield gauge("memory_budget_bytes", "Usable memory budget.", m.usable_bytes)
         yield gauge("memory_used_bytes", "Budget held by models, jobs' KV and prefix caches.", m.reserved_bytes)
         yield gauge("memory_free_bytes", "Budget free.", m.free_bytes)
+        yield gauge("memory_models_bytes", "Of it, loaded models' weights, drafters and activations.", m.models_bytes)
+        yield gauge("memory_jobs_kv_bytes", "Of it, the running jobs' KV.", m.jobs_kv_bytes)
+        yield gauge("memory_prefix_cache_bytes", "Of it, KV kept in memory for prefix reuse.", m.prefix_cache_bytes)
         yield gauge("memory_mlx_active_bytes", "What MLX holds now (mx.get_active_memory).", m.mlx_active_bytes)
         yield gauge("memory_unaccounted_bytes", "What MLX holds beyond the ledger; admission counts it as used.",
                     m.unaccounted_bytes)
