@@ -77,6 +77,7 @@
     set("health", n.health);
     h.className = `pill ${n.health}`;
     set("uptime", duration(n.uptime_s), n.uptime_s);
+    set("pid", `pid ${n.pid}`, n.pid);
     set("mode", n.mode || "none");
     set("default-model", n.default_model || "none");
     const p = n.platform;
