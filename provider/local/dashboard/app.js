@@ -166,7 +166,8 @@
     if (prof) {
       for (const [scheme, v] of Object.entries(prof)) {
         if (v && typeof v === "object" && !Array.isArray(v) && v.k !== undefined)
-          text += `; ${scheme}: k ${v.k}, acceptance ${(100 * v.acceptance).toFixed(0)} %`;
+          text += `; ${scheme.replace(/_/g, " ")}: ${v.k ? `k ${v.k}` : "off (not profitable here)"}, ` +
+            `acceptance ${(100 * v.acceptance).toFixed(0)} %`;
       }
     }
     if (x.speculation_profile && x.speculation_profile.source === "measuring") text += "; measuring its costs";
@@ -183,7 +184,11 @@
       if (!tr) {
         tr = document.createElement("tr");
         tr.dataset.model = x.id;
-        for (let i = 0; i < 6; i++) tr.appendChild(document.createElement(i ? "td" : "th"));
+        for (const [i, label] of ["Model", "State", "Jobs", "Booked", "Stays", "Speculation"].entries()) {
+          const cell = document.createElement(i ? "td" : "th");
+          cell.dataset.label = label;  // the phone layout shows it beside the value
+          tr.appendChild(cell);
+        }
         tr.firstChild.setAttribute("scope", "row");
         rows.appendChild(tr);
       }
@@ -214,7 +219,9 @@
   }
 
   function renderCharts(now) {
-    const h = state.history, from = now - HOUR_S;
+    // The last hour, or since the node started (five minutes at least): a young node's points are not a sliver.
+    const h = state.history, every = state.last ? state.last.sample_every_s : 5;
+    const from = Math.max(now - HOUR_S, Math.min(h.length ? h[0].t - every : now, now - 300));
     const series = (key) => h.map((s) => [s.t, s[key]]);
     const draw = (name, list, opts) =>
       window.Charts.draw(document.querySelector(`[data-chart="${name}"]`), list, Object.assign({from: from, to: now}, opts));
@@ -326,6 +333,7 @@
       t.dataset.field = "chat-telemetry";
       t.textContent = telemetryLine(tele, usage) || (controller.signal.aborted ? "stopped" : "");
       out.appendChild(t);
+      $("chat-log").scrollTop = $("chat-log").scrollHeight;
       out.removeAttribute("aria-busy");
       state.busy = null;
       $("chat-send").disabled = false;

@@ -18,6 +18,12 @@
     return 10 * p;
   }
 
+  function axis(v) {
+    if (v >= 1e6) return `${+(v / 1e6).toFixed(1)}M`;
+    if (v >= 1e3) return `${+(v / 1e3).toFixed(1)}k`;
+    return Number.isInteger(v) ? String(v) : v.toFixed(v < 1 ? 2 : 1);
+  }
+
   function fmt(v, digits) {
     if (v === null || v === undefined || Number.isNaN(v)) return "–";
     if (Math.abs(v) >= 1000) return Math.round(v).toLocaleString();
@@ -35,9 +41,12 @@
       const top = el("text", {x: L - 4, y: T + 4, "text-anchor": "end", class: "lab"}, svg);
       top.dataset.role = "top";
       el("text", {x: L - 4, y: H - B + 3, "text-anchor": "end", class: "lab"}, svg).textContent = "0";
-      el("text", {x: L, y: H - 3, class: "lab"}, svg).textContent = "−60 min";
+      el("text", {x: L, y: H - 3, class: "lab"}, svg).dataset.role = "from";
       el("text", {x: W - R, y: H - 3, "text-anchor": "end", class: "lab"}, svg).textContent = "now";
-      series.forEach((s, i) => { el("path", {class: `l${i + 1}`, d: ""}, svg).dataset.series = String(i); });
+      series.forEach((s, i) => {
+        el("path", {class: `l${i + 1}`, d: ""}, svg).dataset.series = String(i);
+        el("circle", {class: `d${i + 1}`, r: 2.5, cx: -10, cy: -10}, svg).dataset.dot = String(i);
+      });
       figure.appendChild(svg);
       const now = document.createElement("p");
       now.className = "now";
@@ -47,19 +56,25 @@
     let peak = 0;
     for (const s of series) for (const [, v] of s.values) if (v !== null && v > peak) peak = v;
     const top = opts.max !== undefined ? opts.max : niceMax(peak);
-    svg.querySelector('[data-role="top"]').textContent = fmt(top, top < 10 ? 1 : 0);
+    svg.querySelector('[data-role="top"]').textContent = axis(top);
+    const minutes = Math.round(span / 60);
+    svg.querySelector('[data-role="from"]').textContent = minutes >= 60 ? "−60 min" : `−${minutes} min`;
     const x = (t) => L + (W - L - R) * Math.min(1, Math.max(0, (t - from) / span));
     const y = (v) => H - B - (H - B - T) * Math.min(1, Math.max(0, v / top));
     const latest = [];
     series.forEach((s, i) => {
-      let d = "", pen = false, last = null;
+      let d = "", pen = false, last = null, at = null;
       for (const [t, v] of s.values) {
         if (t < from || v === null || v === undefined) { pen = false; continue; }
         d += `${pen ? "L" : "M"}${x(t).toFixed(1)},${y(v).toFixed(1)}`;
         pen = true;
         last = v;
+        at = [x(t), y(v)];
       }
       svg.querySelector(`[data-series="${i}"]`).setAttribute("d", d);
+      const dot = svg.querySelector(`[data-dot="${i}"]`);  // the latest point, seen even when it stands alone
+      dot.setAttribute("cx", at ? at[0].toFixed(1) : -10);
+      dot.setAttribute("cy", at ? at[1].toFixed(1) : -10);
       latest.push([s.name, last]);
     });
     const now = figure.querySelector(".now");
