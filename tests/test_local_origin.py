@@ -22,7 +22,8 @@ EVIL = "http://evil.example"
 ALLOWED_ORIGIN = "http://localhost:3000"
 ALLOWED_HOST = "node.test"
 HTTP = httpx.Client(timeout=60)  # one connection pool: a new client a request costs a TLS context each
-SERVER_PY = Path(__file__).resolve().parent.parent / "provider" / "local" / "server.py"
+LOCAL = Path(__file__).resolve().parent.parent / "provider" / "local"
+ROUTE_FILES = (LOCAL / "server.py", LOCAL / "dashboard.py")  # the API's routes and the page's
 
 # Every route the local API serves, with a body that would be served (method, path, JSON body or None).
 ROUTES = [
@@ -43,6 +44,15 @@ ROUTES = [
     ("POST", "/provider/v1/generate/{job_id}/cancel", None),
     ("POST", "/provider/v1/models/load", {"model": "spare", "keep_alive": -1}),
     ("POST", "/provider/v1/models/unload", {"model": "spare"}),
+    # The node's page (provider/local/dashboard.py).
+    ("GET", "/", None),
+    ("GET", "/ui/login", None),
+    ("POST", "/ui/login-link", None),
+    ("GET", "/ui/state", None),
+    ("GET", "/ui/app.js", None),
+    ("GET", "/ui/charts.js", None),
+    ("GET", "/ui/style.css", None),
+    ("GET", "/ui/icon.svg", None),
 ]
 # Beside the routes: a preflight, a path nobody serves, a method a route does not take.
 OTHERS = [("OPTIONS", "/v1/chat/completions", None), ("GET", "/v1/nothing", None), ("PUT", "/v1/models", None)]
@@ -98,7 +108,7 @@ def _refused(r, status: int, code: str, path: str) -> None:
 
 
 def test_the_route_list_is_every_route_the_server_serves():
-    served = set(re.findall(r'web\.(get|post|delete)\("([^"]+)"', SERVER_PY.read_text()))
+    served = {route for f in ROUTE_FILES for route in re.findall(r'web\.(get|post|delete)\("([^"]+)"', f.read_text())}
     assert served == {(m.lower(), p) for m, p, _ in ROUTES}
 
 

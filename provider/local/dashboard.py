@@ -84,7 +84,10 @@ class Dashboard:
             web.get("/ui/login", self.login),
             web.post("/ui/login-link", self.login_link_route),
             web.get("/ui/state", self.state),
-            *[web.get(f"/ui/{name}", self.asset) for name in ("app.js", "charts.js", "style.css", "icon.svg")],
+            web.get("/ui/app.js", self.asset),
+            web.get("/ui/charts.js", self.asset),
+            web.get("/ui/style.css", self.asset),
+            web.get("/ui/icon.svg", self.asset),
         ])
         app.on_startup.append(self._start_sampler)
         app.on_cleanup.append(self._stop_sampler)
