@@ -3,17 +3,20 @@ which the daemon serves whether or not it listens on TCP (provider/local/server.
 Only the owner of the state directory can connect, so no token is sent.
 
 `call` is one request and its JSON answer; `stream_generate` is a `provider generate` job, read event by event
-(`POST /provider/v1/generate`, provider/local/cli_jobs.py)."""
+(`POST /provider/v1/generate`, provider/local/cli_jobs.py). aiohttp is imported by the calls, not with the module:
+`provider generate` takes `socket_path` from here, and when no daemon runs it never talks HTTP (aiohttp and the
+TLS contexts it builds on import are ~0.1-0.2 s of a one-shot start, issue 57)."""
 
 from __future__ import annotations
 
 import json as jsonlib
 from pathlib import Path
-from typing import Any, AsyncIterator
-
-import aiohttp
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from . import paths
+
+if TYPE_CHECKING:
+    import aiohttp
 
 SOCKET_NAME = "control.sock"
 BASE = "http://provider"  # the host is not looked up: the connector always dials the socket
@@ -34,6 +37,8 @@ def socket_path(state_dir: Path | None = None) -> Path:
 
 
 def _session(socket: Path | None, timeout: float | None) -> aiohttp.ClientSession:
+    import aiohttp
+
     connector = aiohttp.UnixConnector(path=str(socket or socket_path()))
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
         total=timeout, sock_connect=CONNECT_TIMEOUT_S), read_bufsize=READ_BUFSIZE)
@@ -43,6 +48,8 @@ async def call(method: str, path: str, json: Any = None, *, socket: Path | None 
                timeout: float | None = None) -> tuple[int, Any]:
     """One request to the daemon: its HTTP status and its body (parsed JSON, else text). Unreachable when nothing
     answers on the socket; `timeout` (seconds, None: none) bounds the whole call."""
+    import aiohttp
+
     try:
         async with _session(socket, timeout) as session:
             async with session.request(method, BASE + path, json=json) as r:
@@ -61,6 +68,8 @@ async def stream_generate(body: dict[str, Any], *, socket: Path | None = None) -
     usage, telemetry}} or {"error": {cause, message, param}}: a refusal, an answer cut short and a daemon that
     went away all end as an error event. Unreachable if nothing answers. Closing the generator early (or the
     process ending) hangs up, which cancels the job in the daemon."""
+    import aiohttp
+
     try:
         async with _session(socket, None) as session:
             async with session.post(BASE + "/provider/v1/generate", json=body) as r:

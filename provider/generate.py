@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import re
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .generate_job import job_of, summary_of
 from .jobs import Done, Error, Job, Tokens
@@ -34,6 +35,7 @@ EX_UNAVAILABLE = 69  # the model cannot be loaded, or a feature this node does n
 EX_SOFTWARE = 70
 EX_TEMPFAIL = 75  # not enough memory now, or a daemon runs that cannot take the job
 START_WAIT_S = 10.0  # how long a daemon just started may take to open its control socket
+GC_OFF_AT_MOST_S = 30.0  # the collector is on again by then, loaded or not (as daemon.GC_OFF_AT_MOST_S)
 EXIT_INTERRUPTED = 130  # Ctrl-C: the job was cancelled; what it generated was printed
 CAUSE_EXIT = {Cause.INVALID_REQUEST: EX_DATAERR, Cause.CONTEXT_LENGTH_EXCEEDED: EX_DATAERR,
               Cause.SPECULATION_UNAVAILABLE: EX_UNAVAILABLE, Cause.UNKNOWN_MODEL: EX_NOINPUT,
@@ -76,18 +78,34 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The collector stays off through the node's imports and the model's load, as `provider start` keeps it
+    # (cli._start, issue 43): its collections over objects that live until the exit were ~0.4 s of CPU here.
+    # `_generate` freezes what is loaded and turns it on once the first tokens come; a job sent to a daemon
+    # turns it on at once.
+    collecting = gc.isenabled()
+    gc.disable()
+
+    def collector_on(freeze: bool) -> None:
+        if collecting and not gc.isenabled():
+            if freeze:
+                gc.freeze()
+            gc.enable()
+
     try:
         body, job = _job(args)
         daemon = _find_daemon(args)
         if daemon is not None:
+            collector_on(freeze=False)
             return asyncio.run(_forward(args, body, *daemon))
-        return asyncio.run(_generate(args, job))
+        return asyncio.run(_generate(args, job, collector_on))
     except Refused as e:
         return _fail(e.message, e.code)
     except JobError as e:
         return _fail(e.message, CAUSE_EXIT.get(e.cause, EX_SOFTWARE))
     except KeyboardInterrupt:  # before a job ran (loading here, or waiting for a daemon's socket)
         return _fail("interrupted", EXIT_INTERRUPTED)
+    finally:
+        collector_on(freeze=False)
 
 
 class Refused(Exception):
@@ -153,10 +171,11 @@ def _settings(args: argparse.Namespace):
         raise Refused(f"configuration error: {e}", EX_USAGE_FLAG) from None
 
 
-async def _generate(args: argparse.Namespace, job: Job) -> int:
+async def _generate(args: argparse.Namespace, job: Job, collector_on: Callable[[bool], None]) -> int:
     from dataclasses import replace
 
     from . import logs
+    from .memory.budget import freeze_startup_heap
     from .models.default import primary_models
     from .node import Node, build_models
 
@@ -165,8 +184,10 @@ async def _generate(args: argparse.Namespace, job: Job) -> int:
     node = Node(settings, build_models(settings, primary_models(settings)))
     model_id = node.resolve_model(args.model)
     job = replace(job, model=model_id)
+    freeze_startup_heap(collect=False)  # node.start's, without its full collection: this process exits soon
     node.start()
     loop = asyncio.get_running_loop()
+    loop.call_later(GC_OFF_AT_MOST_S, collector_on, False)  # a download or a slow load: on again meanwhile
     interrupted = []
     loop.add_signal_handler(signal.SIGINT, lambda: (interrupted.append(True), node.cancel(job.id)))
     out, end = Printer(args.json), None
@@ -174,6 +195,7 @@ async def _generate(args: argparse.Namespace, job: Job) -> int:
         async with node.run(job) as stream:
             async for ev in stream:
                 if isinstance(ev, Tokens):
+                    collector_on(True)  # loaded: what the imports and the load made is frozen, as the daemon's
                     out.tokens(ev.text)
                 elif isinstance(ev, (Done, Error)):
                     end = ev
@@ -188,7 +210,7 @@ async def _generate(args: argparse.Namespace, job: Job) -> int:
 def _find_daemon(args: argparse.Namespace) -> tuple[int, Path] | None:
     """The daemon running on this state directory, its pid and control socket; None when none runs (a daemon
     just starting is given START_WAIT_S to open its socket)."""
-    from . import paths, status_file
+    from . import paths
     from .daemon_client import socket_path
     from .startup import holder_pid
 
@@ -196,6 +218,7 @@ def _find_daemon(args: argparse.Namespace) -> tuple[int, Path] | None:
     pid = holder_pid(state)
     if pid is None:
         return None
+    from . import status_file
     own = [flag for flag, given in (("--drafter", args.drafter), ("--config", args.config)) if given]
     if own:
         raise Refused(f"{' and '.join(own)} set{'s' if len(own) == 1 else ''} the node itself, and the daemon (pid "

@@ -17,10 +17,11 @@ _rich_kept_out = False  # whether _import_structlog kept Rich out of structlog.d
 
 
 def _import_structlog():
-    """structlog, without Rich unless stderr is a terminal. structlog.dev imports Rich (and Pygments) whenever it is
-    installed, only for the console renderer's tracebacks: 0.05 to 0.15 s of a start-up that renders JSON (a
-    service manager's, a pipe's). A console renderer asked for later still gets them (`_console_renderer`)."""
-    if "structlog" in sys.modules or "rich" in sys.modules or _isatty(sys.stderr):
+    """structlog, without Rich. structlog.dev imports Rich (and Pygments) whenever it is installed, only for the
+    console renderer's tracebacks: 0.05 to 0.15 s of every start, on a terminal too (`provider generate` there).
+    A console renderer still renders its tracebacks with Rich, which it imports with the first one it renders
+    (`RichTracebackFormatter`, `_console_renderer`)."""
+    if "structlog" in sys.modules or "rich" in sys.modules:
         import structlog
 
         return structlog
@@ -33,13 +34,6 @@ def _import_structlog():
         if sys.modules.get("rich", 0) is None:
             del sys.modules["rich"]
     return structlog
-
-
-def _isatty(stream) -> bool:
-    try:
-        return bool(stream and stream.isatty())
-    except (AttributeError, ValueError):  # no stream, or a closed one
-        return False
 
 
 structlog = _import_structlog()
@@ -107,19 +101,31 @@ def configure(level: str = "info", fmt: str = "auto", stream=None, file: str = "
 
 def _console_renderer():
     """structlog's console renderer with its default exception formatter: Rich's tracebacks when Rich is installed,
-    also when structlog was imported without it (`_import_structlog`): then Rich is imported now, for the names
-    structlog.dev's formatter reads when it renders."""
+    also when structlog was imported without it (`_import_structlog`): Rich is imported then by the first
+    traceback rendered."""
     dev = structlog.dev
     if not _rich_kept_out:
         return dev.ConsoleRenderer()
-    try:
-        import rich
-        from rich.console import Console
-        from rich.traceback import Traceback
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("rich") is None:
         return dev.ConsoleRenderer()  # not installed: structlog's own fallback, as before
-    dev.rich, dev.Console, dev.Traceback = rich, Console, Traceback
-    return dev.ConsoleRenderer(exception_formatter=dev.RichTracebackFormatter())
+    return dev.ConsoleRenderer(exception_formatter=RichTracebackFormatter())
+
+
+class RichTracebackFormatter(structlog.dev.RichTracebackFormatter):
+    """structlog's Rich traceback formatter (its fields, defaults and repr), importing Rich for the names
+    structlog.dev's formatter reads when it first renders, rather than at every start."""
+
+    def __call__(self, sio, exc_info) -> None:
+        dev = structlog.dev
+        if dev.rich is None:
+            import rich
+            from rich.console import Console
+            from rich.traceback import Traceback
+
+            dev.rich, dev.Console, dev.Traceback = rich, Console, Traceback
+        super().__call__(sio, exc_info)
 
 
 def get(name: str):

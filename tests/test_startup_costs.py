@@ -1,6 +1,7 @@
 """Start-up pays only for what it uses (issue 43): what `provider start --local` has imported once it serves and
 after a plain request, the collector kept off through the imports and the first load and on (frozen) once the
-model serves, and structlog without Rich off a terminal."""
+model serves, and structlog without Rich. A one-shot `provider generate` likewise (issue 57): what its command
+line imports before the node, and what a whole run on the bundled pair has imported at its exit."""
 
 import json
 import os
@@ -103,6 +104,24 @@ def test_structlog_comes_without_rich_off_a_terminal_and_a_console_renderer_stil
     assert ours.stdout == plain.stdout and "RichTracebackFormatter" in plain.stdout
 
 
+
+def test_on_a_terminal_too_rich_comes_with_the_first_traceback_rendered():
+    import pty
+
+    code = ("import io, sys, provider.logs as logs; assert 'rich' not in sys.modules, 'rich imported'\n"
+            "logs.configure('info', 'console')\nformat = logs._console_renderer().exception_formatter\n"
+            "assert 'rich' not in sys.modules, 'rich imported by the renderer'\n"
+            "try:\n    1 / 0\nexcept ZeroDivisionError:\n    sio = io.StringIO(); format(sio, sys.exc_info())\n"
+            "print('rich' in sys.modules, 'Traceback' in sio.getvalue() and '\u2500' in sio.getvalue())")
+    leader, follower = pty.openpty()  # stderr a terminal, as `provider generate` typed at a shell has it
+    try:
+        r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=follower, text=True,
+                           stdin=subprocess.DEVNULL, timeout=60)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stdout  # Rich's box, imported to draw it
+
 def test_json_logs_render_as_before_without_rich(tmp_path):
     code = ("import sys, provider.logs as logs\nlogs.configure('info', 'json')\nlogs.get('t').info('hello', n=1)\n"
             "try:\n    1 / 0\nexcept ZeroDivisionError:\n    logs.get('t').exception('boom')\n"
@@ -112,3 +131,55 @@ def test_json_logs_render_as_before_without_rich(tmp_path):
     first, second = (json.loads(line) for line in r.stderr.splitlines()[:2])
     assert first["event"] == "hello" and first["n"] == 1 and first["level"] == "info"
     assert second["event"] == "boom" and "ZeroDivisionError" in second["exception"]
+
+
+# Before the node: parsing the command line and probing for a daemon (none runs) import none of this; a job sent
+# to a daemon pays for no model stack, and one run here for no HTTP client.
+NOT_BEFORE_THE_NODE = ("aiohttp", "mlx_lm", "transformers", "numpy", "torch", "prometheus_client", "grpc",
+                       "coordinator_client", "llguidance", "rich", "tools")
+# A whole one-shot generation (the bundled pair, with its drafter), at its exit: no HTTP client (no daemon runs),
+# no test support, nothing a local start does not import either.
+NOT_IN_GENERATE = NOT_AT_START + ("aiohttp", "tools")
+
+WATCHED_GENERATE = """
+import gc, json, os, sys
+from provider import cli
+
+out = sys.argv.pop(1)
+
+def leave(code):  # the command's end: what the process holds, written before os._exit
+    with open(out, "w") as f:
+        json.dump({"code": code, "collecting": gc.isenabled(), "frozen": gc.get_freeze_count(),
+                   "modules": sorted(sys.modules)}, f)
+    sys.stdout.flush()
+    os._exit(code)
+
+cli._leave = leave
+cli.main(sys.argv[1:])
+"""
+
+
+def _env(tmp_path) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_STATE_HOME": str(tmp_path / "state"),
+            "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+def test_generate_parses_and_looks_for_a_daemon_before_importing_the_node(tmp_path):
+    code = ("import json, sys\nfrom provider import cli, generate\n"
+            "args = cli.build_parser().parse_args(['generate', 'Hi', '--max-tokens', '1'])\n"
+            "generate._job(args)\nassert generate._find_daemon(args) is None\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert _held(json.loads(r.stdout), NOT_BEFORE_THE_NODE) == []
+
+
+def test_a_one_shot_generate_imports_what_it_uses_and_collects_once_its_model_answers(tmp_path):
+    out = tmp_path / "end.json"
+    r = subprocess.run([sys.executable, "-c", WATCHED_GENERATE, str(out), "generate", "Hi", "--max-tokens", "2",
+                        "--speculation", "off"],
+                       capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+    end = json.loads(out.read_text())
+    assert end["code"] == 0 and r.stdout.strip(), r.stderr
+    assert end["collecting"] and end["frozen"] > 0  # off through the imports and the load, frozen, then on
+    assert _held(end["modules"], NOT_IN_GENERATE) == []
