@@ -62,6 +62,9 @@ def test_registration_and_heartbeats(fixtures_dir, tmp_path):
             hb = s.heartbeats[-1]
             assert hb.resident_models == ["g"] and hb.counters.jobs_completed == 1
             assert hb.status == pb.NODE_STATUS_IDLE and hb.memory.active_bytes > 0
+            # What the node's page says of the session (daemon.session_detail reads these).
+            assert 0 <= time.time() - session.connected_since < 120 and session.jobs.stats.jobs_received == 1
+        assert session.connected_since is None  # the session ended
 
     run(main())
 
