@@ -20,9 +20,11 @@ import httpx
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from provider.jobs import Claim, Done, Job, SamplingParams
 from provider.local.dashboard import ASSETS, Dashboard
 from provider.local.page_access import CODE_TTL_S, MAX_CODES, SESSION_TTL_S, PageAccess
 from provider.local.page_history import History, Reading, histogram_quantile
+from tests.helpers import collect, make_node, run
 from tools.harness import browser as harness
 from tools.harness.daemon import LocalServer
 
@@ -128,6 +130,29 @@ def test_assets_are_small_and_fetch_nothing_from_elsewhere():
             assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", text), f"inline script in {f.name}"
             assert not re.search(r"\son[a-z]+\s*=", text, re.I), f"inline handler in {f.name}"
             assert not re.search(r"\sstyle\s*=|<style", text, re.I), f"inline style in {f.name}"
+
+
+def test_the_trust_figures_count_proofs_and_verify_verdicts(fixtures_dir):
+    """What the page's Trust card and /metrics show: outcomes with a proof, verify jobs run and their verdicts."""
+    node = make_node({"m": fixtures_dir / "gemma4-tiny"}, commitments="on", speculation="off")
+    prompt, greedy = (1, 100, 7, 300, 12), SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def main():
+        ids, _, done, _ = await collect(node, Job(id="made", model="m", prompt_ids=prompt, sampling=greedy))
+        assert isinstance(done, Done) and done.proof is not None
+        for job_id, claimed in (("honest", ids), ("changed", ids[:-1] + [ids[-1] + 1])):
+            _, _, v, _ = await collect(node, Job(id=job_id, model="m", prompt_ids=prompt, sampling=greedy,
+                                                 verify=Claim(tuple(claimed), done.proof)))
+            assert isinstance(v, Done) and v.verdict is not None and v.verdict.passed == (job_id == "honest")
+        await node.stop()
+
+    run(main())
+    c = node.status().counters
+    assert c.proofs_made >= 1 and c.verify_jobs == 2 and c.verify_passed == 1
+    text = node.metrics.exposition().decode()
+    assert 'provider:verify_verdicts_total{verdict="passed"} 1.0' in text
+    assert 'provider:verify_verdicts_total{verdict="failed"} 1.0' in text
+    assert f"provider:proofs_total {float(c.proofs_made)}" in text
 
 
 # --- a live node ------------------------------------------------------------------------------
