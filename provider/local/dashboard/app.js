@@ -35,6 +35,7 @@
   }
 
   async function poll() {
+    const started = performance.now();
     try {
       const r = await fetch(`/ui/state?since=${state.seq}`, {cache: "no-store", credentials: "same-origin"});
       if (r.status === 401) {
@@ -48,7 +49,7 @@
     } catch (e) {
       link(false, "the node does not answer (restarting?); retrying every second");
     }
-    setTimeout(poll, POLL_MS);
+    setTimeout(poll, Math.max(0, POLL_MS - (performance.now() - started)));  // once a second, whatever it took
   }
 
   function render(body) {
