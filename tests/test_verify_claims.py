@@ -26,7 +26,7 @@ from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.verdicts import CPU, DIVERGENT_KERNELS, Tolerance, clamped, looser
 from provider.verification.commitment import CommitmentBuilder
 from provider.verification.claim_rules import Failure, TokenCheck, length_failure, token_check
-from provider.verification.verifier import allowed_ties
+from provider.verification.verifier import allowed_ties, judge
 from tests.helpers import collect, make_node, run
 from tools.harness.forger import forged_commitment
 
@@ -74,6 +74,9 @@ def test_length_and_ending_follow_from_the_request():
 
 def test_ties_allowed_are_a_share_rounded_down_and_tolerances_only_tighten_past_the_loosest_profile():
     assert [allowed_ties(n, Tolerance()) for n in (1, 19, 20, 39, 40, 100)] == [0, 0, 1, 1, 2, 5]
+    # Too many near-ties fail where the first of them is: where the output first left the model's choice.
+    too_many = judge(4, [], np.array([0.0, 0.01, 0.0, 0.015]), "replayable", CPU)
+    assert (too_many.passed, too_many.first_failure, too_many.ties) == (False, 1, 2), too_many
     both = looser(CPU, DIVERGENT_KERNELS)
     assert both.rel_tol == max(CPU.rel_tol, DIVERGENT_KERNELS.rel_tol)
     assert both.min_overlap == min(CPU.min_overlap, DIVERGENT_KERNELS.min_overlap)

@@ -252,8 +252,8 @@ def judge(tokens: int, chunks: list[ChunkMatch], gaps: np.ndarray, sampler: str,
     out = Verdict(True, "", None, tokens, chunks, [float(g) for g in gaps], ties, [bool(t) for t in tied])
     if failures:
         out.passed, out.first_failure, _, out.reason = False, *failures[0]
-    elif count_ties and ties > allowed_ties(tokens, tolerance):
-        out.passed, out.reason, out.first_failure = False, f"{ties} near-ties in {tokens} tokens", 0
+    elif count_ties and ties > allowed_ties(tokens, tolerance):  # at the first: where the output left the model's
+        out.passed, out.reason, out.first_failure = False, f"{ties} near-ties in {tokens} tokens", int(tied.argmax())
     return out
 
 
