@@ -414,7 +414,7 @@ def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple]:
             truthful = next(j for j in jobs if j.id == job.id)
             v = read(verifier, "g", truthful, ids, claimed).verdict()
             start = next((j for j, (a, b) in enumerate(zip(ids, real_ids)) if a != b), None)
-            out.append((v.passed if start is not None else False, _from(v.first_failure, start)))
+            out.append((v.passed if start is not None else False, _from(v.first_failure, start), _note(job, v, start)))
     elif kind == "splice":  # k real tokens, then another model's; the commitment forged with the real weights
         greedy = [dataclasses.replace(j, sampling=SamplingParams(max_tokens=tokens, temperature=0.0)) for j in jobs]
         for job, real_ids, end in asyncio.run(produce(node, "g", greedy)):
@@ -428,7 +428,7 @@ def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple]:
             proof = forged(verifier, "g", job, ids, dataclasses.replace(end.proof, end_token=None))
             v = read(verifier, "g", job, ids, proof).verdict()
             start = next((j for j, (a, b) in enumerate(zip(ids, real_ids)) if a != b), None)
-            out.append((v.passed if start is not None else False, _from(v.first_failure, start)))
+            out.append((v.passed if start is not None else False, _from(v.first_failure, start), _note(job, v, start)))
     elif kind in REQUEST_CHEATS:  # the claim's commitment forged with the real weights: only the request stops it
         for job, ids, proof, start in _request_cheats(kind, jobs, node, verifier, rng):
             try:
@@ -505,6 +505,13 @@ def _claimed(kind, job, ids, proof, eos, rng) -> tuple[list[int], Proof, int] | 
         k = rng.randrange(1, len(ids))
         return ids[:k], dataclasses.replace(proof, end_token=None), k
     return None
+
+
+def _note(job: Job, v, start: int | None) -> dict | None:
+    """What to say of a cheat that passed or failed elsewhere than where it starts."""
+    if start is None or (not v.passed and _from(v.first_failure, start)):
+        return None
+    return {"job": job.id, "start": start, "first_failure": v.first_failure, "reason": v.reason, "ties": v.ties}
 
 
 def _from(failure: int | None, start: int | None) -> bool:
