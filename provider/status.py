@@ -43,6 +43,9 @@ class ModelStatus:
     pinned: bool = False  # loaded at start and never unloaded
     keep_alive_s: float | None = None  # how long it may stay idle before it is unloaded; None: for ever
     unload_at: float | None = None  # unix time it unloads if nothing uses it before; None: busy or kept
+    drafter_mode: str | None = None  # a loaded model's drafter: mtp | draft, or None when it serves alone
+    drafter_reason: str = ""  # a loaded model's drafter plan: ok, or why it has none (the stable reasons)
+    drafter_bytes: int = 0  # of `bytes`, what its drafter holds
 
     @property
     def resident(self) -> bool:

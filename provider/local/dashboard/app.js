@@ -109,8 +109,12 @@
     set("reserved", bytes(m.reserved_bytes), m.reserved_bytes);
     set("free", bytes(m.free_bytes), m.free_bytes);
     const parts = [];
-    n.models.filter((x) => x.state !== "available").forEach((x, i) =>
-      parts.push([`${x.id} (weights, drafter, activations)`, x.bytes, `c${1 + i % 2}`]));
+    n.models.filter((x) => x.state !== "available").forEach((x) => {
+      const drafter = x.drafter_bytes || 0;
+      const lumped = !drafter && !x.drafter_reason;  // a node that does not say what its drafter holds
+      parts.push([`${x.id} (weights, activations${lumped ? ", drafter" : ""})`, x.bytes - drafter, "c1"]);
+      if (drafter) parts.push([`${x.id}'s drafter`, drafter, "c2"]);
+    });
     parts.push(["jobs' KV", m.jobs_kv_bytes, "c3"], ["prefix cache", m.prefix_cache_bytes, "c4"],
       ["stored responses", m.responses_store_bytes || 0, "c6"], ["held outside the ledger", m.unaccounted_bytes, "c5"],
       ["free", m.free_bytes, "cfree"]);
