@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from . import strict_json
 from .types import Cause, JobError
 
 MAX_TOOLS = 128  # as OpenAI's API
@@ -266,7 +267,7 @@ def check_message_tool_fields(i: int, m: dict) -> None:
             args = fn.get("arguments")
             if isinstance(args, str) and len(args) <= MAX_ARGUMENTS_CHARS:
                 try:  # templates read the arguments as a mapping
-                    args = json.loads(args or "{}")
+                    args = strict_json.loads(args or "{}")
                 except (ValueError, RecursionError):
                     args = None
             if not isinstance(args, dict):

@@ -3,6 +3,8 @@ each where an IMAGE_PART placeholder stands)."""
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,18 @@ VIDEO_PART = {"type": "video"}  # the same for the job's next video
 def content_text(content: str | list) -> str:
     """A message's text: its string, or its text parts joined."""
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def message_chars(message: dict) -> int:
+    """Characters of text a chat message carries into its template: its content and its tool calls' names and
+    arguments (a turn of 64 calls of 64 KiB arguments templated to a million tokens, uncounted)."""
+    n = len(content_text(message.get("content") or ""))
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        n += len(str(fn.get("name", ""))) + (len(args) if isinstance(args, str) else len(json.dumps(args))
+                                             if args is not None else 0)
+    return n
 
 
 def check_content(param: str, content: Any) -> tuple[int, int]:

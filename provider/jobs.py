@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
-from .content import ImageInput, VideoInput, check_content, check_media, check_text, content_text  # noqa: F401
+from .content import ImageInput, VideoInput, check_content, check_media, check_text, content_text, message_chars  # noqa: F401
 from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
 from .keep_alive import parse_keep_alive
 from .types import Cause, FinishReason, JobError, JobId, Policy
@@ -217,8 +217,7 @@ class Job:
         """Characters of text the prompt carries (a template only adds to them; offered tools are written into it)."""
         if self.prompt_ids is not None:
             return 0  # counted in tokens when prepared
-        text = len(self.prompt) if self.prompt is not None else sum(len(content_text(m["content"]))
-                                                                                for m in self.messages)
+        text = len(self.prompt) if self.prompt is not None else sum(map(message_chars, self.messages))
         return text + (self.rules.tools_chars if self.rules.calls_tools else 0)
 
 

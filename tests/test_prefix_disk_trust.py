@@ -192,6 +192,27 @@ def test_a_symlink_or_a_grown_file_is_never_read_past_its_indexed_size(fixtures_
     run(main())
 
 
+def test_a_file_grown_while_the_node_was_down_is_refused_at_the_scan_never_read(fixtures_dir, tmp_path):
+    """An authentic entry given a sparse tail while the node was down (found by a review: its header still
+    authenticates, so the scan indexed it at its new size and the first matching prompt read a gibibyte into
+    memory, twice, before its MAC refused it): the scan compares the size with the arrays its header lists."""
+    async def main():
+        cold_ids, _, _ = await once(fixtures_dir, tmp_path, "cold")
+        path = entry_file(tmp_path)
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size + (1 << 30))
+        node = node_on(fixtures_dir, MODEL, tmp_path)
+        try:
+            refused = node.prefix_disk.status().refused_files  # at the scan, before any prompt
+            ids, _, end, _ = await collect(node, Job("warm", MODEL, greedy(8), prompt_ids=tuple(PROMPT)))
+        finally:
+            await node.stop()
+        assert refused == 1 and end.telemetry.prefix_tier == "" and ids == cold_ids
+        assert not path.exists() or path.stat().st_size < 1 << 30
+
+    run(main())
+
+
 def test_a_symlink_or_a_fifo_under_an_entrys_name_is_removed_at_start_never_opened(llama, tmp_path):  # noqa: F811
     (tmp_path / ("a" * 64 + ".pxkv")).symlink_to("/dev/zero")
     fifo = tmp_path / ("b" * 64 + ".pxkv")

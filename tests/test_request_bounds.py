@@ -1,6 +1,6 @@
 """Issue 56: every request's cost is bounded before work, in the units the work takes, through `provider start
---local` on the bundled model (context 2048 tokens, its longest token 16 characters: at most 32,768 characters of
-prompt; its template spends at least 2 tokens on a message). Each flood is refused with a 400 or 413 before the
+--local` on the bundled model (context 32,768 tokens, its longest token 16 characters: at most 524,288 characters
+of prompt; its template spends at least 2 tokens on a message). Each flood is refused with a 400 or 413 before the
 work it asks for, while /health answers beside it; how fast it answers is measured by tools/scripts/fuzz_campaign.py
 (--floods), not here. Each test fails on the code before issue 56's bounds (seen: a 200 after tokenizing or
 templating, a 500, no store in the books)."""
@@ -84,7 +84,7 @@ def test_count_tokens_and_tokenize_refuse_a_prompt_past_the_context_before_token
              ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": text}]})] * 2
     for r in _beside_health(server, flood):
         if "/tokenize" in str(r.request.url):
-            err = _refused(r, 400, "32768 characters", "tokens can hold")
+            err = _refused(r, 400, "524288 characters", "tokens can hold")
             assert err["code"] == "context_length_exceeded"
         else:
             assert _refused(r, 400, "tokens can hold")["type"] == "invalid_request_error"
@@ -101,9 +101,9 @@ def _empty_turns(n: int) -> list[dict]:
 
 
 def test_empty_messages_are_counted_before_templating(server):
-    # 5,000 empty messages: 0 characters, 2 template tokens each at least: refused before the template renders
-    # them (before: templated to 25,001 tokens, then refused on that count).
-    few = _empty_turns(4999)
+    # 16,999 empty messages: 0 characters, 2 template tokens each at least, past the 32,768 of the context: refused
+    # before the template renders them (before: templated, 5 tokens each, then refused on that count).
+    few = _empty_turns(16_999)
     chat = ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": few})
     anthropic = ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [m | {"content": "x"} for m in few]})
     tokenize = ("/tokenize", {"model": MODEL, "messages": few})
@@ -112,7 +112,7 @@ def test_empty_messages_are_counted_before_templating(server):
     huge = ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": _empty_turns(99_999)})
     got = _beside_health(server, [chat, anthropic, tokenize, huge])
     for r in got[:3]:
-        _refused(r, 400, "4999 messages", "tokens can hold", "fewer messages")
+        _refused(r, 400, "16999 messages", "tokens can hold", "fewer messages")
     _refused(got[3], 413, "JSON values and keys", str(1 << 17))
     _good(server)
 
@@ -167,7 +167,7 @@ def test_tools_are_counted_before_any_is_built(server):
     _refused(got[1], 400, "at most 512 entries", "got 600")
     _refused(got[2], 400, "at most 512 entries", "got 601")
     assert _refused(got[3], 400, "at most 128")["param"] == "tools"
-    # within the count: the first 128 offered, the rest left out (none called: 128 tools overflow this context)
+    # within the count: the first 128 offered, the rest left out (none called: tool_choice none)
     offered = _post(server, "/v1/messages", _ask(tools=tiny[:200], tool_choice={"type": "none"}))
     assert offered.status_code == 200, offered.text
     assert "tools past the first 128" in offered.json()["telemetry"]["left_out"]
@@ -248,3 +248,42 @@ def test_deep_nesting_anywhere_is_a_400(server):
     for r in got:
         _refused(r, 400, "nested too deeply", "at most 64")
     _good(server)
+
+
+# --- found by a review outside the tests (issue 56) -------------------------------------------------------------
+
+def test_tool_call_arguments_are_counted_before_templating(server):
+    """An assistant turn's calls are templated into the prompt: 16 calls of 40 KiB arguments are 655,000
+    characters, past the 524,288 the context can hold, refused on that count before the template renders them
+    (before: uncounted, templated and tokenized to a million tokens, the tokenizer's lock held for 15 s)."""
+    args = json.dumps({"a": "word " * 8000})
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": args}} for i in range(16)]
+    chat = ("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": f"call_{i}", "content": "ok"} for i in range(16))]})
+    items = [{"type": "function_call", "call_id": f"call_{i}", "name": "f", "arguments": args} for i in range(16)]
+    responses = ("/v1/responses", {"model": MODEL, "max_output_tokens": 16, "input": [
+        {"role": "user", "content": "Hi"}, *items,
+        *({"type": "function_call_output", "call_id": f"call_{i}", "output": "ok"} for i in range(16))]})
+    uses = [{"type": "tool_use", "id": f"toolu_{i}", "name": "f", "input": json.loads(args)} for i in range(16)]
+    anthropic = ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": uses},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "ok"}
+                                     for i in range(16)]}]})
+    for r in _beside_health(server, [chat, responses, anthropic]):
+        _refused(r, 400, "characters", "tokens can hold")
+    _good(server)
+
+
+def test_an_integer_past_forty_digits_is_refused_as_it_is_parsed(server):
+    """CPython makes an int of n digits in n^2 time inside json.loads, holding every thread: 4,877 integers of
+    4,299 digits (under Python's own limit, and few values) held the event loop for 1.5 s. Now past 40 digits a
+    body is not JSON the node takes (before: parsed, then refused or stored as whatever field held it)."""
+    huge = int("9" * 4299)
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "seed": huge,
+                                                 "messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/tokenize", {"model": MODEL, "prompt": "Hi", "x": [huge] * 3})):
+        _refused(_post(server, path, body), 400, "not valid JSON", "integers are at most 40 digits")
+    ok = _post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "seed": (1 << 64) - 1,
+                                                 "messages": [{"role": "user", "content": "Hi"}]})
+    assert ok.status_code == 200, ok.text  # a 64-bit seed (20 digits) still is

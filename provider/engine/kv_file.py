@@ -137,6 +137,16 @@ def read_head(f, key: bytes) -> dict:
     return _fields(raw)
 
 
+def whole_size(f, header: dict) -> int:
+    """The size of the whole file whose authenticated `header` read_head just read from `f`: its head, then
+    the arrays the header lists, then the file's MAC. A file grown or cut since it was written is not it."""
+    try:
+        payload = sum(int(spec["nbytes"]) for layer in header["layers"] for spec in layer["arrays"])
+    except (KeyError, TypeError, ValueError):
+        raise FileError("the header does not list its arrays") from None
+    return f.tell() + payload + MAC
+
+
 def decode(data: bytes, scope: bytes, key: bytes, layout: kv_layout.Layout | None) -> tuple[list[int], list[Any]]:
     """The entry's tokens and caches; FileError for anything but a whole, authentic file of `scope` whose every
     layer is one of `layout` (the model's: of_model)."""

@@ -307,6 +307,8 @@ class DiskTier:
         with prefix_disk_dir.open_entry(path) as f:
             header = kv_file.read_head(f, self.key)
             st = os.fstat(f.fileno())
+            if st.st_size != kv_file.whole_size(f, header):  # grown (a sparse tail) or cut: its read is never made
+                raise kv_file.FileError(f"{st.st_size} bytes, not the {kv_file.whole_size(f, header)} its header lists")
         scope, tokens = bytes.fromhex(header["scope"]), header["tokens"]
         blocks = chain(scope, tokens)
         if entry_key(scope, tokens, blocks) != path.name[:-len(SUFFIX)]:
