@@ -18,7 +18,7 @@ from provider.verdicts import Tolerance
 
 from .pb import provider_pb2 as pb
 from .sealed_errors import sealed_message
-from .sealing import JobKeys
+from .sealing import JobKeys, padded
 
 MAX_JOB_ID = 128
 # Messages, their content parts and their tool calls together, in one chat. The local API's body bound holds
@@ -202,10 +202,11 @@ def chunk_body(batch: list[Tokens]) -> pb.TokenChunk:
 
 
 def chunk_frame(job_id: str, seq: int, body: pb.TokenChunk, keys: JobKeys | None = None) -> pb.ProviderFrame:
-    """One TokenChunk; its body sealed back to the sender for a sealed job."""
+    """One TokenChunk; its body sealed back to the sender for a sealed job, padded to the bucket first (a
+    review matched a sealed job's chunk lengths against a guessed prompt's, chunk by chunk)."""
     if keys is not None:
         return pb.ProviderFrame(token_chunk=pb.TokenChunk(job_id=job_id, seq=seq,
-                                                          sealed=keys.seal_chunk(job_id, seq, body)))
+                                                          sealed=keys.seal_chunk(job_id, seq, padded(body))))
     chunk = pb.TokenChunk(job_id=job_id, seq=seq)
     chunk.MergeFrom(body)
     return pb.ProviderFrame(token_chunk=chunk)

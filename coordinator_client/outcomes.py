@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from provider import logs
 
 from .pb import provider_pb2 as pb
-from .sealing import JobKeys
+from .sealing import JobKeys, padded
 
 log = logs.get("coordinator")
 
@@ -85,7 +85,7 @@ class Transcript:
         body = pb.Completion(text="".join(self.text), token_ids=self.token_ids, tool_calls=self.tool_calls,
                              logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
         if keys is not None:
-            out.sealed = keys.seal_completion(job_id, body)
+            out.sealed = keys.seal_completion(job_id, padded(body))
             out.seal_salt = keys.run_salt
         else:
             out.MergeFrom(body)

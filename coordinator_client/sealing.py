@@ -164,3 +164,20 @@ class SealingKey:
         if len(self._seen) > self._remember:  # bounded: past it, the run salt alone keeps every key fresh
             self._seen.popitem(last=False)
         return body, keys
+
+
+SEALED_CHUNK_BUCKET = 256  # a sealed body's length is rounded up to this: "Yes" and "No" seal alike
+
+
+def padded(body, bucket: int = SEALED_CHUNK_BUCKET):
+    """A copy of `body` (a TokenChunk or a Completion) whose serialized size is a multiple of `bucket` (its
+    `padding` field's zeros)."""
+    out = type(body)()
+    out.CopyFrom(body)
+    size = out.ByteSize()
+    target = -(-(size + 3) // bucket) * bucket  # room for the field's tag and length
+    for overhead in (2, 3, 4):  # the length's varint grows with it
+        out.padding = bytes(max(0, target - size - overhead))
+        if out.ByteSize() == target:
+            break
+    return out

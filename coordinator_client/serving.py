@@ -244,6 +244,8 @@ class CoordinatorJobs:
         elif isinstance(end, Done):
             frame = convert.done_frame(end)
             done = frame.job_done
+            if keys is not None:  # how many drafts the output accepted is about its text: not said in the clear
+                done.telemetry.ClearField("speculation")
             done.completion.CopyFrom(completion)
             done.model_sha256 = weights
             done.signature_layout, done.request_sha256 = SIGNATURE_LAYOUT, request_sha256

@@ -52,3 +52,32 @@ def test_a_sealed_prompt_leaves_nothing_an_unsealed_or_sealed_probe_can_find(fix
     assert out["public again"] >= 200, out  # the cache works for unsealed jobs of one scope: the probes can tell
     assert {k: v for k, v in out.items() if k != "public again"} == dict.fromkeys(out.keys() - {"public again"}, 0), \
         out
+
+
+def test_a_sealed_answer_tells_its_length_only_to_the_bucket_and_no_speculation(fixtures_dir, tmp_path):
+    """Found by a review outside the tests: a sealed chunk's ciphertext was its text's length + 16, so a coordinator
+    that ran a guessed prompt in the clear matched the sealed job's chunk lengths one by one (and its speculation
+    counts, sent in the clear). Now every sealed body (chunk and completion) is padded to 256 bytes, and a sealed
+    job's telemetry says nothing of its drafts."""
+    from coordinator_client.sealing import SEALED_CHUNK_BUCKET
+
+    async def main():
+        async with harness({"m": fixtures_dir / "llama-tiny"}, tmp_path / "n") as (coord, node, _):
+            await until(lambda: coord.sessions, "a session")
+            s = next(iter(coord.sessions.values()))
+            for i, n in enumerate((1, 3, 9)):
+                request = _request(f"sealed-{i}", [5 + i] * 20, "")
+                request.max_tokens = n
+                coord.dispatch_sealed(s, request)
+                await coord.outcome(f"sealed-{i}")
+            return [f for _, kind, f in coord.frames if kind in ("token_chunk", "job_done")]
+
+    frames = run(main())
+    overhead = 16  # the AEAD's tag
+    chunks = [f.token_chunk.sealed for f in frames if f.WhichOneof("frame") == "token_chunk"]
+    dones = [f.job_done for f in frames if f.WhichOneof("frame") == "job_done"]
+    assert chunks and len(dones) == 3
+    assert all((len(c) - overhead) % SEALED_CHUNK_BUCKET == 0 for c in chunks), sorted({len(c) for c in chunks})
+    # The whole completion is sealed on a resend (empty on the session that streamed the chunks): padded alike.
+    assert all((len(d.completion.sealed) - overhead) % SEALED_CHUNK_BUCKET == 0 for d in dones if d.completion.sealed)
+    assert not any(d.telemetry.HasField("speculation") for d in dones)

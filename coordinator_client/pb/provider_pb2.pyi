@@ -613,7 +613,7 @@ class JobAccepted(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., seal_salt: _Optional[bytes] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("job_id", "seq", "text", "token_ids", "sealed", "tool_calls", "logprobs", "prompt_logprobs")
+    __slots__ = ("job_id", "seq", "text", "token_ids", "sealed", "tool_calls", "logprobs", "prompt_logprobs", "padding")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -622,6 +622,7 @@ class TokenChunk(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     seq: int
     text: str
@@ -630,7 +631,8 @@ class TokenChunk(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "text", "logprob", "top", "raw")
@@ -761,7 +763,7 @@ class Telemetry(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., finish_reason: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationTelemetry, _Mapping]] = ..., constraint: _Optional[str] = ..., mask_ms_per_token: _Optional[float] = ..., prefix_tier: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls", "seal_salt", "logprobs", "prompt_logprobs", "proof", "sealed_proof", "proof_sha256")
+    __slots__ = ("chunks", "token_ids_sha256", "text", "token_ids", "sealed", "tool_calls", "seal_salt", "logprobs", "prompt_logprobs", "proof", "sealed_proof", "proof_sha256", "padding")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_SHA256_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -774,6 +776,7 @@ class Completion(_message.Message):
     PROOF_FIELD_NUMBER: _ClassVar[int]
     SEALED_PROOF_FIELD_NUMBER: _ClassVar[int]
     PROOF_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     token_ids_sha256: bytes
     text: str
@@ -786,7 +789,8 @@ class Completion(_message.Message):
     proof: Proof
     sealed_proof: bytes
     proof_sha256: bytes
-    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., seal_salt: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ..., sealed_proof: _Optional[bytes] = ..., proof_sha256: _Optional[bytes] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, chunks: _Optional[int] = ..., token_ids_sha256: _Optional[bytes] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., seal_salt: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ..., sealed_proof: _Optional[bytes] = ..., proof_sha256: _Optional[bytes] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class Proof(_message.Message):
     __slots__ = ("commitment", "sampler", "seed", "end_token")
