@@ -439,8 +439,9 @@ def _cheat(kind, jobs, node, verifier, rng, tokens) -> list[tuple]:
             # A contradiction of the request fails at position 0, as other weights do; a length or an ending
             # where the cheat starts (max_tokens; the cut), never before it.
             right = v.first_failure == 0 if start == 0 else _from(v.first_failure, start)
-            note = None if v.passed or right else {"job": job.id, "start": start, "first_failure": v.first_failure,
-                                                   "reason": v.reason}
+            note = None if not v.passed and right else {"job": job.id, "start": start, "passed": v.passed,
+                                                        "first_failure": v.first_failure, "reason": v.reason,
+                                                        "ties": v.ties}
             out.append((v.passed, right, note))
     return out
 
