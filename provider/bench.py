@@ -102,18 +102,17 @@ def _pair(model_path: Path, drafter_path: Path):
     """The loaded target and drafter as the node holds them, and a factory of fresh drafters."""
     from mlx_lm import load
 
+    from .drafters import registry
     from .engine.drafters import drafter_for
-    from .models import capability
-    from .drafters.gemma4_assistant import load_assistant
+    from .memory.checkpoint import read_config
     from .models.loader import LoadedModel
-    from .types import SpecMode
 
     model, tok = load(str(model_path))
     lm = LoadedModel("bench", model_path, model, tok, {}, 0.0)
-    if capability.read_config(drafter_path).get("model_type") in capability.ASSISTANT_TYPES:
-        lm.drafter, lm.drafter_mode = load_assistant(drafter_path), SpecMode.MTP
-    else:
-        lm.drafter, lm.drafter_mode = load(str(drafter_path))[0], SpecMode.DRAFT
+    config = read_config(drafter_path)
+    kind = registry.kind_of(model_path, drafter_path, config)  # an assistant, a draft model, any kind the node loads
+    lm.drafter = kind.load(model, drafter_path, config, lambda path: load(str(path))[0])
+    lm.drafter_mode, lm.drafter_kind = kind.mode, kind.name
 
     def factory():
         return drafter_for(lm)

@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from .drafters import registry
 from .jobs import JobError
 from .models import capability, loader, manifest, store
 from .memory.checkpoint import read_config
@@ -115,9 +116,17 @@ def describe(settings: Settings, m: store.StoredModel, usable: int) -> dict:
     }
 
 
-# What `models list` says a model speculates with (capability.Capabilities.speculates_with).
-SPEC_TAGS = {"own_mtp_head": "  [mtp: own head]", "mtp_assistant": "  [mtp]", "draft_model": "  [draft]",
-             "eagle3": "  [eagle3]", "dflash": "  [dflash]"}
+def spec_tag(speculates_with: str) -> str:
+    """What `models list` prints after a model that speculates: its drafter kind's tag (drafters.registry)."""
+    return f"  [{registry.named(speculates_with).tag}]" if speculates_with else ""
+
+
+def list_line(r: dict) -> str:
+    """One row of `models list` (describe's) as printed."""
+    return (f"{r['id'][:32]:32} {r['origin']:10} {str(r.get('family', '-')):12} {str(r.get('quantization') or '-'):10}"
+            f" {str(r.get('context', '-')):>7} {str(r.get('weights_mib', '-')) + ' MiB':>9}"
+            f" {str(r.get('footprint_mib', '-')) + ' MiB':>10}  {r['status']}"
+            + spec_tag(r.get("speculates_with") or ""))
 
 
 def cmd_list(settings: Settings, usable: int) -> int:
@@ -127,10 +136,7 @@ def cmd_list(settings: Settings, usable: int) -> int:
         return 0
     print(f"{'id':32} {'origin':10} {'family':12} {'quant':10} {'ctx':>7} {'weights':>9} {'footprint':>10}  status")
     for r in rows:
-        print(f"{r['id'][:32]:32} {r['origin']:10} {str(r.get('family', '-')):12} {str(r.get('quantization') or '-'):10}"
-              f" {str(r.get('context', '-')):>7} {str(r.get('weights_mib', '-')) + ' MiB':>9}"
-              f" {str(r.get('footprint_mib', '-')) + ' MiB':>10}  {r['status']}"
-              + SPEC_TAGS.get(r.get("speculates_with") or "", ""))
+        print(list_line(r))
     return 0
 
 

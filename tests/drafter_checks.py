@@ -16,7 +16,7 @@ from provider.models import capability
 from provider.drafters.dflash.head import load_dflash
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import drafter_footprint
+from provider.drafters import registry
 from provider.types import SpecMode
 from provider.verification.hidden_tap import model_layers
 from tests import mtp_checks
@@ -39,14 +39,14 @@ def paired_listed_and_registered(target, name: str, drafter, kind: str) -> None:
     """Paired as `kind` from config + headers, listed so (its tag) by the model command, and registered so by a
     node with the drafter configured."""
     from coordinator_client.registration import model_infos
-    from provider.model_commands import SPEC_TAGS, describe
+    from provider.model_commands import describe, list_line
     from provider.models.store import StoredModel
     from provider.settings import Settings
 
     caps = caps_with(target, drafter)
     assert (caps.mtp_capable, caps.speculates_with, caps.drafter_reason) == (True, kind, "ok"), caps
     row = describe(Settings(), StoredModel(name, str(target), target, "configured", drafter=str(drafter)), 1 << 30)
-    assert (row["speculates_with"], row["mtp_capable"]) == (kind, True) and SPEC_TAGS[kind] == f"  [{kind}]"
+    assert (row["speculates_with"], row["mtp_capable"]) == (kind, True) and list_line(row).endswith(f"  [{kind}]")
     node = make_node({name: target}, manager_kw={"drafters": {name: drafter}})
     registered = {i.id: i.capabilities for i in model_infos(node.status())}[name]
     run(node.stop())
@@ -138,7 +138,7 @@ def weights_and_activations_booked(target, drafter, load_head, family, head_clas
     assert isinstance(head, head_class)
     held = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
     assert family.weight_bytes(drafter) == held
-    assert drafter_footprint(drafter, config, SpecMode.MTP, 3, 512) - held == \
+    assert registry.kind_of(target, drafter, config).footprint(drafter, config, 3, 512) - held == \
         estimate.activation_bytes(family.flat_config(config), 512, attention_only=True)
     return model, head, config
 
@@ -158,7 +158,8 @@ def node_books_the_drafter(target, name: str, drafter, head_class, kv_shape) -> 
 
     booked, lm = run(main())
     config = capability.read_config(drafter)
-    assert booked == drafter_footprint(drafter, config, SpecMode.MTP, 3, node.models._prefill_step) > 0
+    assert booked == registry.kind_of(target, drafter, config).footprint(drafter, config, 3,
+                                                                        node.models._prefill_step) > 0
     assert lm.drafter_mode is SpecMode.MTP and isinstance(lm.drafter, head_class)
     assert lm.draft_kv_shape == kv_shape(drafter, config)
 

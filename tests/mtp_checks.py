@@ -21,10 +21,9 @@ from provider.memory import estimate
 from provider.models import capability
 from provider.memory.checkpoint import open_checkpoint
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.drafters.mtp.kind import KIND as NATIVE_HEAD
 from provider.models.gemma4_target import Target
 from provider.telemetry import SpecTelemetry
-from provider.types import SpecMode
 from provider.verification.hidden_tap import install
 from tests.helpers import collect, greedy, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
@@ -88,7 +87,7 @@ def booked_once(target, config, load_head):
     head = load_head(target, model)
     head_bytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
     assert held + head_bytes == sum(v.nbytes for v in mx.load(str(target / "model.safetensors")).values())
-    assert drafter_footprint(target, config, SpecMode.MTP, 3, 512) - head_bytes == \
+    assert NATIVE_HEAD.footprint(target, config, 3, 512) - head_bytes == \
         estimate.activation_bytes(config, 512, attention_only=True)
     return model, head
 
@@ -101,7 +100,7 @@ def first_layer_alone(target, out, more_layers, config_change: dict, load_head):
     config = capability.read_config(more)
     assert capability.with_drafter(capability.detect(more, config), more, None, config).mtp_capable
     head = load_head(more, load(str(more))[0])
-    assert drafter_footprint(more, config, SpecMode.MTP, 3, 512) - sum(v.nbytes for _, v in tree_flatten(
+    assert NATIVE_HEAD.footprint(more, config, 3, 512) - sum(v.nbytes for _, v in tree_flatten(
         head.parameters())) == estimate.activation_bytes(config, 512, attention_only=True)
     return head
 
@@ -114,7 +113,7 @@ def books_as_held(target, config, load_head, per_token: int, own_parts: bool, pa
     _, head = booked_once(target, config, load_head)
     assert (head.lm_head is not None, "embed_tokens" in head) == \
         (own_parts if own_lm_head is None else own_lm_head, own_parts)
-    assert head_kv_shape(target, config).bytes_per_token_full == per_token
+    assert NATIVE_HEAD.kv_shape(target, config).bytes_per_token_full == per_token
     cache_holds(head, per_token, pairs)
     return head
 

@@ -18,7 +18,7 @@ from provider.drafters.dflash import config as dflash
 from provider.drafters.dflash.head import DFlashHead
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import dflash_kv_shape
+from provider.drafters.dflash.kind import KIND as DFLASH
 from provider.verification.hidden_tap import install_layers
 from tests import drafter_checks
 from tests.drafter_checks import broken
@@ -190,14 +190,14 @@ def test_the_books_are_what_loads(target):
     head.context(mx.zeros((1, 5, 128)), cache, 0)
     per_token = 2 * 2 * 2 * 16 * 4  # 2 layers, K and V, 2 KV heads x 16, float32
     assert sum(x[..., :5, :].nbytes for c in cache for x in (c.keys, c.values)) == 5 * per_token
-    assert dflash_kv_shape(drafter, config).bytes_per_token_full == per_token
+    assert DFLASH.kv_shape(drafter, config).bytes_per_token_full == per_token
     assert install_layers(model, [0, 1]) is head.tap  # installed once, by the drafter's load
 
 
 def test_the_node_books_the_drafter_it_loads(target):
     """Through the residency: the drafter's reservation is its footprint, and the loaded pair's drafter KV shape
     (from which each batch's drafter KV is booked) is the drafter's."""
-    drafter_checks.node_books_the_drafter(target, NAME, drafter_dir(target), DFlashHead, dflash_kv_shape)
+    drafter_checks.node_books_the_drafter(target, NAME, drafter_dir(target), DFlashHead, DFLASH.kv_shape)
 
 
 def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):

@@ -18,7 +18,7 @@ from provider.drafters.dflash import config as dflash
 from provider.drafters.dflash.dflash2_head import DFlash2Head, load_dflash2
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import dflash_kv_shape
+from provider.drafters.dflash.kind import KIND as DFLASH
 from tests import drafter_checks
 from tests.drafter_checks import broken
 
@@ -167,7 +167,7 @@ def test_the_books_are_what_loads(target, tmp_path):
     plain = broken(drafter, tmp_path / "plain",
                    tensors=lambda w: {k: v for k, v in w.items() if "selector" not in k and "_conv" not in k})
     assert dflash.weight_bytes(drafter) - dflash.weight_bytes(plain) == selector + convs
-    drafter_checks.node_books_the_drafter(target, NAME, drafter, DFlash2Head, dflash_kv_shape)
+    drafter_checks.node_books_the_drafter(target, NAME, drafter, DFlash2Head, DFLASH.kv_shape)
 
 
 def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):

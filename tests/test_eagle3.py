@@ -19,7 +19,7 @@ from provider.drafters.eagle3 import config as eagle3
 from provider.drafters.eagle3.head import Eagle3Head, load_eagle3
 from tools.fixtures.eagle3 import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import eagle3_kv_shape
+from provider.drafters.eagle3.kind import KIND as EAGLE3
 from provider.verification.hidden_tap import install_layers
 from tests import drafter_checks
 from tests.drafter_checks import broken, caps_with
@@ -143,14 +143,14 @@ def test_the_books_are_what_loads(target):
     head(mx.zeros((1, 5, 64)), mx.zeros((1, 5, 192)), cache)
     per_token = 2 * 2 * 16 * 4  # K and V, 2 KV heads x 16, float32
     assert sum(x[..., :5, :].nbytes for x in (cache[0].keys, cache[0].values)) == 5 * per_token
-    assert eagle3_kv_shape(drafter, config).bytes_per_token_full == per_token
+    assert EAGLE3.kv_shape(drafter, config).bytes_per_token_full == per_token
     assert install_layers(model, [0, 1, 2]) is head.tap  # installed once, by the drafter's load
 
 
 def test_the_node_books_the_drafter_it_loads(target):
     """Through the residency: the drafter's reservation is its footprint, and the loaded pair's drafter KV shape
     (from which each batch's drafter KV is booked) is the drafter's."""
-    drafter_checks.node_books_the_drafter(target, NAME, drafter_dir(target), Eagle3Head, eagle3_kv_shape)
+    drafter_checks.node_books_the_drafter(target, NAME, drafter_dir(target), Eagle3Head, EAGLE3.kv_shape)
 
 
 def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):

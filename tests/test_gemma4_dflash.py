@@ -19,7 +19,7 @@ from provider.drafters.dflash import config as dflash
 from provider.drafters.dflash.head import DFlashHead, target_embedding
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import dflash_kv_shape
+from provider.drafters.dflash.kind import KIND as DFLASH
 from tests import drafter_checks, mtp_checks
 from tests.drafter_checks import broken
 
@@ -102,6 +102,6 @@ def test_the_books_are_what_loads(target):
     of 16, float32), and through the node."""
     drafter = drafter_dir(target)
     drafter_checks.weights_and_activations_booked(target, drafter, load_head, dflash, DFlashHead)
-    assert dflash_kv_shape(drafter, json.loads((drafter / "config.json").read_text())).bytes_per_token_full == \
+    assert DFLASH.kv_shape(drafter, json.loads((drafter / "config.json").read_text())).bytes_per_token_full == \
         2 * 2 * 1 * 16 * 4
-    drafter_checks.node_books_the_drafter(target, NAME, drafter, DFlashHead, dflash_kv_shape)
+    drafter_checks.node_books_the_drafter(target, NAME, drafter, DFlashHead, DFLASH.kv_shape)

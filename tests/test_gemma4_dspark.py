@@ -20,7 +20,7 @@ from provider.drafters.dflash import config as dflash
 from provider.drafters.dflash.head import load_dflash
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import dflash_kv_shape
+from provider.drafters.dflash.kind import KIND as DFLASH
 from provider.drafters.dflash.gemma4_dspark_head import Gemma4DSparkHead
 from tests import drafter_checks, mtp_checks
 from tests.drafter_checks import broken
@@ -151,9 +151,9 @@ def test_the_books_are_what_loads(target):
     drafter = drafter_dir(target)
     _, head, _ = drafter_checks.weights_and_activations_booked(target, drafter, load_head, dflash, Gemma4DSparkHead)
     assert head.embed_tokens.weight.nbytes == head.lm_head.weight.nbytes == 512 * 64 * 4
-    assert dflash_kv_shape(drafter, json.loads((drafter / "config.json").read_text())).bytes_per_token_full == \
+    assert DFLASH.kv_shape(drafter, json.loads((drafter / "config.json").read_text())).bytes_per_token_full == \
         2 * 2 * 1 * 32 * 4
-    drafter_checks.node_books_the_drafter(target, NAME, drafter, Gemma4DSparkHead, dflash_kv_shape)
+    drafter_checks.node_books_the_drafter(target, NAME, drafter, Gemma4DSparkHead, DFLASH.kv_shape)
 
 
 def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):

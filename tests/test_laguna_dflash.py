@@ -20,7 +20,7 @@ from provider.drafters.dflash import config as dflash
 from provider.drafters.dflash.head import WindowedContext, load_dflash, target_embedding
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import dflash_kv_shape
+from provider.drafters.dflash.kind import KIND as DFLASH
 from provider.drafters.dflash.laguna_head import LagunaHead
 from tests import drafter_checks, mtp_checks
 from tests.drafter_checks import broken
@@ -165,10 +165,10 @@ def test_the_books_are_what_loads(target):
     layers, K and V, 2 KV heads of 16, float32, the W - 1 = 23 positions its cache holds); through the node too."""
     drafter = drafter_dir(target)
     _, head, config = drafter_checks.weights_and_activations_booked(target, drafter, load_head, dflash, LagunaHead)
-    shape = dflash_kv_shape(drafter, config)
+    shape = DFLASH.kv_shape(drafter, config)
     assert (shape.bytes_per_token_full, shape.bytes_per_token_sliding, shape.sliding_window) == \
         (0, 2 * 2 * 2 * 16 * 4, WINDOW - 1)
-    drafter_checks.node_books_the_drafter(target, NAME, drafter, LagunaHead, dflash_kv_shape)
+    drafter_checks.node_books_the_drafter(target, NAME, drafter, LagunaHead, DFLASH.kv_shape)
 
 
 def test_grammar_rows_speculate_with_the_drafter_as_plain_decoding_together(target):

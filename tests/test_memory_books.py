@@ -137,13 +137,13 @@ def test_a_long_prompt_beside_short_jobs_is_booked_as_the_padded_batch_it_makes(
 
 def test_drafter_headroom_counts_what_running_jobs_hold(fixtures_dir):
     from provider.memory.checkpoint import read_config
-    from provider.models.footprint import drafter_footprint, estimate_footprint
-    from provider.types import SpecMode
+    from provider.drafters.assistant import KIND as ASSISTANT
+    from provider.models.footprint import estimate_footprint
 
     kw = {"kv_reserve_tokens": 256, "prefill_step": 64}
     g, a = fixtures_dir / "gemma4-tiny", fixtures_dir / "gemma4-tiny-assistant"
     target = estimate_footprint(g, read_config(g), kv_tokens=256, prefill_step=64)
-    need = drafter_footprint(a, read_config(a), SpecMode.MTP, 3, 64)
+    need = ASSISTANT.footprint(a, read_config(a), 3, 64)
     busy = 4 * need  # what another model's running jobs hold
     slack = (need - target.kv) // 2  # beside the target and its one-sequence reserve, less than the drafter
     assert slack > 0

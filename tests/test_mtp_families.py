@@ -15,11 +15,10 @@ from provider.engine.spec_rounds import Speculator
 from provider.jobs import Job, SamplingParams
 from provider.models import capability
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.drafters.mtp.kind import KIND as NATIVE_HEAD
 from provider.models.gemma4_target import Target
 from provider.drafters.mtp.qwen3_5 import load_head
 from provider.telemetry import SpecTelemetry
-from provider.types import SpecMode
 from provider.verification.hidden_tap import install
 from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
@@ -49,10 +48,10 @@ def test_capability_is_read_from_config_and_head_tensors(target, tmp_path):
     mtp_checks.no_head_found(stripped, config)
     assert json.loads((stripped / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
     # Booked as the head alone (its tensors and activations), and its own K/V per token per row.
-    need = drafter_footprint(target, config, SpecMode.MTP, 3, 512)
+    need = NATIVE_HEAD.footprint(target, config, 3, 512)
     head_bytes = sum(v.nbytes for k, v in mx_load(str(target / "model.safetensors")).items() if k.startswith("mtp."))
     assert head_bytes < need < 4 * head_bytes + (64 << 20)
-    assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4  # K and V, 2 heads x 16, fp32
+    assert NATIVE_HEAD.kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4  # K and V, 2 heads x 16, fp32
 
 
 def test_the_head_is_booked_once_as_the_drafter_never_inside_the_target(target):

@@ -14,9 +14,8 @@ from mlx_lm import load
 
 from provider.jobs import SamplingParams
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import drafter_footprint, head_kv_shape
+from provider.drafters.mtp.kind import KIND as NATIVE_HEAD
 from provider.drafters.mtp.glm4_moe_lite import load_head
-from provider.types import SpecMode
 from tests import mtp_checks
 
 NAME = "glm4_moe_lite-mtp-tiny"
@@ -36,11 +35,11 @@ def test_capability_and_books_from_config_and_the_nextn_tensors(target, tmp_path
     # per-token cache as MLA holds it: the normed latent (kv_lora_rank 32) and the rotated k_pe (8), fp32.
     on_disk = mx.load(str(target / "model.safetensors"))
     head_bytes = sum(v.nbytes for k, v in on_disk.items() if k.startswith(NEXTN))
-    need = drafter_footprint(target, config, SpecMode.MTP, 3, 512)
+    need = NATIVE_HEAD.footprint(target, config, 3, 512)
     from provider.memory import estimate
 
     assert need - head_bytes == estimate.activation_bytes(config, 512)
-    assert head_kv_shape(target, config).bytes_per_token_full == (32 + 8) * 4
+    assert NATIVE_HEAD.kv_shape(target, config).bytes_per_token_full == (32 + 8) * 4
     model, _ = load(str(target))
     head = load_head(target, model)
     assert sum(v.nbytes for _, v in tree_flatten(head.parameters())) == head_bytes  # what it really holds

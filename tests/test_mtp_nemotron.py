@@ -19,7 +19,8 @@ from provider.engine import recurrent
 from provider.jobs import Job, SamplingParams
 from provider.models import capability
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import head_kv_shape, kv_shape_of
+from provider.drafters.mtp.kind import KIND as NATIVE_HEAD
+from provider.models.footprint import kv_shape_of
 from provider.drafters.mtp.nemotron_h import load_head, serves
 from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
@@ -71,7 +72,7 @@ def test_the_footprint_books_the_head_and_the_estimate_reads_the_block_pattern(t
     only, one Mamba2 state per Mamba2 block (conv window + float32 SSM state), nothing for MLP / MoE blocks."""
     config = capability.read_config(target)
     model, _ = mtp_checks.booked_once(target, config, load_head)
-    assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4  # one attention block, fp32
+    assert NATIVE_HEAD.kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4  # one attention block, fp32
 
     caches = model.make_cache()
     model(mx.array([list(range(256))]), cache=caches)  # 256: the K/V buffer's own step, so none is spare

@@ -18,7 +18,7 @@ from provider.engine import recurrent
 from provider.jobs import SamplingParams
 from provider.models import capability
 from tools.fixtures.mtp import HF_METADATA, train_prompts
-from provider.models.footprint import head_kv_shape
+from provider.drafters.mtp.kind import KIND as NATIVE_HEAD
 from provider.drafters.mtp.qwen3_5 import load_head
 from tests import mtp_checks
 from tests.helpers import make_node, run
@@ -41,14 +41,14 @@ def test_capability_and_books_from_config_and_head_tensors(target, tmp_path):
     drafter's footprint books the head's bytes as loaded (its experts stacked) and its own K/V per token as the
     head's cache holds it."""
     config = capability.read_config(target)
-    assert mtp_checks.head_found(target, config).speculates_with == capability.OWN_HEAD
+    assert mtp_checks.head_found(target, config).speculates_with == NATIVE_HEAD.name
     stripped = tmp_path / "stripped"
     shutil.copytree(target, stripped)
     mx.save_safetensors(str(stripped / "model.safetensors"),
                         {k: v for k, v in _tensors(target).items() if not k.startswith("mtp.")}, metadata=HF_METADATA)
     mtp_checks.no_head_found(stripped, config)
     _, head = mtp_checks.booked_once(target, config, load_head)
-    assert head_kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4
+    assert NATIVE_HEAD.kv_shape(target, config).bytes_per_token_full == 2 * 2 * 16 * 4
     mtp_checks.cache_holds(head, 2 * 2 * 16 * 4, pairs=7, width=head.fc.weight.shape[0])
 
 

@@ -21,7 +21,7 @@ from provider.drafters.dflash import config as dflash
 from provider.drafters.dflash.head import DFlashHead, WindowedContext, target_embedding
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from provider.models.footprint import dflash_kv_shape
+from provider.drafters.dflash.kind import KIND as DFLASH
 from tests import drafter_checks, mtp_checks
 from tests.drafter_checks import broken
 
@@ -129,14 +129,14 @@ def test_the_books_are_what_loads(target):
     drafter = drafter_dir(target)
     model, head, config = drafter_checks.weights_and_activations_booked(target, drafter, load_head, dflash,
                                                                         DFlashHead)
-    shape = dflash_kv_shape(drafter, config)
+    shape = DFLASH.kv_shape(drafter, config)
     assert (shape.bytes_per_token_full, shape.bytes_per_token_sliding, shape.sliding_window) == \
         (0, 2 * 2 * 2 * 16 * 4, WINDOW)
     cache = head.make_cache()
     head.context(mx.zeros((1, 90, 2 * 64)), cache, 0)
     assert all(isinstance(c, WindowedContext) and c.offset == 90 for c in cache)  # only the last 24 projected
     assert sum(c.keys.nbytes + c.values.nbytes for c in cache) == WINDOW * shape.bytes_per_token_sliding
-    drafter_checks.node_books_the_drafter(target, NAME, drafter, DFlashHead, dflash_kv_shape)
+    drafter_checks.node_books_the_drafter(target, NAME, drafter, DFlashHead, DFLASH.kv_shape)
 
 
 def test_grammar_rows_speculate_with_the_assistant_as_plain_decoding_together(target):

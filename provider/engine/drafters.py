@@ -1,4 +1,5 @@
-"""Drafters: what proposes a round's k tokens for each row (provider.engine.spec_rounds runs the round).
+"""Drafters: what proposes a round's k tokens for each row (provider.engine.spec_rounds runs the round), one
+proposer per method, which each drafter kind names (provider.drafters.registry; PROPOSERS below).
 
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
@@ -14,10 +15,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..drafters import registry
 from ..drafters.gemma4_assistant import QUERY_POSITION_OFFSET, Gemma4Assistant
 from ..models.gemma4_target import Target
-from ..drafters.mtp.heads import OwnHead
-from ..types import SpecMode
 from .acceptance import draw_drafts
 from .spec_rounds import SpecRow, merged, rollback, split
 
@@ -222,19 +222,24 @@ class Eagle3Drafter(HeadDrafter):
         return self.head.target_logits(h, self.width)
 
 
+def _dflash(lm):
+    from .dflash_drafter import DFlashDrafter  # its rounds' code, imported with the first DFlash pair
+
+    return DFlashDrafter(lm.drafter, Target(lm.model))
+
+
+# The proposers that run a round for each drafter kind (drafters.registry), by the name a kind gives as its
+# `proposer`: several kinds may share one (a native head's rounds serve any head fed the target's hidden states).
+PROPOSERS = {
+    "draft": lambda lm: DraftModelDrafter(lm.drafter),
+    "assistant": lambda lm: MTPDrafter(lm.drafter, Target(lm.model)),
+    "head": lambda lm: HeadDrafter(lm.drafter, Target(lm.model)),
+    "eagle3": lambda lm: Eagle3Drafter(lm.drafter, Target(lm.model)),
+    "dflash": _dflash,
+}
+
+
 def drafter_for(lm):
-    """The drafter of a loaded pair (`models.loader.LoadedModel`); per-row state lives on the rows."""
-    from ..drafters.dflash.head import DFlashHead
-    from ..drafters.eagle3.head import Eagle3Head
-
-    if isinstance(lm.drafter, DFlashHead):
-        from .dflash_drafter import DFlashDrafter
-
-        return DFlashDrafter(lm.drafter, Target(lm.model))
-    if isinstance(lm.drafter, Eagle3Head):
-        return Eagle3Drafter(lm.drafter, Target(lm.model))
-    if isinstance(lm.drafter, OwnHead):
-        return HeadDrafter(lm.drafter, Target(lm.model))
-    if lm.drafter_mode == SpecMode.MTP:
-        return MTPDrafter(lm.drafter, Target(lm.model))
-    return DraftModelDrafter(lm.drafter)
+    """The drafter of a loaded pair (`models.loader.LoadedModel`): its kind's proposer; per-row state lives on the
+    rows."""
+    return PROPOSERS[registry.named(lm.drafter_kind).proposer](lm)

@@ -100,6 +100,19 @@ def _open(path: Path, state: tuple) -> Checkpoint:
     return Checkpoint(path, read_config(path))
 
 
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def dominant_float_bytes(tensors: Tensors) -> int:
+    """The float width most of a checkpoint's float tensors have: what its weights, and so its activations and KV,
+    are computed in (2 when it has none)."""
+    sizes: dict[int, int] = {}
+    for dtype, _shape in tensors.values():
+        if dtype in FLOAT_BYTES:
+            sizes[FLOAT_BYTES[dtype]] = sizes.get(FLOAT_BYTES[dtype], 0) + 1
+    return max(sizes, key=sizes.get) if sizes else 2
+
+
 DEFAULT_CONTEXT = 4096  # when the config names no context length
 
 

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..drafters import registry
 from ..jobs import JobError
-from ..types import Cause, SpecMode, SpecReason
 from ..memory.checkpoint import context_length, read_config
+from ..types import Cause, SpecReason
 
 @dataclass
 class LoadedModel:
@@ -19,8 +20,9 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
     load_seconds: float
-    drafter: Any = None  # a Gemma4Assistant, a native MTP head or a draft mlx-lm model, loaded and freed with it
+    drafter: Any = None  # what its drafter kind loaded (a head, an assistant, a draft model), loaded and freed with it
     drafter_mode: str | None = None  # mtp | draft | None
+    drafter_kind: str | None = None  # its drafter's kind (drafters.registry), which names the engine's proposer
     drafter_reason: str = "no_drafter"  # why there is no drafter (stable reason), or "ok"
     spec_profile: Any = None  # speculation.SpecProfile: the pair's measured costs and acceptance (auto's k)
     profile_pending: bool = False  # its costs are being measured (auto decodes plain until they are)
@@ -30,7 +32,7 @@ class LoadedModel:
     kv_shape: Any = None  # memory.estimate.KVShape of the target, from its files (set by the residency)
     kv_quant: Any = None  # memory.estimate.KVQuant of its KV caches (set by the residency); None: full precision
     identity: str = ""  # its files as they are (manifest.quick_identity): what a prefix kept on disk belongs to
-    draft_kv_shape: Any = None  # the same of a draft model (an MTP assistant keeps no KV of its own)
+    draft_kv_shape: Any = None  # the same of its drafter, as its kind books it (None: it keeps none of its own)
     act_shape: Any = None  # memory.estimate.ActivationShape: a forward's scratch (set by the residency)
     act_reserve: int = 0  # the scratch its footprint already reserves (one chunk of one row)
     vision: Any = None  # models.vision.VisionTower: the checkpoint's own image encoder, when it takes images
@@ -138,104 +140,32 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
     if drafter_path is None:
         return lm, active_delta
     try:
-        load_drafter = next(loader for mode, matches, loader in DRAFTER_KINDS
-                            if (mode is None or mode is drafting.mode) and matches(lm, drafter_path))
         load_drafter(lm, drafter_path, group)
         lm.drafter_mode = drafting.mode
     except Exception as e:
-        lm.drafter = lm.drafter_lm_head = None  # what part of it loaded is neither served nor booked
+        # What part of it loaded is neither served nor booked.
+        lm.drafter = lm.drafter_lm_head = lm.draft_kv_shape = lm.drafter_kind = None
         lm.drafter_reason = SpecReason.NO_DRAFTER
         logs.get("models").warning("drafter_load_failed", model=model_id, error=f"{type(e).__name__}: {e}")
     return lm, active_delta
 
 
-# The kinds of drafter, each a row (mode, matches(lm, drafter_path), load(lm, drafter_path, group)). The first row of
-# the plan's mode (None: any) whose files match loads it: its loader sets lm.drafter and, where the drafter keeps a
-# KV of its own, lm.draft_kv_shape (its books). The last row of a mode matches anything, so new kinds go above it.
-
-
-def _in_target(lm: LoadedModel, drafter_path: Path) -> bool:
-    return drafter_path == lm.path
-
-
-def _dflash(lm: LoadedModel, drafter_path: Path) -> bool:
-    from ..drafters.dflash.config import is_dflash
-
-    return is_dflash(read_config(drafter_path))
-
-
-def _eagle3(lm: LoadedModel, drafter_path: Path) -> bool:
-    from ..drafters.eagle3.config import is_eagle3
-
-    return is_eagle3(read_config(drafter_path))
-
-
-def _anything(lm: LoadedModel, drafter_path: Path) -> bool:
-    return True
-
-
-def _load_native_head(lm: LoadedModel, drafter_path: Path, group) -> None:
-    from ..drafters.mtp.heads import head_module
-
-    lm.drafter = head_module(lm.config).load_head(drafter_path, lm.model)
-    if group is not None and lm.drafter.lm_head is None:  # it drafts on rank 0 alone, from a whole LM head
-        from ..drafters.mtp.split_lm_head import whole_lm_head
-
-        lm.drafter_lm_head = whole_lm_head(drafter_path, lm.model)
-
-
-def _load_dflash(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own context KV a row
-    from ..drafters.dflash.config import flat_config
-    from ..drafters.dflash.head import load_dflash
-    from .footprint import dflash_kv_shape
-
+def load_drafter(lm: LoadedModel, drafter_path: Path, group=None) -> None:
+    """Load the drafter at `drafter_path` (the target's own path: its head) beside the loaded target, as its kind
+    loads it: the drafter, on a group's rank 0 the LM head it drafts from, and the KV each row keeps of its own."""
     config = read_config(drafter_path)
-    lm.drafter = load_dflash(drafter_path, lm.model, dflash_head_class(flat_config(config)["variant"]))
-    lm.draft_kv_shape = dflash_kv_shape(drafter_path, config)
+    kind = registry.kind_of(lm.path, drafter_path, config)
 
+    def load_model(path: Path):  # a standalone checkpoint, loaded as a target is and warmed up
+        draft = load(f"{lm.id}:draft", path)
+        warm_up(draft)  # evaluate lazily built arrays on this (loading) thread
+        return draft.model
 
-def dflash_head_class(variant: str | None) -> type:
-    """The model class of a DFlash drafter of `variant` (drafters.dflash.config.flat_config's)."""
-    from ..drafters.dflash.head import DFlashHead
-
-    if variant == "dflash2":  # DFlash's layers, convolved, and a candidate selector (drafters.dflash.dflash2)
-        from ..drafters.dflash.dflash2_head import DFlash2Head as head_class
-    elif variant == "gemma4_dspark":  # Gemma 4's layers, its own embedding and LM head (drafters.dflash.gemma4_dspark)
-        from ..drafters.dflash.gemma4_dspark_head import Gemma4DSparkHead as head_class
-    elif variant == "laguna":  # aux norms on the tapped layers, gated heads (drafters.dflash.laguna)
-        from ..drafters.dflash.laguna_head import LagunaHead as head_class
-    else:
-        head_class = DFlashHead  # DSpark's Markov correction and MuseGlimmer's window included
-    return head_class
-
-
-def _load_eagle3(lm: LoadedModel, drafter_path: Path, group) -> None:  # its books: an own KV a row, as a head's
-    from ..drafters.eagle3.head import load_eagle3
-    from .footprint import eagle3_kv_shape
-
-    lm.drafter = load_eagle3(drafter_path, lm.model)
-    lm.draft_kv_shape = eagle3_kv_shape(drafter_path, read_config(drafter_path))
-
-
-def _load_assistant(lm: LoadedModel, drafter_path: Path, group) -> None:
-    from ..drafters.gemma4_assistant import load_assistant
-
-    lm.drafter = load_assistant(drafter_path)
-
-
-def _load_draft_model(lm: LoadedModel, drafter_path: Path, group) -> None:
-    draft = load(f"{lm.id}:draft", drafter_path)
-    warm_up(draft)  # evaluate lazily built arrays on this (loading) thread
-    lm.drafter = draft.model
-
-
-DRAFTER_KINDS = (
-    (SpecMode.MTP, _in_target, _load_native_head),  # the head inside the target's checkpoint
-    (SpecMode.MTP, _dflash, _load_dflash),  # DFlash block drafters, DSpark and DFlash2 ones among them
-    (SpecMode.MTP, _eagle3, _load_eagle3),
-    (SpecMode.MTP, _anything, _load_assistant),  # a Gemma 4 assistant
-    (None, _anything, _load_draft_model),  # a smaller model of the same vocabulary
-)
+    lm.drafter = kind.load(lm.model, drafter_path, config, load_model)
+    lm.drafter_kind = kind.name
+    if group is not None:
+        lm.drafter_lm_head = kind.group_lm_head(lm.drafter, drafter_path, lm.model)
+    lm.draft_kv_shape = kind.kv_shape(drafter_path, config)
 
 
 def load(model_id: str, path: Path, group=None, split: str = "auto") -> LoadedModel:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Callable
 
 from .. import logs
+from ..drafters import registry
 from ..jobs import JobError
-from ..types import Cause, Policy, SpecMode, SpecReason
+from ..types import Cause, Policy, SpecReason
 from ..memory.admission import ADMIT, JobAdmission, idle_to_unload, plan_job, plan_load
 from ..memory.batch_kv import plain_batch_bytes
 from ..memory.estimate import KVQuant, KVShape
@@ -28,10 +29,10 @@ from ..status import MemoryStatus, ModelStatus
 from . import capability, loader, manifest
 from .catalog import Catalog
 from ..memory.checkpoint import HeaderError, read_config
-from .footprint import drafter_footprint, estimate_footprint, head_kv_shape, kv_shape_of
+from .footprint import estimate_footprint
 from .loader import LoadedModel
 from .resident_model import ResidentModel, free_mlx_cache, mlx_active
-from ..drafters.mtp.split_lm_head import booked_bytes, held_bytes
+from ..drafters.mtp.split_lm_head import held_bytes
 from .spec_profiles import SpecProfiles
 from .store import StoredModel
 
@@ -281,8 +282,8 @@ class Residency:
                                     ranks=self._ranks, kv_quant=kv_quant)
         except (HeaderError, OSError) as e:
             raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read the weights of {model_id}: {e}") from None
-        caps, drafter_path, drafter_need = self._drafter_need(stored, path, config)
-        whole_head = booked_bytes(path, config, self._ranks) if drafter_path == path else 0  # a group's head's
+        kind, drafter_path, drafter_need, caps = self._drafter_need(stored, path, config)
+        whole_head = kind.group_bytes(drafter_path, config, self._ranks) if kind and self._ranks > 1 else 0
         drafter_need += whole_head
         with self._lock:
             entry = self._entries[model_id]
@@ -300,9 +301,8 @@ class Residency:
             # After the target, and after what running jobs and the prefix caches hold: a drafter must fit now.
             headroom = self.budget.usable - sum(e.bytes for e in self._entries.values()) - in_flight
             drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom)
-            if self.group is not None:  # on rank 0 alone: a draft model or a head inside the target's checkpoint
-                drafting = plan_group_drafter(drafting, self.speculation.policy,
-                                              drafting.mode is SpecMode.DRAFT or drafter_path == path)
+            if self.group is not None:  # on rank 0 alone: a kind that reads only what rank 0 holds whole
+                drafting = plan_group_drafter(drafting, self.speculation.policy, bool(kind and kind.group_drafts))
             if drafting.mode is not None:
                 entry.drafter_bytes = drafter_need  # reserved before any drafter weights are read
         if plan.evict:
@@ -313,10 +313,6 @@ class Residency:
                                             self.group, self.group_split)
         lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
         lm.kv_quant, lm.identity = kv_quant, manifest.quick_identity(path)
-        if lm.drafter_mode == SpecMode.DRAFT:  # a draft model keeps KV of its own per row; an assistant none
-            lm.draft_kv_shape = kv_shape_of(drafter_path, read_config(drafter_path))
-        elif lm.drafter is not None and drafter_path == path:  # a native MTP head: its own K/V per row
-            lm.draft_kv_shape = head_kv_shape(path, config)
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:
             self._profiles.at_load(model_id, lm, path, drafter_path, self.profiler)  # kept, or measured meanwhile
         # Never account for less than the parameters hold (concurrent frees can hide part of the delta).
@@ -338,8 +334,9 @@ class Residency:
         return KVQuant(bits, group) if bits else None
 
     def _drafter_need(self, stored: StoredModel, path: Path, config: dict):
-        """What the target can do with its configured drafter, and the drafter's bytes: config files and
-        headers only, so a drafter that does not pair never has its weights read."""
+        """The kind of the target's drafter (None: none pairs), its path, its bytes as its kind books them, and the
+        target's capabilities: config files and headers only, so a drafter that does not pair never has its weights
+        read."""
         drafter_path = Path(stored.drafter).expanduser() if stored.drafter else None
         caps = capability.with_drafter(capability.detect(path, config), path, drafter_path, config)
         if drafter_path is None and caps.mtp_capable:
@@ -347,11 +344,10 @@ class Residency:
         if not (caps.mtp_capable or caps.draft_compatible):
             if drafter_path is not None:
                 log.warning("drafter_not_paired", model=stored.id, drafter=str(drafter_path), why=caps.drafter_reason)
-            return caps, drafter_path, 0
-        mode = SpecMode.MTP if caps.mtp_capable else SpecMode.DRAFT
-        need = drafter_footprint(drafter_path, read_config(drafter_path), mode, self.speculation.k,
-                                 self._prefill_step)
-        return caps, drafter_path, need
+            return None, drafter_path, 0, caps
+        kind = registry.named(caps.speculates_with)
+        need = kind.footprint(drafter_path, read_config(drafter_path), self.speculation.k, self._prefill_step)
+        return kind, drafter_path, need, caps
 
     def _unload_locked(self, model_id: str, why: str) -> None:
         e = self._entries.pop(model_id, None)

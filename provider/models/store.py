@@ -10,7 +10,7 @@ from typing import Callable
 from .. import logs
 from ..jobs import JobError
 from ..settings import ModelSpec, Settings
-from .capability import ASSISTANT_TYPES
+from ..drafters.assistant import ASSISTANT_TYPES, GEMMA4_TYPES
 
 log = logs.get("store")
 
@@ -107,8 +107,6 @@ def discover(settings: Settings, extra: list[ModelSpec] = ()) -> list[StoredMode
 def _with_found_drafter(m: StoredModel, assistants: Callable[[], list[Path]]) -> StoredModel:
     """A Gemma 4 target with no configured drafter gets a paired assistant from the store, if one fits."""
     from dataclasses import replace
-
-    from .capability import GEMMA4_TYPES
 
     if m.drafter or m.path is None or (_config(m.path) or {}).get("model_type") not in GEMMA4_TYPES:
         return m

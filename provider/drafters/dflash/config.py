@@ -9,12 +9,11 @@ layers' outputs concatenated, `hidden_norm`, `layers.i.*` (Qwen3 attention with 
 or without a `model.` prefix; no embedding and no LM head (the target's are used).
 
 The target layer ids are the target's decoder layers whose *outputs* the drafter reads (z-lab's
-hidden_states[id + 1], mlx-vlm's capture_layer_ids). mlx-vlm's DSpark (a low-rank Markov correction that makes
-each block position's logits depend on the previous draft, and a confidence head) is served as this kind
-(drafters.dflash.dspark holds its own checks), and so are DFlash2 (grouped dynamic causal convolutions around each layer's
-attention and MLP, and a candidate selector: drafters.dflash.dflash2), Gemma 4 DSpark (drafters.dflash.gemma4_dspark), MuseGlimmer's
-assistant (a context window: drafters.dflash.muse_glimmer) and Laguna's DFlash (a window, a causal block, gated
-heads: drafters.dflash.laguna).
+hidden_states[id + 1], mlx-vlm's capture_layer_ids). mlx-vlm's other block drafters are served as this kind, each a
+row of drafters.dflash.variants (how it is recognised, its keys, checks, tensors, target family and head class):
+DSpark (a low-rank Markov correction), DFlash2 (grouped dynamic causal convolutions and a candidate selector),
+Gemma 4's DFlash and DSpark drafters, MuseGlimmer's assistant (a context window) and Laguna's DFlash (a window, a
+causal block, gated heads). Nothing here names a variant: what differs is the row's.
 """
 
 from __future__ import annotations
@@ -22,28 +21,21 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ...memory.estimate import DTYPE_BYTES, text_config
-from . import dflash2
-from . import dspark
-from . import gemma4_dspark
-from . import laguna
-from . import muse_glimmer as muse
 from ...memory.checkpoint import HeaderError, open_checkpoint
-
-DFLASH = "dflash"  # Capabilities.speculates_with
-# mlx-vlm's other block drafters (DSpark last: Gemma4DSparkModel is a Gemma 4 one)
-_VARIANTS = ("dflash2", "laguna", "gemma4", "dspark", "muse_glimmer")
-GEMMA4_MASK = 4  # mlx-vlm's Gemma4DFlashConfig default mask_token_id
-
+from ...memory.estimate import DTYPE_BYTES, text_config
+from .dspark import CONFIDENCE
+from .variants import BY_NAME, Variant, variant_of
 
 DEFAULT_ROPE_THETA = 10_000_000.0  # mlx-vlm's DFlashConfig default (z-lab's Qwen3 drafters)
 
 
 def is_dflash(config: dict) -> bool:
+    """A DFlash drafter of some variant: a DFlash or DSpark architecture, a dflash_config, or a model type only a
+    variant's checkpoints declare (its row's `model_types`)."""
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     return (any("dflash" in str(a).lower() or "dspark" in str(a).lower() for a in archs)
             or isinstance(config.get("dflash_config"), dict)
-            or config.get("model_type") in ("dspark", "dflash2", "muse_glimmer_assistant"))
+            or any(config.get("model_type") in v.model_types for v in BY_NAME.values()))
 
 
 def flat_config(config: dict) -> dict:
@@ -56,19 +48,8 @@ def flat_config(config: dict) -> dict:
         if key in inner:
             flat[key] = inner[key]
     flat["causal"] = bool(inner.get("causal", config.get("dflash_query_causal", False)))
-    flat["variant"] = next((v for v in _VARIANTS if v in str(config.get("model_type", "")).lower()
-                            or any(v in str(a).lower() for a in config.get("architectures") or [])), None)
-    if flat["variant"] in (None, "dspark") and dspark.is_dspark(config):  # also a projector_type or a markov_rank
-        flat["variant"] = "dspark"
-        dspark.add_keys(config, flat)
-    if flat["variant"] == dflash2.VARIANT:
-        dflash2.add_keys(config, flat)
-    if flat["variant"] == "gemma4" and gemma4_dspark.is_gemma4_dspark(config):
-        flat["variant"] = gemma4_dspark.VARIANT  # a DSpark drafter with Gemma 4's layers (drafters.dflash.gemma4_dspark)
-        dspark.add_keys(config, flat)
-    elif flat["variant"] == "gemma4":
-        flat["variant"] = "gemma4_dflash"  # mlx-vlm's gemma4_dflash: a DFlash drafter, the mask token 4 by default
-        flat.setdefault("mask_token_id", GEMMA4_MASK)
+    variant = variant_of(config)
+    flat["variant"], flat["markov"] = variant.name, variant.markov
     # RoPE as mlx-vlm's DFlashConfig reads it: rope_parameters carry the theta and the scaling, the theta is 1e7
     # when none is given (not mlx-lm's 1e4), and the pairing is NeoX unless rope_is_neox_style says otherwise.
     if isinstance(config.get("rope_parameters"), dict):
@@ -79,12 +60,8 @@ def flat_config(config: dict) -> dict:
     if flat.get("rope_theta") is None:
         flat["rope_theta"] = DEFAULT_ROPE_THETA
     flat["rope_traditional"] = not bool(config.get("rope_is_neox_style", True))
-    if flat["variant"] == gemma4_dspark.VARIANT:  # its RoPE per layer type, its full-attention layers' geometry
-        gemma4_dspark.add_keys(config, flat)
-    if flat["variant"] == muse.VARIANT:  # mlx-vlm's defaults, its context window, its RoPE
-        muse.add_keys(config, flat)
-    if flat["variant"] == laguna.VARIANT:  # its window, causal block, gate and RoPE
-        laguna.add_keys(config, flat)
+    for add_keys in variant.keys:  # after DFlash's: a variant's RoPE, window or layer geometry overrides them
+        add_keys(config, flat)
     flat["model_type"] = "qwen3"
     flat.setdefault("head_dim", (flat.get("hidden_size") or 0) // max(1, flat.get("num_attention_heads") or 1))
     flat.setdefault("num_key_value_heads", flat.get("num_attention_heads"))
@@ -100,7 +77,14 @@ def _ints(flat: dict, *keys: str) -> str | None:
 
 
 def expected_shapes(flat: dict) -> dict[str, tuple[int, ...]]:
-    """The drafter's tensors (named without a `model.` prefix) and their shapes."""
+    """The drafter's tensors (named without a `model.` prefix) and their shapes: its variant's layers (Qwen3's
+    unless its row says otherwise) and what its row adds."""
+    variant = BY_NAME[flat["variant"]]
+    shapes = variant.layers(flat) if variant.layers else _qwen3_layers(flat)
+    return shapes | (variant.extra(flat) if variant.extra else {})
+
+
+def _qwen3_layers(flat: dict) -> dict[str, tuple[int, ...]]:
     h, i, d = flat["hidden_size"], flat["intermediate_size"], flat["head_dim"]
     heads, kv = flat["num_attention_heads"], flat["num_key_value_heads"]
     shapes = {"fc.weight": (h, len(flat["target_layer_ids"]) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
@@ -112,39 +96,26 @@ def expected_shapes(flat: dict) -> dict[str, tuple[int, ...]]:
                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                    p + "mlp.down_proj.weight": (h, i)}
-    if flat.get("variant") == gemma4_dspark.VARIANT:  # Gemma 4's layers in place of Qwen3's
-        shapes = gemma4_dspark.expected_shapes(flat)
-    extra = {dflash2.VARIANT: dflash2.expected_shapes, laguna.VARIANT: laguna.expected_shapes} | \
-        dict.fromkeys(dspark.VARIANTS, dspark.expected_shapes)
-    return shapes | (extra[flat["variant"]](flat) if flat.get("variant") in extra else {})
-
-
-def canonical(name: str) -> str:
-    return muse.canonical(dflash2.canonical(name.removeprefix("model.")))
+    return shapes
 
 
 def canonical_tensors(flat: dict, tensors: dict) -> dict:
-    """The drafter's tensors (arrays, or headers' (dtype, shape)) under DFlash's head's names, a Laguna drafter's
-    fused q/k/v split."""
-    named = {canonical(k): v for k, v in tensors.items()}
-    return laguna.split_qkv(flat, named) if flat.get("variant") == laguna.VARIANT else named
+    """The drafter's tensors (arrays, or headers' (dtype, shape)) under DFlash's head's names: without a `model.`
+    prefix, renamed and split as its variant's row says (MuseGlimmer's encoder names, Laguna's fused q/k/v)."""
+    variant = BY_NAME[flat["variant"]]
+    rename = variant.rename or (lambda name: name)
+    named = {rename(k.removeprefix("model.")): v for k, v in tensors.items()}
+    return variant.split(flat, named) if variant.split else named
 
 
-def _served(flat: dict) -> str | None:
+def _served(flat: dict, variant: Variant) -> str | None:
     """Why a well-formed config drafts otherwise than the rounds the node runs, or None."""
-    checks = {"dspark": [dspark.check], gemma4_dspark.VARIANT: [dspark.check, gemma4_dspark.check],
-              dflash2.VARIANT: [dflash2.check], muse.VARIANT: [muse.check],
-              laguna.VARIANT: [laguna.check]}.get(flat["variant"], [])
-    why = next((why for why in (check(flat) for check in checks) if why), None)
+    why = next((why for why in (check(flat) for check in variant.checks) if why), None)
     if why:
         return why
-    if flat["variant"] not in (None, "dspark", "gemma4_dflash", gemma4_dspark.VARIANT, dflash2.VARIANT, muse.VARIANT,
-                               laguna.VARIANT):
-        return f"DFlash variant {flat['variant']} is not served"
     if flat.get("causal") or flat.get("attention_sink_bias") or flat.get("draft_window_size"):
         return "DFlash drafters with causal blocks, attention sinks or a draft window are not served"
-    windowed = flat["variant"] in (muse.VARIANT, laguna.VARIANT)  # their sliding layers: drafters.dflash.head's window
-    if not windowed and any(t != "full_attention" for t in flat.get("layer_types") or []):
+    if not variant.windowed and any(t != "full_attention" for t in flat.get("layer_types") or []):
         return "DFlash drafters with sliding-window layers are not served"
     if flat.get("attention_bias"):
         return "DFlash drafters with attention biases are not served"
@@ -168,11 +139,12 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     """"ok", or why the DFlash drafter at `drafter` cannot draft for the target of `target_config`."""
     tc = text_config(target_config)
     flat = flat_config(config)
+    variant = BY_NAME[flat["variant"]]
     bad = _ints(flat, "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "num_hidden_layers", "block_size")
     if bad:
         return bad
-    why = _served(flat)
+    why = _served(flat, variant)
     if why:
         return why
     theta = flat["rope_theta"]
@@ -186,11 +158,8 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
         # Gemma 4 scales its embedding by sqrt(H) as a Python float (the drafter's embedding does it alike:
         # drafters.dflash.head.target_embedding); Gemma 3 rounds the scale to bfloat16 first: not matched here
         return f"DFlash drafters for {tc.get('model_type')} targets are not served"
-    if flat["variant"] in ("gemma4_dflash", gemma4_dspark.VARIANT) and not gemma4:
-        return f"a Gemma 4 drafter ({flat['variant']}) does not draft for {tc.get('model_type')} targets"
-    for variant, family in ((muse.VARIANT, "muse_glimmer"), (laguna.VARIANT, "laguna")):
-        if flat["variant"] == variant and not str(tc.get("model_type", "")).startswith(family):
-            return f"a {family} drafter does not draft for {tc.get('model_type')} targets"
+    if variant.target and not str(tc.get("model_type", "")).startswith(variant.target):
+        return f"{variant.called} does not draft for {tc.get('model_type')} targets"
     if flat["hidden_size"] != tc.get("hidden_size"):
         return f"DFlash hidden_size {flat['hidden_size']} != target hidden_size {tc.get('hidden_size')}"
     if flat["vocab_size"] != tc.get("vocab_size"):
@@ -206,7 +175,7 @@ def check_pair(target_config: dict, drafter: Path, config: dict) -> str:
     mask = flat.get("mask_token_id")
     if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < flat["vocab_size"]:
         return f"DFlash mask_token_id {mask!r} is not a token of the vocabulary"
-    if flat["block_size"] < 2 and flat["variant"] not in dspark.VARIANTS:  # DSpark's counts proposals: dspark.check
+    if flat["block_size"] < 2 and not variant.markov:  # DSpark's counts proposals: dspark.check_block
         return f"DFlash block_size {flat['block_size']} drafts nothing"
     try:
         tensors = canonical_tensors(flat, open_checkpoint(drafter).tensors)
@@ -235,4 +204,4 @@ def weight_bytes(drafter: Path) -> int:
 
 def loaded(name: str) -> bool:
     """Whether the drafter's load keeps the tensor `name`."""
-    return "rotary_emb" not in name and not canonical(name).startswith(dspark.CONFIDENCE)
+    return "rotary_emb" not in name and not name.removeprefix("model.").startswith(CONFIDENCE)

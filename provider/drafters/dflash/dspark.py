@@ -18,7 +18,6 @@ anchor too.
 
 from __future__ import annotations
 
-VARIANTS = ("dspark", "gemma4_dspark")  # drafters.dflash.config's variants that carry the Markov correction
 MARKOV = "markov_head."
 CONFIDENCE = "confidence_head."  # read from headers and checked, never loaded
 
@@ -44,7 +43,7 @@ def add_keys(config: dict, flat: dict) -> None:
 
 
 def check(flat: dict) -> str | None:
-    """Why a DSpark config drafts otherwise than the node runs it, or None."""
+    """Why a DSpark config's Markov correction is not what the node runs, or None."""
     rank = flat["markov_rank"]
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         return f"malformed DSpark config: markov_rank is {rank!r}"
@@ -52,8 +51,18 @@ def check(flat: dict) -> str | None:
         return f"DSpark markov_head_type {flat['markov_head_type']!r} is not served (only vanilla)"
     if flat["projector_type"] not in (None, "dspark"):
         return f"DSpark projector_type {flat['projector_type']!r} is not served"
-    if flat["variant"] == "dspark" and flat.get("hidden_act", "silu") != "silu":  # Gemma 4's: drafters.dflash.gemma4_dspark
+    return None
+
+
+def check_activation(flat: dict) -> str | None:
+    """A DSpark drafter on Qwen3's layers: their MLP's activation (Gemma 4's layers: gemma4_dspark.check)."""
+    if flat.get("hidden_act", "silu") != "silu":
         return f"DSpark hidden_act {flat['hidden_act']!r} is not served (only silu)"
+    return None
+
+
+def check_block(flat: dict) -> str | None:
+    """DSpark's block_size counts proposals (DFlash's own check, a bonus and masks, does not apply)."""
     p = flat["proposal_length"]
     if not isinstance(p, int) or isinstance(p, bool) or p < 1:
         return f"DSpark block_size {p!r} drafts nothing"

@@ -30,7 +30,6 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import canonical_tensors, flat_config, loaded
-from .dspark import VARIANTS as DSPARK_VARIANTS
 from .dspark_head import MarkovCorrection
 
 
@@ -132,8 +131,8 @@ class DFlashHead(nn.Module):
         self.norm = nn.RMSNorm(h, eps=flat.get("rms_norm_eps", 1e-6))
         self.mask_token_id, self.block_size = flat["mask_token_id"], flat["block_size"]
         self.softcap = flat.get("final_logit_softcapping")
-        # DSpark (drafters.dflash.dspark): the Markov correction, and whether the anchor's position drafts the first token
-        dspark = flat.get("variant") in DSPARK_VARIANTS
+        # DSpark's (drafters.dflash.dspark): the Markov correction, and whether the anchor's position drafts the first
+        dspark = bool(flat.get("markov"))  # its variant's row says so (drafters.dflash.variants)
         self.markov_head = MarkovCorrection(flat["vocab_size"], flat["markov_rank"]) if dspark else None
         self.from_anchor = int(dspark and bool(flat["sample_from_anchor"]))
         # MuseGlimmer's (drafters.dflash.muse_glimmer): a context window, the target's output map on its logits;
@@ -245,7 +244,7 @@ def target_embedding(model) -> tuple:
 def load_dflash(path: Path, model, head_class=DFlashHead) -> DFlashHead:
     """The drafter at `path` for the loaded target `model` (paired already: drafters.dflash.config.check_pair), in its own
     dtype, and the target's layer tap installed (only now: a target without a DFlash drafter has none);
-    `head_class`: a DFlashHead's subclass (loader.dflash_head_class picks it)."""
+    `head_class`: DFlashHead or its variant's subclass (its row's, drafters.dflash.variants)."""
     from ...verification.hidden_tap import install_layers
 
     flat = flat_config(json.loads((path / "config.json").read_text()))

@@ -18,8 +18,6 @@ one tapped target layer per layer, `draft_vocab_size` the vocabulary, RoPE theta
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 VARIANT = "laguna"
 AUX = "aux_hidden_norms."
 QKV = "self_attn.qkv_proj.weight"
@@ -82,12 +80,13 @@ def split_qkv(flat: dict, tensors: dict) -> dict:
     rows = [flat["num_attention_heads"] * flat["head_dim"]] + [flat["num_key_value_heads"] * flat["head_dim"]] * 2
     out = {}
     for name, value in tensors.items():
-        shape = tuple(value.shape) if isinstance(value, mx.array) else tuple(value[1])
+        array = hasattr(value, "shape")  # an mx.array, not a header's (dtype, shape): no MLX import to read headers
+        shape = tuple(value.shape) if array else tuple(value[1])
         if not name.endswith(QKV) or shape[0] != sum(rows):
             out[name] = value
             continue
         prefix = name[:-len("qkv_proj.weight")]
         for part, lo, n in zip("qkv", (0, rows[0], rows[0] + rows[1]), rows):
-            out[f"{prefix}{part}_proj.weight"] = value[lo:lo + n] if isinstance(value, mx.array) \
+            out[f"{prefix}{part}_proj.weight"] = value[lo:lo + n] if array \
                 else (value[0], [n, *shape[1:]])
     return out

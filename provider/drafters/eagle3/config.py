@@ -22,7 +22,7 @@ from pathlib import Path
 from ...memory.estimate import text_config
 from ...memory.checkpoint import HeaderError, open_checkpoint, read_safetensors_header
 
-EAGLE3 = "eagle3"  # Capabilities.speculates_with
+EAGLE3 = "eagle3"  # what a Speculators config or a model type calls it
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
 _INT_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "U8": "<u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
 
