@@ -133,7 +133,8 @@ class Residency:
                     active_jobs=e.in_use, idle_s=round(now - e.last_used, 3) if e.ready and not e.in_use else 0.0,
                     load_seconds=round(e.lm.load_seconds, 3) if e.lm is not None else None,
                     speculation=e.lm.spec_profile.as_dict() if e.lm is not None and e.lm.spec_profile else None,
-                    speculation_profile=self._profiles.origin(mid, e.lm), **self._keeping(e, now))
+                    speculation_profile=self._profiles.origin(mid, e.lm), **self._keeping(e, now),
+                    **e.drafter_status())
             out.append(dataclasses.replace(status, pinned=stored.pin))
         return out
 

@@ -42,6 +42,14 @@ class ResidentModel:
         weights = max(self.measured_weights or 0, self.footprint.weights)
         return weights + self.footprint.activations + self.drafter_bytes
 
+    def drafter_status(self) -> dict:
+        """Its drafter as its status says it (ModelStatus.drafter_*): the mode, the plan's reason, the bytes held."""
+        if self.lm is None:
+            return {}
+        mode, reason = self.lm.drafter_mode, self.lm.drafter_reason
+        return {"drafter_mode": getattr(mode, "value", mode), "drafter_reason": str(getattr(reason, "value", reason)),
+                "drafter_bytes": self.drafter_bytes}
+
     def resident(self, node_ttl: float) -> Resident:
         return Resident(self.stored.id, self.bytes, busy=not self.ready or self.in_use > 0, last_used=self.last_used,
                         keep_s=self.keep_s(node_ttl), pinned=self.stored.pin)

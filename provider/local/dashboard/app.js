@@ -160,13 +160,15 @@
 
   function speculation(x) {
     const f = x.facts;
-    if (x.drafter_reason !== undefined && x.drafter_reason !== "") {
-      if (x.drafter_mode) return `${x.drafter_mode}${f && f.speculates_with ? ` (${f.speculates_with})` : ""}`;
-      return `off: ${x.drafter_reason}`;
+    let text;
+    if (x.drafter_reason) {  // the node says what its drafter plan came to
+      if (!x.drafter_mode) return `serves alone: ${x.drafter_reason}`;
+      text = `${x.drafter_mode}${f && f.speculates_with ? ` with its ${f.speculates_with.replace(/_/g, " ")}` : ""}`;
+    } else {
+      if (!f) return "unknown (its files cannot be read)";
+      if (!f.mtp_capable && !f.draft_compatible) return "serves alone: not_mtp_capable";
+      text = f.speculates_with || (f.mtp_capable ? "mtp" : "draft model");
     }
-    if (!f) return "unknown (its files cannot be read)";
-    if (!f.mtp_capable && !f.draft_compatible) return "off: not_mtp_capable";
-    let text = f.speculates_with || (f.mtp_capable ? "mtp" : "draft model");
     const prof = x.speculation;
     if (prof) {
       for (const [scheme, v] of Object.entries(prof)) {
