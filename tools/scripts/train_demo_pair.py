@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+# The context the pair declares (issue 58): room for a coding agent's 20-25k-token prompt (Claude Code's is 25,018
+# tokens on this 2048-token vocabulary). Trained on --seq tokens; RoPE needs no table, so positions past that are
+# computed as any others, with a tiny model's quality. KV at 32768 tokens: 8 MiB (one full-attention layer holds it).
+CONTEXT = 32768
 ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
         "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}
 
@@ -65,7 +69,7 @@ def target_config(vocab: int, ids: dict) -> dict:
     return dict(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
                 num_key_value_heads=1, head_dim=64, global_head_dim=64, num_kv_shared_layers=2,
                 hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab, sliding_window=128,
-                layer_types=LAYER_TYPES, max_position_embeddings=2048, final_logit_softcapping=30.0,
+                layer_types=LAYER_TYPES, max_position_embeddings=CONTEXT, final_logit_softcapping=30.0,
                 use_double_wide_mlp=False, tie_word_embeddings=True, rope_parameters=ROPE, rms_norm_eps=1e-6,
                 attention_k_eq_v=False, enable_moe_block=False, pad_token_id=ids["<pad>"],
                 bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]])
@@ -75,7 +79,7 @@ def assistant_text_config(vocab: int) -> dict:
     return dict(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=1, head_dim=64, global_head_dim=64, num_kv_shared_layers=2,
                 hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, sliding_window=128,
-                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=CONTEXT,
                 final_logit_softcapping=None, use_double_wide_mlp=False, tie_word_embeddings=True,
                 rope_parameters=ROPE, rms_norm_eps=1e-6, attention_k_eq_v=False, enable_moe_block=False)
 
