@@ -9,6 +9,7 @@ telemetry (`left_out`, `max_tokens`) and on the node's log, never silently.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -28,6 +29,10 @@ MAX_LEFT_OUT = 32  # notes kept per request: a hostile body cannot grow the answ
 # Entries of `tools` read at all (hosted tools, namespaces' members and repeats included), counted before any is
 # built: past the first MAX_TOOLS functions the rest are left out, and past this many the request is refused.
 MAX_TOOLS_SENT = 4 * MAX_TOOLS
+# A streamed answer says it is alive after this long without an event. Agents drop a stream idle for 300 s
+# (Claude Code's floor; Codex's stream_idle_timeout_ms default) and send the request again from the start, and
+# an agent's 20-25k-token prompt takes longer than that to read on a CPU.
+KEEPALIVE_S = 15.0
 
 
 @dataclass
@@ -172,6 +177,32 @@ async def run_job(node: Node, request: web.Request, job: Job, notes: EdgeNotes, 
 def usage_counts(usage: Usage) -> tuple[int, int, int]:
     """(prompt tokens computed, prompt tokens read from the prefix cache, output tokens)."""
     return usage.prompt_tokens - usage.cached_prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens
+
+
+async def kept_alive(events, every: float = KEEPALIVE_S) -> AsyncIterator[tuple[list[Tokens], Event | None] | None]:
+    """`run_job`'s events, with a None between them whenever `every` seconds pass without one (the stream then
+    writes its API's keepalive event). Leaving stops the pending read (and so, through run_job, the job)."""
+    it = aiter(events)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            ready, pending = pending, None
+            try:
+                item = ready.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
 
 
 async def collected(events) -> tuple[str, list, Done]:

@@ -8,7 +8,7 @@ from ..jobs import Done, Error
 from ..node import Node
 from . import anthropic_messages as am
 from . import openai_api as api
-from .agent_edge import collected, failed, run_job
+from .agent_edge import collected, failed, kept_alive, run_job
 from .anthropic_stream import MessageEvents, sse
 from .bodies import read_parsed
 
@@ -44,7 +44,11 @@ class AnthropicMessages:
         out = MessageEvents(msg_id, model)
         for e in out.start():
             await resp.write(sse(e))
-        async for batch, end in events:
+        async for item in kept_alive(events):
+            if item is None:  # a long prompt still being read: Anthropic's keepalive, so the client waits
+                await resp.write(sse({"type": "ping"}))
+                continue
+            batch, end = item
             chunk = []
             for ev in batch:
                 chunk += out.text(ev.text)

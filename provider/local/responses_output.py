@@ -90,6 +90,11 @@ class ResponseEvents:
         return [self._ev("response.created", response=self._response(None)),
                 self._ev("response.in_progress", response=self._response(None))]
 
+    def still(self) -> list[dict[str, Any]]:
+        """A keepalive: `response.in_progress` again (the Responses API has no ping; clients such as Codex reset
+        their idle timer on any event and ignore what they have already seen)."""
+        return [self._ev("response.in_progress", response=self._response(None))]
+
     def delta(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []

@@ -16,7 +16,7 @@ from ..jobs import Done, Error
 from ..node import Node
 from . import openai_api as api
 from . import responses_output as out
-from .agent_edge import collected, failed, run_job
+from .agent_edge import collected, failed, kept_alive, run_job
 from .bodies import Body, off_loop, parse_bounded, read_body
 from .json_bounds import MAX_JSON_VALUES
 from .openai_responses import now
@@ -102,7 +102,11 @@ class Responses:
         await resp.prepare(request)
         for e in events_out.start():
             await resp.write(out.sse(e))
-        async for batch, end in events:
+        async for item in kept_alive(events):
+            if item is None:  # a long prompt still being read: the response, still in progress, said again
+                await resp.write(b"".join(out.sse(e) for e in events_out.still()))
+                continue
+            batch, end = item
             chunk = []
             for ev in batch:
                 chunk += events_out.delta(ev.text)
