@@ -23,12 +23,9 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
-from mlx import nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
-from .mimo import at_position_zero_zeroed
-from .heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import finish_load, read_prefixed, target_dtype
+from .nextn import NextNHead, at_position_zero_zeroed
 
 FAMILIES = {"ernie4_5_moe"}
 DEPTH_KEY = "num_nextn_predict_layers"
@@ -36,30 +33,22 @@ _PARTS = ("mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj", "mtp_block")
 _FIRST = re.compile(r"^model\.(mtp_emb_norm|mtp_hidden_norm|mtp_linear_proj|mtp_block)\.0\.")
 
 
-class Ernie45MTPHead(OwnHead):
+class Ernie45MTPHead(NextNHead):
+    PARTS = ("mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")
+    BLOCK = "mtp_block"
+    FINAL = None  # the block's output is what the LM head reads, and the next step's hidden
+
     def __init__(self, args):
         from mlx_lm.models.ernie4_5_moe import Ernie4_5_DecoderLayer, Ernie4_5_MLP
 
-        super().__init__()
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        self.mtp_emb_norm = nn.RMSNorm(hidden, eps=eps)
-        self.mtp_hidden_norm = nn.RMSNorm(hidden, eps=eps)
-        self.mtp_linear_proj = nn.Linear(2 * hidden, hidden, bias=args.use_bias)
-        self.mtp_block = Ernie4_5_DecoderLayer(args, args.num_hidden_layers)  # past the MoE layers: dense
+        # past the MoE layers: dense; the projection biased if use_bias
+        super().__init__(args.hidden_size, args.rms_norm_eps,
+                         lambda: Ernie4_5_DecoderLayer(args, args.num_hidden_layers), bias=args.use_bias)
         if not isinstance(self.mtp_block.mlp, Ernie4_5_MLP):
             raise ValueError("the MTP block would be a MoE layer (moe_layer_end_index past num_hidden_layers)")
 
-    def make_cache(self) -> list:
-        return [KVCache()]
-
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the block's output [B, L,
-        H] (what the LM head reads, and the next step's hidden), the pairs' K/V appended to `cache` (None: causal
-        over the L pairs alone)."""
-        c = cache[0] if cache else None
-        e = at_position_zero_zeroed(embeddings, 0 if c is None else c.offset)
-        x = self.mtp_linear_proj(mx.concatenate([self.mtp_emb_norm(e), self.mtp_hidden_norm(hidden)], axis=-1))
-        return self.mtp_block(x, create_attention_mask(x, c), c)
+    def masked_embeddings(self, embeddings: mx.array, cache) -> mx.array:
+        return at_position_zero_zeroed(embeddings, 0 if cache is None else cache.offset)
 
 
 def serves(config: dict) -> bool:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .mimo import PairProjectionHead
 from .heads import finish_load, read_prefixed, target_dtype
+from .nextn import NextNHead
 
 FAMILIES = {"exaone_moe"}
 DEPTH_KEY = "num_nextn_predict_layers"
@@ -46,9 +46,8 @@ def _window(config: dict) -> int | None:
     return (config.get("mtp_sliding_windows") or config.get("sliding_windows") or [config["sliding_window"]])[0]
 
 
-class ExaoneMoeMTPHead(PairProjectionHead):
-    PARTS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc")
-    HIDDEN_FIRST = False
+class ExaoneMoeMTPHead(NextNHead):
+    PARTS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc")  # Qwen3.5's names on EXAONE's layer
 
     def __init__(self, args, config: dict):
         from mlx_lm.models.exaone_moe import DecoderLayer

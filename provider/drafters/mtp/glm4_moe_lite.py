@@ -49,7 +49,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import CacheList, KVCache
 
 from ...memory.mla import mla_elements
-from .heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import finish_load, read_prefixed, target_dtype
+from .nextn import NextNHead
 
 FAMILIES = {"glm4_moe_lite", "deepseek_v3", "glm_moe_dsa", "glm4_moe", "deepseek_v32"}
 # Each family's mlx-lm module holding its decoder layer and sanitize (glm_moe_dsa's model is deepseek_v32's).
@@ -81,19 +82,16 @@ class SharedHead(nn.Module):
             self.head = nn.Linear(hidden, vocab, bias=False)
 
 
-class Glm4MoeLiteMTPHead(OwnHead):
+class Glm4MoeLiteMTPHead(NextNHead):
+    FINAL = None  # its final norm is shared_head.norm (`final`)
+
     def __init__(self, args, own: bool = True):
         """`own`: the layer ships its own embed_tokens and shared_head.head (else the target's are used)."""
-        super().__init__()
         decoder_layer = getattr(_family(args), _DECODER_LAYER[args.model_type])
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        if own:
-            self.embed_tokens = nn.Embedding(args.vocab_size, hidden)
-        self.enorm = nn.RMSNorm(hidden, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = decoder_layer(args, args.num_hidden_layers)  # past first_k_dense_replace: a MoE layer
-        self.shared_head = SharedHead(hidden, args.vocab_size, eps, own)
+        # the layer past first_k_dense_replace: a MoE layer
+        super().__init__(args.hidden_size, args.rms_norm_eps, lambda: decoder_layer(args, args.num_hidden_layers),
+                         vocab=args.vocab_size if own else None)
+        self.shared_head = SharedHead(args.hidden_size, args.vocab_size, args.rms_norm_eps, own)
 
     @property
     def lm_head(self):
@@ -106,13 +104,12 @@ class Glm4MoeLiteMTPHead(OwnHead):
             return [CacheList(KVCache(), KVCache())]
         return [KVCache()]
 
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden after
-        shared_head.norm [B, L, H], the pairs' latents appended to `cache` (None: causal over the L pairs alone)."""
-        c = cache[0] if cache else None
-        x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
-        mask = create_attention_mask(x, c[0] if isinstance(c, CacheList) else c, return_array=True)
-        x = self.block(x, mask, c)  # MLA masks its scores: an array (GQA's attention takes one too)
+    def mask(self, x: mx.array, cache):
+        # MLA masks its scores: an array (GQA's attention takes one too); DSA's offsets: its latent cache's
+        return create_attention_mask(x, cache[0] if isinstance(cache, CacheList) else cache, return_array=True)
+
+    def final(self, x: mx.array) -> mx.array:
+        """The head's hidden after shared_head.norm: the next step's hidden, as mlx-vlm's and SGLang's feed it back."""
         return self.shared_head.norm(x)
 
 

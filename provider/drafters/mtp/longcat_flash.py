@@ -30,9 +30,9 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
-from .heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import finish_load, read_prefixed, target_dtype
+from .nextn import NextNHead
 
 FAMILIES = {"longcat_flash"}
 DEPTH_KEY = "num_nextn_predict_layers"
@@ -43,35 +43,25 @@ _RENAMES = (("layers.0.enorm.m.", "enorm."), ("layers.0.hnorm.m.", "hnorm."),
             ("layers.0.transformer_layer.mlp.", "mlp."), ("layers.0.", ""), ("norm.", "final_layernorm."))
 
 
-class LongcatFlashMTPHead(OwnHead):
+class LongcatFlashMTPHead(NextNHead):
+    """Its layer's parts sit on the head itself (as published), not in a block: `layer` runs them. Its cache's keys
+    hold the normed latent, its values the rotated k_pe (as the target's MLA caches)."""
+
     def __init__(self, args, own_embedding: bool = True):
         from mlx_lm.models.longcat_flash import LongcatFlashMLA, LongcatFlashMLP
 
-        super().__init__()
         hidden, eps = args.hidden_size, args.rms_norm_eps
-        if own_embedding:
-            self.embed_tokens = nn.Embedding(args.vocab_size, hidden)
-        self.enorm = nn.RMSNorm(hidden, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        super().__init__(hidden, eps, vocab=args.vocab_size if own_embedding else None)
         self.input_layernorm = nn.RMSNorm(hidden, eps=eps)
         self.self_attn = LongcatFlashMLA(args)
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps=eps)
         self.mlp = LongcatFlashMLP(args)
-        self.final_layernorm = nn.RMSNorm(hidden, eps=eps)
 
-    def make_cache(self) -> list:
-        return [KVCache()]  # keys: the normed latent, values: the rotated k_pe (as the target's MLA caches)
-
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden after
-        final_layernorm [B, L, H], the pairs' latents appended to `cache` (None: causal over the L pairs alone)."""
+    def layer(self, x: mx.array, cache: list | None) -> mx.array:
         c = cache[0] if cache else None
-        x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
         mask = create_attention_mask(x, c, return_array=True)  # MLA masks its scores: an array
         x = x + self.self_attn(self.input_layernorm(x), mask, c)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return self.final_layernorm(x)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def serves(config: dict) -> bool:

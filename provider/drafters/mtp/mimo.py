@@ -20,62 +20,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-from mlx import nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
-from .heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .nextn import NextNHead, at_position_zero_zeroed
 
 FAMILIES = {"mimo"}
 PREFIX = "model.mtp_layers.0."
 DEPTH_KEY = "num_nextn_predict_layers"
 
 
-class PairProjectionHead(OwnHead):
-    """A MiMo-style MTP layer: the pair's embedding and hidden each RMS-normed, projected from their concatenation
-    to the hidden size, one decoder layer (`block`) and a final norm. A subclass names the first three parts as its
-    checkpoint does (PARTS), orders the concatenation (HIDDEN_FIRST), and may mask the embeddings and the scores."""
-
-    PARTS: tuple[str, str, str]  # the embedding's norm, the hidden's norm, the projection
-    HIDDEN_FIRST: bool
-
-    def __init__(self, hidden: int, eps: float, make_block):
-        super().__init__()
-        embedding_norm, hidden_norm, projection = self.PARTS
-        setattr(self, embedding_norm, nn.RMSNorm(hidden, eps=eps))
-        setattr(self, hidden_norm, nn.RMSNorm(hidden, eps=eps))
-        setattr(self, projection, nn.Linear(2 * hidden, hidden, bias=False))
-        self.block = make_block()  # after the projection: the order seeded fixtures draw their weights in
-        self.final_layernorm = nn.RMSNorm(hidden, eps=eps)
-
-    def make_cache(self) -> list:
-        return [KVCache()]
-
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden
-        [B, L, H] (before the LM head), the pairs' K/V appended to `cache` (None: causal over the L pairs alone)."""
-        c = cache[0] if cache else None
-        embedding_norm, hidden_norm, projection = (getattr(self, name) for name in self.PARTS)
-        normed = [embedding_norm(self.masked_embeddings(embeddings, c)), hidden_norm(hidden)]
-        x = projection(mx.concatenate(normed[::-1] if self.HIDDEN_FIRST else normed, axis=-1))
-        return self.final_layernorm(self.block(x, self.mask(x, c), c))
-
-    def masked_embeddings(self, embeddings: mx.array, cache) -> mx.array:
-        return embeddings
-
-    def mask(self, x: mx.array, cache):
-        return create_attention_mask(x, cache)
-
-    def load_from(self, path: Path, prefix: str, model, dtype: mx.Dtype | None, block_name=lambda name: name):
-        """This head with the checkpoint's layer under `prefix` (the decoder layer's tensors named by
-        `block_name`), in `dtype` (None: the target's)."""
-        own = (*self.PARTS, "final_layernorm")
-        weights = {k if k.startswith(own) else "block." + block_name(k): v
-                   for k, v in read_prefixed(path, prefix).items()}
-        return finish_load(self, weights, dtype or target_dtype(model), model.args.hidden_size)
-
-
-class MiMoMTPHead(PairProjectionHead):
+class MiMoMTPHead(NextNHead):
     PARTS = ("token_layernorm", "hidden_layernorm", "input_proj")
     HIDDEN_FIRST = True  # DeepSeek's order reversed
 
@@ -86,13 +39,6 @@ class MiMoMTPHead(PairProjectionHead):
 
     def masked_embeddings(self, embeddings: mx.array, cache) -> mx.array:
         return at_position_zero_zeroed(embeddings, 0 if cache is None else cache.offset)
-
-
-def at_position_zero_zeroed(embeddings: mx.array, offset) -> mx.array:
-    """`embeddings` [B, L, H] of pairs from position `offset` (an int, or one per row: a batch cache's), the pair
-    at position 0 zeroed."""
-    positions = mx.array(offset).reshape(-1, 1) + mx.arange(embeddings.shape[1])
-    return mx.where((positions == 0)[..., None], mx.zeros_like(embeddings), embeddings)
 
 
 def serves(config: dict) -> bool:

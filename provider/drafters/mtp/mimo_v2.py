@@ -23,16 +23,14 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
-from .mimo import PairProjectionHead
+from .nextn import NextNHead
 
 FAMILIES = {"mimo_v2_flash"}
 PREFIX = "model.mtp.layers.0."
 DEPTH_KEY = "num_nextn_predict_layers"
 
 
-class MiMoV2MTPHead(PairProjectionHead):
-    PARTS = ("enorm", "hnorm", "eh_proj")
-    HIDDEN_FIRST = False
+class MiMoV2MTPHead(NextNHead):
 
     def __init__(self, args):
         from mlx_lm.models.mimo_v2_flash import DecoderLayer

@@ -27,6 +27,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from .heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .nextn import project
 
 FAMILIES = {"nemotron_h"}
 PREFIX = "mtp."
@@ -83,8 +84,8 @@ class NemotronHMTPHead(OwnHead):
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
         """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden
         [B, L, H] (before the LM head), the pairs' K/V appended to `cache` (None: causal over the L pairs alone)."""
-        first = self.layers[0]
-        x = first.eh_proj(mx.concatenate([first.enorm(embeddings), first.hnorm(hidden)], axis=-1))
+        first = self.layers[0]  # its NextN parts live in its first block, as mlx-vlm's drafter names them
+        x = project(first.enorm, first.hnorm, first.eh_proj, embeddings, hidden)
         caches = iter(cache or [None] * len(self.make_cache()))
         mask = create_attention_mask(x, cache[0] if cache else None)
         for layer in self.layers:

@@ -24,11 +24,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
-from mlx import nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import finish_load, read_prefixed, target_dtype
+from .nextn import NextNHead
 
 FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}  # their heads share this layout (mlx-vlm: one drafter)
 PREFIX = "mtp."
@@ -50,32 +50,27 @@ def decoder_layer(args):
     return qwen3_next.Qwen3NextDecoderLayer if isinstance(args, qwen3_next.ModelArgs) else qwen3_5.DecoderLayer
 
 
-class Qwen35MTPHead(OwnHead):
+class Qwen35MTPHead(NextNHead):
+    PARTS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc")
+    FINAL = "norm"
+
     def __init__(self, args, depth: int):
-        super().__init__()
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        super().__init__(args.hidden_size, args.rms_norm_eps)
         one = replace(args, num_hidden_layers=depth, full_attention_interval=1)  # layer 0: full attention
         # Index 0 for every layer, as mlx-vlm builds them (vLLM numbers them, the same for the one-layer heads
         # published): a Qwen3-Next layer is MoE by its index (decoder_sparse_step, mlp_only_layers).
         self.layers = [decoder_layer(args)(one, 0) for _ in range(depth)]
-        self.norm = nn.RMSNorm(hidden, eps=eps)
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden at t) -> the head's hidden
-        [B, L, H] (before the LM head), the pairs' K/V appended to `cache` (None: causal over the L pairs alone)."""
+    def layer(self, x: mx.array, cache: list | None) -> mx.array:
+        """A stack of full-attention layers (mtp_num_hidden_layers of them), one mask for all."""
         cache = cache or [None] * len(self.layers)
-        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)],
-                                   axis=-1))
         mask = create_attention_mask(x, cache[0])
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask=mask, cache=c)
-        return self.norm(x)
+        return x
 
 
 def serves(config: dict) -> bool:

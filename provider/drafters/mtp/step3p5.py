@@ -30,9 +30,9 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
-from .heads import OwnHead, finish_load, read_prefixed, target_dtype
+from .heads import finish_load, read_prefixed, target_dtype
+from .nextn import NextNHead
 
 FAMILIES = {"step3p5"}
 DEPTH_KEY = "num_nextn_predict_layers"
@@ -48,33 +48,23 @@ class SharedHead(nn.Module):
         self.output = nn.Linear(hidden, vocab, bias=False)
 
 
-class Step3p5MTPHead(OwnHead):
+class Step3p5MTPHead(NextNHead):
+    FINAL = None  # its hidden is the layer's output, before shared_head.norm (`readout`), as both runtimes chain it
+
     def __init__(self, args):
         from mlx_lm.models.step3p5 import Step3p5DecoderLayer
 
-        super().__init__()
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        self.enorm = nn.RMSNorm(hidden, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = Step3p5DecoderLayer(args, args.num_hidden_layers)  # its settings: vLLM's layer index, SGLang's
-        self.shared_head = SharedHead(hidden, args.vocab_size, eps)
+        # the layer built as layer num_hidden_layers: its settings are vLLM's layer index's, SGLang's
+        super().__init__(args.hidden_size, args.rms_norm_eps, lambda: Step3p5DecoderLayer(args, args.num_hidden_layers))
+        self.shared_head = SharedHead(args.hidden_size, args.vocab_size, args.rms_norm_eps)
         self.window = args.sliding_window if self.block.is_sliding else None
 
     @property
     def lm_head(self):
         return self.shared_head.output
 
-    def make_cache(self) -> list:
-        return [KVCache()]
-
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list | None) -> mx.array:
-        """embeddings, hidden [B, L, H] (pairs: token t+1's embedding, the hidden before a final norm at t) -> the
-        head's hidden before shared_head.norm [B, L, H], the pairs' K/V appended to `cache` (None: causal over the L
-        pairs alone)."""
-        c = cache[0] if cache else None
-        x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
-        return self.block(x, create_attention_mask(x, c, window_size=self.window), c)
+    def mask(self, x: mx.array, cache):
+        return create_attention_mask(x, cache, window_size=self.window)
 
     def readout(self, hidden: mx.array) -> mx.array:
         return self.shared_head.norm(hidden)
