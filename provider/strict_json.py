@@ -13,10 +13,32 @@ from typing import Any
 MAX_INT_DIGITS = 40
 
 
-def _int(text: str) -> int:
-    if len(text) > MAX_INT_DIGITS + 1:  # a sign
-        raise ValueError(f"an integer of {len(text)} characters; integers are at most {MAX_INT_DIGITS} digits")
-    return int(text)
+class IntegerTooLong(ValueError):
+    """An integer past MAX_INT_DIGITS; `path` names where it stood (["temperature"], ["tools", 0, ...])."""
+
+    def __init__(self, characters: int, path: list[str | int]):
+        self.characters, self.path = characters, path
+        where = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(path))
+        super().__init__(f"{where or 'the body'} is an integer of {characters} characters; integers are at most "
+                         f"{MAX_INT_DIGITS} digits")
+
+
+class _TooLong:
+    """Stands where a too-long integer was, so the error can name its field once the parse is done."""
+
+    def __init__(self, characters: int):
+        self.characters = characters
+
+
+def _path_to(value: Any, path: list[str | int]) -> list[str | int] | None:
+    # Bounded by what was parsed (json_bounds counts values first); depth by the parser's own recursion limit.
+    if isinstance(value, _TooLong):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _path_to(item, path + [key])) is not None:
+            return found
+    return None
 
 
 def _constant(name: str) -> Any:
@@ -24,5 +46,17 @@ def _constant(name: str) -> Any:
 
 
 def loads(text: str | bytes) -> Any:
-    """json.loads under these rules: ValueError (RecursionError when nested past the stack) otherwise."""
-    return json.loads(text, parse_int=_int, parse_constant=_constant)
+    """json.loads under these rules: ValueError (IntegerTooLong naming the field; RecursionError when nested past
+    the stack) otherwise."""
+    too_long: list[_TooLong] = []
+
+    def _int(digits: str) -> Any:
+        if len(digits) > MAX_INT_DIGITS + 1:  # a sign
+            too_long.append(_TooLong(len(digits)))
+            return too_long[-1]
+        return int(digits)
+
+    value = json.loads(text, parse_int=_int, parse_constant=_constant)
+    if too_long:
+        raise IntegerTooLong(too_long[0].characters, _path_to(value, []) or [])
+    return value

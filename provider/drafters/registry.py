@@ -43,9 +43,11 @@ def pair(target: Path, target_config: dict, drafter: Path | None) -> tuple[Draft
     """The kind that would draft for the target and OK, or why it cannot, from files only. `drafter` None: the
     target's own head, if it ships one; a target without one that some kind awaits (a Gemma 4 target, its
     assistant) then lacks a drafter (`no_drafter`), any other the capability (`not_mtp_capable`)."""
-    path = target if drafter is None else drafter
-    config = target_config if drafter is None else read_config(drafter)
-    kind = kind_of(target, path, config)
+    if drafter is None:  # only the target's own head, never the target drafting for itself
+        kind, path, config = NATIVE_HEAD, target, target_config
+    else:
+        path, config = drafter, read_config(drafter)
+        kind = kind_of(target, path, config)
     why = kind.pair(target, target_config, path, config)
     if drafter is None and why != OK:
         awaited = any(target_config.get("model_type") in k.awaited_by for k in KINDS)

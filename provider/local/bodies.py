@@ -121,5 +121,8 @@ def _loads(raw: bytes) -> Any:
         raise api.RequestError(f"the request body is not UTF-8 (byte {e.start}); send JSON as UTF-8") from None
     except RecursionError:
         raise api.RequestError("the request body is nested too deeply") from None
+    except strict_json.IntegerTooLong as e:
+        field = e.path[0] if e.path and isinstance(e.path[0], str) else None
+        raise api.RequestError(f"the request body is not valid JSON: {e}", param=field) from None
     except ValueError as e:
         raise api.RequestError(f"the request body is not valid JSON: {e}") from None

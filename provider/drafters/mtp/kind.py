@@ -70,7 +70,8 @@ class NativeHead(DrafterKind):
     group_drafts = True  # it reads the tokens and the final hidden state, from a whole LM head (group_lm_head)
 
     def claims(self, target: Path, drafter: Path, config: dict) -> bool:
-        return drafter == target
+        # A target named as its own drafter without a head drafts for itself as a draft model would.
+        return drafter == target and native_heads(target, config)
 
     def pair(self, target: Path, target_config: dict, drafter: Path, config: dict) -> str:
         served = native_heads(target, target_config) and head_module(target_config) is not None
