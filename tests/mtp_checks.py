@@ -355,3 +355,56 @@ def sampled_as_plain(target, load_head, prompt=None, params=None, drafter=HeadDr
     assert all(r["p"] >= 1e-3 for r in rows), rows
     biased, _ = sampled(model, head, prompt, params, 200, 2, choice=AcceptEveryDraft, seed0=10**6, drafter=drafter)
     assert min(r["p"] for r in compare(reference, biased, 6)) < 1e-3  # the test has the power to see a bias
+
+
+def draws_through_the_shared_rule(target, load_head, prompt=None, params=None, drafter=HeadDrafter, k: int = 4):
+    """What a family adds to speculative sampling, checked where the distribution battery (sampled_as_plain) runs
+    once per engine drafter class (test_mtp_families: HeadDrafter; test_dflash and test_dflash2: DFlashDrafter;
+    test_eagle3; test_spec_sampling: draft models; test_constrained_engine: under a grammar). Lossless sampling
+    needs only that each draft is drawn from the q it reports and judged by the shared accept rule; a family's head
+    decides the logits, not the draw (its target's rollback: its greedy tests). So: the family drafts through one
+    of those classes, unchanged; every draft it proposes is what acceptance.draw_drafts drew, one call per
+    position; each q is a distribution that gives its draft mass. Three sampled rows (seeds 0-2) of `prompt`, as
+    the battery's `params` sample them."""
+    import importlib
+
+    from provider.engine import acceptance
+
+    classes = {name: getattr(importlib.import_module(module), name) for module, name in BATTERY_CLASSES}
+    assert classes.get(drafter.__name__) is drafter, f"{drafter.__name__} has no sampling battery"
+    prompt = train_prompts()[0] if prompt is None else prompt
+    params = params or SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
+    model, _, head = loaded(target, load_head)
+    engine_drafter = drafter(head, Target(model))
+    assert type(engine_drafter) is drafter  # noqa: E721 (a family subclass would draw its own way)
+    spec = Speculator(model, engine_drafter)
+    rows = [spec.new_row(prompt, stats=SpecTelemetry("s", k=k), choice=SampledChoice(params, seed))
+            for seed in range(3)]
+    for row in rows:
+        while not spec.read(row, 2048):
+            pass
+    spec.begin(rows)
+    drawn, real = [], acceptance.draw_drafts
+    module = importlib.import_module(drafter.__module__)
+
+    def spy(rows, logits, qs, select=None):
+        drawn.append(real(rows, logits, qs, select))
+        return drawn[-1]
+
+    module.draw_drafts = spy
+    try:
+        drafts, qs = engine_drafter.propose(rows, k, [])
+    finally:
+        module.draw_drafts = real
+    assert len(drawn) == k and mx.array_equal(mx.concatenate(drawn, axis=1), drafts).item(), (drawn, drafts)
+    assert [len(q) for q in qs] == [k] * len(rows)
+    for i, row_qs in enumerate(qs):
+        for j, q in enumerate(row_qs):
+            q = q.astype(mx.float32).reshape(-1)
+            assert abs(q.sum().item() - 1) < 1e-3 and q.min().item() >= 0, (i, j)
+            assert q[drafts[i, j].item()].item() > 0, (i, j)  # drawn from this q
+
+
+# The engine's drafter classes whose sampled rounds the distribution battery runs (module, class).
+BATTERY_CLASSES = (("provider.engine.drafters", "HeadDrafter"), ("provider.engine.drafters", "Eagle3Drafter"),
+                   ("provider.engine.dflash_drafter", "DFlashDrafter"))

@@ -17,7 +17,7 @@ from provider.drafters.dflash import config as dflash
 from provider.drafters.dflash.head import DFlashHead, load_dflash
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
-from tests import drafter_checks
+from tests import drafter_checks, mtp_checks
 from tests.drafter_checks import broken
 
 NAME = "qwen3-dspark-tiny"
@@ -87,10 +87,10 @@ def test_greedy_equals_plain_decoding_alone_and_eight_together(target):
     drafter_checks.greedy_as_plain(target, NAME, drafter_dir(target))
 
 
-def test_sampled_rounds_are_distributed_as_plain_sampling(target):
-    """test_spec_sampling's distribution test with the drafter: each draft drawn from its position's logits
-    corrected by the draft before it, its q that distribution; its biased control (every draft accepted) caught."""
-    drafter_checks.sampled_as_plain(target, load_head, DFlashDrafter)
+def test_sampled_rounds_draw_through_the_shared_rule(target):
+    """Sampled rounds are distributed as plain sampling: mtp_checks.draws_through_the_shared_rule (the battery
+    runs in test_dflash)."""
+    mtp_checks.draws_through_the_shared_rule(target, load_head, drafter=DFlashDrafter)
 
 
 def test_each_drafts_q_is_its_positions_distribution_given_the_draft_before_it(target):

@@ -69,11 +69,11 @@ def test_greedy_equals_plain_decoding_alone_and_eight_together(target):
     drafter_checks.greedy_as_plain_accepted_alone(target, NAME, drafter_dir(target))
 
 
-def test_sampled_rounds_are_distributed_as_plain_sampling(target):
-    """mtp_checks.sampled_as_plain at a lower temperature than drafter_checks' 0.15: at 0.15 this tiny target's
-    samples leave the drafter's training sequences and under 200 of 4,000 drafts were accepted (seen)."""
+def test_sampled_rounds_draw_through_the_shared_rule(target):
+    """Sampled rounds are distributed as plain sampling: mtp_checks.draws_through_the_shared_rule (the battery
+    runs in test_dflash)."""
     params = SamplingParams(max_tokens=6, temperature=0.05, top_p=0.95, top_k=32, seed=3)
-    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params, drafter=DFlashDrafter)
+    mtp_checks.draws_through_the_shared_rule(target, load_head, train_prompts()[0], params, drafter=DFlashDrafter)
 
 
 def test_the_drafter_drafts_as_mlx_vlms_gemma4_dflash_drafter(target):

@@ -174,11 +174,8 @@ def test_the_head_computes_what_mlx_vlms_glm_drafter_parts_compute_on_the_same_w
     assert drafts.tolist() == theirs.draft_block(first, None, None, 5, None, greedy=True).tolist()
 
 
-def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
-    """The distribution test (mtp_checks.sampled_as_plain) with this head: the first 6 tokens at T = 0.7 with top_p
-    and top_k, k = 3, 800 samples a side; a chi-square per position does not tell speculative sampling from the
-    node's plain sampler, and it does tell the biased control (every draft accepted). The untrained head's drafts
-    and its target's distributions overlap enough there that both branches run hundreds of times (measured: ~9% of
-    drafts accepted; at T = 1 with top_k 128, the control's bias was out of the test's sight, p = 0.6)."""
+def test_sampled_rounds_with_the_head_draw_through_the_shared_rule(target):
+    """Sampled rounds are distributed as plain sampling: mtp_checks.draws_through_the_shared_rule (the battery
+    runs in test_mtp_families)."""
     params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
-    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)
+    mtp_checks.draws_through_the_shared_rule(target, load_head, train_prompts()[0], params)

@@ -60,11 +60,11 @@ def test_greedy_with_the_head_equals_plain_decoding_alone_and_eight_together(tar
     assert sum(s.accepted for s in spec) > 0.4 * sum(s.judged for s in spec), spec
 
 
-def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
-    """The distribution test (mtp_checks.sampled_as_plain): the first 6 tokens at T = 0.7 with top_p and top_k,
-    k = 3, 800 samples a side, both branches hundreds of times; and its biased control told apart."""
+def test_sampled_rounds_with_the_head_draw_through_the_shared_rule(target):
+    """Sampled rounds are distributed as plain sampling: mtp_checks.draws_through_the_shared_rule (the battery
+    runs in test_mtp_families)."""
     params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, top_k=32, seed=3)
-    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)
+    mtp_checks.draws_through_the_shared_rule(target, load_head, train_prompts()[0], params)
 
 
 

@@ -103,6 +103,7 @@ def test_the_head_computes_the_published_step(target):
     mtp_checks.computes_the_reference(target, MTP, load_head, _reference, 30)
 
 
-def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
-    """mtp_checks.sampled_as_plain at its figures (T = 0.7), with its biased control."""
-    mtp_checks.sampled_as_plain(target, load_head)
+def test_sampled_rounds_with_the_head_draw_through_the_shared_rule(target):
+    """Sampled rounds are distributed as plain sampling: mtp_checks.draws_through_the_shared_rule (the battery
+    runs in test_mtp_families)."""
+    mtp_checks.draws_through_the_shared_rule(target, load_head)

@@ -185,12 +185,11 @@ def test_the_head_computes_what_mlx_vlms_nemotron_h_mtp_drafter_computes_on_the_
     mtp_checks.drafts_as_mlx_vlms(target, model, tap, ours, theirs, model.backbone.embeddings, model.lm_head)
 
 
-def test_sampled_rounds_with_the_head_are_distributed_as_plain_sampling(target):
-    """The distribution test (mtp_checks.sampled_as_plain) with this head: the first 6 tokens at T = 0.15 with top_p
-    and top_k, k = 3, 800 samples a side, a chi-square per position; the biased control (every draft accepted) is
-    caught."""
+def test_sampled_rounds_with_the_head_draw_through_the_shared_rule(target):
+    """Sampled rounds are distributed as plain sampling: mtp_checks.draws_through_the_shared_rule (the battery
+    runs in test_mtp_families)."""
     params = SamplingParams(max_tokens=6, temperature=0.15, top_p=0.95, top_k=32, seed=3)
-    mtp_checks.sampled_as_plain(target, load_head, train_prompts()[0], params)
+    mtp_checks.draws_through_the_shared_rule(target, load_head, train_prompts()[0], params)
 
 
 def test_the_config_is_what_mlx_lm_and_mlx_vlm_read(target):

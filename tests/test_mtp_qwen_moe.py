@@ -133,13 +133,12 @@ def test_experts_fused_or_per_expert_load_the_same_head_and_a_broken_one_is_refu
             load_head(tmp_path / case, model)
 
 
-def test_sampled_rounds_with_the_moe_head_are_distributed_as_plain_sampling(head_fixture):
-    """test_spec_sampling's distribution test with Qwen3.5-MoE's head (as test_mtp_families runs it for dense
-    Qwen3.5): the first 6 tokens at T = 0.15 with top_p and top_k, k = 3, 800 samples a side, a chi-square per
-    position; and the biased control (every draft accepted) is told apart."""
+def test_sampled_rounds_with_the_moe_head_draw_through_the_shared_rule(head_fixture):
+    """Sampled rounds are distributed as plain sampling: mtp_checks.draws_through_the_shared_rule (the battery
+    runs in test_mtp_families)."""
     params = SamplingParams(max_tokens=6, temperature=0.15, top_p=0.95, top_k=32, seed=3)
     # train_prompts()[1]: the head's drafts accepted ~11% of the time there ([0]: ~5%)
-    mtp_checks.sampled_as_plain(head_fixture(NAMES[0]), load_head, train_prompts()[1], params)
+    mtp_checks.draws_through_the_shared_rule(head_fixture(NAMES[0]), load_head, train_prompts()[1], params)
 
 
 def test_the_node_lists_both_as_speculating_with_their_own_head(head_fixture):
