@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import __version__, logs, paths
+from .cli_help import explain
 from .group.spec import GroupSpec, GroupSpecError, group_spec, public_addresses
 from .jobs import JobError
 from .net import is_loopback
@@ -51,8 +52,9 @@ def _add_start(sub) -> None:
                    "only over a VPN or a network that is private in fact)")
     p.add_argument("--group-split", choices=["auto", "tensor", "pipeline"],
                    help="split the model by its layers' projections (tensor) or by layers (pipeline); default auto")
-    p.add_argument("--log-format", choices=["auto", "console", "json"])
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=["auto", "console", "json"],
+                   help="log lines for a person (console) or a collector (json); auto: console on a terminal")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="the least that is logged (default info)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--k", default="1,2,3,4", help="draft tokens per round to try (default 1,2,3,4)")
     bench.add_argument("--prompts", type=int, default=10, help="how many of the built-in prompts")
     bench.add_argument("--prompts-file", help="one prompt per line instead of the built-in ones")
-    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--max-tokens", type=int, default=64, help="per prompt and run")
     bench.add_argument("--temperature", type=float, default=0.7, help="of the sampled runs (default 0.7)")
-    bench.add_argument("--out", type=Path, default=Path("bench.json"))
+    bench.add_argument("--out", type=Path, default=Path("bench.json"), help="where the JSON report goes")
     bench.add_argument("--plot", type=Path, help="also write tokens/s and tokens per target forward against k "
                        "as a PNG (needs matplotlib: the `plot` extra)")
     sub.add_parser("doctor", help="check platform, memory budget, models and coordinator", parents=config)
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "and bandwidth through MLX's backend")
     chk.add_argument("hostfile", help="MLX's ring hostfile, as for `provider start --group`")
     chk.add_argument("--rank", type=int, default=-1, help="this machine's rank (default: MLX_RANK)")
-    chk.add_argument("--backend", choices=["ring", "jaccl"], default="ring")
+    chk.add_argument("--backend", choices=["ring", "jaccl"], default="ring", help="MLX's distributed backend")
     chk.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for every rank to join (default 30)")
     chk.add_argument("--payload-mb", type=int, default=32, help="bandwidth payload in MiB (default 32)")
     chk.add_argument("--json", action="store_true", help="the report as JSON (rank 0)")
@@ -117,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="the whole status as JSON")
     st.add_argument("--open", action="store_true",
                     help="print a new one-time login link to the node's page and open it in this machine's browser")
-    return parser
+    return explain(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,18 +28,21 @@ def add_parser(sub, config: list) -> None:
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="models found (the bundled pair included), their capabilities and footprint",
                     parents=config)
-    msub.add_parser("pull", help="download a Hugging Face repo into the HF cache", parents=config).add_argument("repo")
+    pull = msub.add_parser("pull", help="download a Hugging Face repo into the HF cache", parents=config)
+    pull.add_argument("repo", help="a Hugging Face repo id (owner/name)")
+    named = "a model id as `provider models list` shows it"
     rm = msub.add_parser("rm", help="delete a downloaded model", parents=config)
-    rm.add_argument("model")
-    rm.add_argument("--yes", action="store_true")
-    msub.add_parser("verify", help="recompute and print the SHA-256 manifest", parents=config).add_argument("model")
+    rm.add_argument("model", help=named)
+    rm.add_argument("--yes", action="store_true", help="delete it (without: say what would be deleted)")
+    msub.add_parser("verify", help="recompute and print the SHA-256 manifest", parents=config).add_argument(
+        "model", help=named)
     load = msub.add_parser("load", help="load a model in the running daemon ahead of work", parents=config)
-    load.add_argument("model")
+    load.add_argument("model", help=named)
     load.add_argument("--keep-alive", help='how long it stays once idle: "10m", seconds, -1 for ever (default: '
                       "its idle_timeout_s)")
     unload = msub.add_parser("unload", help="unload a model from the running daemon and give its memory back",
                              parents=config)
-    unload.add_argument("model")
+    unload.add_argument("model", help=named)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
