@@ -188,4 +188,9 @@ def test_sigterm_stops_cleanly_with_a_request_in_flight(fixtures_dir, tmp_path):
     assert not t.is_alive()
     # The in-flight stream was ended properly: a finishing chunk, then [DONE].
     assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("cancelled", "length", "stop")
+    last = json.loads(lines[-2][6:])
+    # A drain that ran out cuts the answer as it stands: "length" to the client (a reason every OpenAI client
+    # knows), "cancelled" in its telemetry.
+    assert last["choices"][0]["finish_reason"] in ("length", "stop"), last
+    if last["telemetry"]["finish_reason"] == "cancelled":
+        assert last["choices"][0]["finish_reason"] == "length"

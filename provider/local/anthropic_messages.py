@@ -274,7 +274,7 @@ def stop_reason(done: Done) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence for how the job ended."""
     if done.finish_reason == FinishReason.TOOL_CALLS:
         return "tool_use", None
-    if done.finish_reason == FinishReason.LENGTH:
+    if done.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED):  # cut short: as the output stands
         return "max_tokens", None
     if done.stop_sequence is not None:
         return "stop_sequence", done.stop_sequence

@@ -168,7 +168,8 @@ class _Reply:
 
     def final(self, index: int, done: Done) -> dict[str, Any]:
         """A choice's finishing chunk; usage and telemetry ride on it for every client (the choice's own)."""
-        chunk = (out.chat_chunk(self.job_id, self.model, self.created, index=index, finish_reason=done.finish_reason)
+        reason = out.client_finish_reason(done)
+        chunk = (out.chat_chunk(self.job_id, self.model, self.created, index=index, finish_reason=reason)
                  if self.chat else out.completion_chunk(self.job_id, self.model, self.created, index=index,
-                                                         finish_reason=done.finish_reason))
+                                                         finish_reason=reason))
         return chunk | {"usage": done.usage.as_dict(), "telemetry": done.telemetry.as_dict()}

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..jobs import Done, TokenLogprob, ToolCall, Usage
 from ..status import NodeStatus
+from ..types import FinishReason
 
 
 @dataclass
@@ -53,6 +54,12 @@ def proof_of(done: Done, ids: list[int]) -> dict[str, Any]:
                       "seed": p.seed, "end_token": p.end_token, "output_ids": list(ids)}}
 
 
+def client_finish_reason(done: Done) -> str:
+    """What a client is told of how a choice ended: a job cut short (its client left, a deadline, a drain that ran
+    out) ends as its output stands, "length", a reason every OpenAI client knows; its telemetry says "cancelled"."""
+    return FinishReason.LENGTH.value if done.finish_reason == FinishReason.CANCELLED else done.finish_reason.value
+
+
 def chat_response(job_id: str, model: str, choices: list[ChoiceResult], created: int, n: int,
                   logprobs: bool) -> dict[str, Any]:
     out = []
@@ -61,7 +68,7 @@ def chat_response(job_id: str, model: str, choices: list[ChoiceResult], created:
                                    "refusal": None}
         if c.calls:
             message["tool_calls"] = [tool_call_dict(call) for call in c.calls]
-        out.append({"index": c.index, "message": message, "finish_reason": c.done.finish_reason,
+        out.append({"index": c.index, "message": message, "finish_reason": client_finish_reason(c.done),
                     "logprobs": chat_logprobs(c.logprobs) if logprobs else None} | _own_telemetry(choices, c))
     return _envelope(job_id, model, "chat.completion", created) | {"choices": out} | _totals(choices, n)
 
@@ -73,7 +80,7 @@ def completion_response(job_id: str, model: str, choices: list[ChoiceResult], cr
     out = []
     for c in choices:
         echo = echoes[c.index // n] if echoes is not None else ""
-        out.append({"index": c.index, "text": echo + c.text, "finish_reason": c.done.finish_reason,
+        out.append({"index": c.index, "text": echo + c.text, "finish_reason": client_finish_reason(c.done),
                     "logprobs": completion_logprobs(c.logprobs, echo)[0] if logprobs else None}
                    | _own_telemetry(choices, c))
     return _envelope(job_id, model, "text_completion", created) | {"choices": out} | _totals(choices, n)

@@ -26,7 +26,7 @@ def usage(done: Done | None) -> dict[str, Any] | None:
 def response_object(resp_id: str, model: str, created: int, echo: dict[str, Any], output: list[dict[str, Any]],
                     done: Done | None, notes: EdgeNotes, status: str | None = None,
                     error: dict | None = None) -> dict[str, Any]:
-    incomplete = done is not None and done.finish_reason == FinishReason.LENGTH
+    incomplete = done is not None and done.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED)
     if status is None:
         status = "in_progress" if done is None else "incomplete" if incomplete else "completed"
     return {"id": resp_id, "object": "response", "created_at": created, "status": status, "model": model,
