@@ -191,7 +191,7 @@ async def _generate(args: argparse.Namespace, job: Job, collector_on: Callable[[
     loop.call_later(GC_OFF_AT_MOST_S, collector_on, False)  # a download or a slow load: on again meanwhile
     interrupted = []
     loop.add_signal_handler(signal.SIGINT, lambda: (interrupted.append(True), node.cancel(job.id)))
-    out, end = Printer(args.json), None
+    out, end = Printer(args.json, "this process"), None
     try:
         async with node.run(job) as stream:
             async for ev in stream:
@@ -249,7 +249,7 @@ async def _forward(args: argparse.Namespace, body: dict[str, Any], pid: int, pat
     from . import daemon_client
 
     loop = asyncio.get_running_loop()
-    out, accepted, end, interrupted = Printer(args.json), {}, None, []
+    out, accepted, end, interrupted = Printer(args.json, f"the daemon (pid {pid})"), {}, None, []
 
     async def read() -> None:
         nonlocal end
@@ -302,8 +302,8 @@ class Printer:
     """What the command prints of a job, run here or by the daemon: the text as it comes (or, with --json, one
     object at the end), then the telemetry line on stderr, or the error line and its exit code."""
 
-    def __init__(self, as_json: bool):
-        self.as_json = as_json
+    def __init__(self, as_json: bool, ran_in: str):
+        self.as_json, self.ran_in = as_json, ran_in  # said with the telemetry: a daemon's job or this process's
         self.text: list[str] = []
 
     def tokens(self, text: str) -> None:
@@ -320,10 +320,11 @@ class Printer:
     def done(self, model: str, finish_reason: str, usage: dict[str, Any], telemetry: dict[str, Any]) -> None:
         if self.as_json:
             print(json.dumps({"model": model, "text": "".join(self.text), "finish_reason": finish_reason,
-                              "usage": usage, "telemetry": telemetry}))
+                              "usage": usage, "telemetry": telemetry, "ran_in": self.ran_in}))
         else:
             print()
-            print(summary_of(finish_reason, usage, telemetry), file=sys.stderr)
+            print(f"{model or 'the model'} in {self.ran_in}: {summary_of(finish_reason, usage, telemetry)}",
+                  file=sys.stderr)
 
 
 def summary(done: Done) -> str:

@@ -33,6 +33,7 @@ def test_greedy_text_is_mlx_lm_s_raw_and_through_the_chat_template(fixtures_dir,
     assert raw.returncode == 0, raw.stderr
     assert raw.stdout == reference.greedy(path, tok.encode(PROMPT), 20)[1] + "\n"
     assert "20 tokens, finish length" in raw.stderr and "tok/s" in raw.stderr
+    assert "in this process: 20 tokens" in raw.stderr, raw.stderr  # no daemon runs: where it ran is said
     chat = _generate(env, "--model", str(path), "--max-tokens", "12", "--system", "Be brief.", stdin=PROMPT)
     ids = reference.chat_ids(path, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}])
     assert chat.returncode == 0 and chat.stdout == reference.greedy(path, ids, 12)[1] + "\n"

@@ -52,6 +52,7 @@ def test_the_text_and_telemetry_are_the_daemon_s_own(daemon):
     assert raw.returncode == 0, raw.stderr
     assert raw.stdout == api["choices"][0]["text"] + "\n"
     assert "20 tokens, finish length; ttft" in raw.stderr and "tok/s; speculation off (not_mtp_capable)" in raw.stderr
+    assert f"llama-tiny in the daemon (pid {daemon.proc.pid}): 20 tokens" in raw.stderr, raw.stderr  # where it ran
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
     api = httpx.post(daemon.url + "/v1/chat/completions", headers=daemon.headers, timeout=60,
                      json={"model": "llama-tiny", "messages": messages, "max_tokens": 12, "temperature": 0}).json()
