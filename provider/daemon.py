@@ -113,8 +113,20 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     gc.enable()
     collector_on.cancel()
 
+    def on_signal() -> None:  # the first drains; a second cuts what still runs
+        if not stop.is_set():
+            stop.set()
+            st = node.status()
+            busy, grace = st.active_jobs + st.queued_jobs, settings.shutdown_grace_s
+            print(f"provider: stopping: {busy} job{'s' * (busy != 1)} in flight get up to {grace:g} s to finish; "
+                  "Ctrl-C again to cut them now" if busy else "provider: stopping", file=sys.stderr, flush=True)
+        elif not hurried:
+            hurried.append(asyncio.ensure_future(asyncio.to_thread(node.engine.stop, 0.0)))  # grace ends now
+            print("provider: cutting the jobs in flight now", file=sys.stderr, flush=True)
+
+    hurried: list = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     print(f"provider {__version__}: serving {model_id}", flush=True)
     if local:
         if url is None:

@@ -166,6 +166,42 @@ def test_logs_never_contain_prompt_or_completion_text(server, client):
         json.loads(line)  # JSON lines when not on a TTY
 
 
+def test_ctrl_c_says_what_it_drains_and_a_second_one_cuts_it_now(fixtures_dir, tmp_path):
+    """The first Ctrl-C names the jobs in flight and the grace they get (here 600 s); the second cuts them at once:
+    the node exits long before the grace, each stream ended as it stands ("length", telemetry "cancelled")."""
+    (tmp_path / "config" / "provider").mkdir(parents=True)
+    (tmp_path / "config" / "provider" / "config.toml").write_text("shutdown_grace_s = 600\n")
+    srv = LocalServer(fixtures_dir / "qwen3-tiny", tmp_path, "--no-auth")
+    ends, streaming = [], threading.Semaphore(0)
+
+    def long_request():
+        body = {"model": "qwen3-tiny", "prompt": "x", "max_tokens": 5000, "stream": True, "temperature": 0}
+        lines = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    if len(lines) == 1:
+                        streaming.release()
+        ends.append(json.loads(lines[-2][6:]))
+
+    threads = [threading.Thread(target=long_request) for _ in range(4)]  # four rows: each decodes slower
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert streaming.acquire(timeout=120), "a request never started streaming"
+    srv.proc.send_signal(signal.SIGINT)
+    until_blocking(lambda: "in flight get up to 600 s to finish; Ctrl-C again to cut them now" in srv.logs(),
+                   lambda: srv.logs()[-2000:], timeout=30)
+    srv.proc.send_signal(signal.SIGINT)
+    assert srv.proc.wait(60) == 0  # not the 600 s of grace
+    for t in threads:
+        t.join(60)
+    assert "provider: cutting the jobs in flight now" in srv.logs()
+    assert len(ends) == 4 and all(e["choices"][0]["finish_reason"] in ("length", "stop") for e in ends), ends
+    assert any(e["telemetry"]["finish_reason"] == "cancelled" for e in ends), ends
+
+
 def test_sigterm_stops_cleanly_with_a_request_in_flight(fixtures_dir, tmp_path):
     srv = LocalServer(fixtures_dir / "qwen3-tiny", tmp_path, "--no-auth")
     lines, streaming = [], threading.Event()

@@ -116,7 +116,7 @@ class Engine:
         return not len(self._books)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread."""
+        """Drain, give in-flight jobs `grace_s` to finish, cancel the rest, and join the thread (again: grace ends)."""
         self.drain()
         self._inbox.put(Stop(grace_s))
         self._thread.join()
