@@ -17,7 +17,6 @@ from .net import is_loopback
 from .settings import Settings, SettingsError
 from .startup import EXIT_CONFIG, InstanceLock, StartupError
 
-EXIT_NOT_RUNNING = 3  # `provider status`: no daemon runs on this state directory
 
 
 def _config_option() -> argparse.ArgumentParser:
@@ -149,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             from . import page_link
 
             return page_link.run()
-        return _status(args)
+        from . import status_command
+
+        return status_command.run(args)
     if args.command == "service":
         from . import service_files
 
@@ -219,23 +220,6 @@ def _group_check(args: argparse.Namespace) -> int:
         mine = [f"{x.src} -> {x.dst} {x.latency_ms_p50:.3f} ms" for x in report.links if spec.rank in (x.src, x.dst)]
         print(f"rank {spec.rank}: joined and measured ({'; '.join(mine)}); rank 0 prints the report")
     return 1 if report.problems else 0
-
-
-def _status(args: argparse.Namespace) -> int:
-    import json
-
-    from . import status_file
-    from .startup import holder_pid
-
-    state = paths.state_dir()
-    pid = holder_pid(state)
-    body = status_file.read(state) if pid else None
-    if pid is None or body is None or body.get("pid") != pid:
-        why = "no provider daemon is running" if pid is None else f"provider pid {pid} is starting (no status yet)"
-        print(f"provider: {why} (state directory {state})", file=sys.stderr)
-        return EXIT_NOT_RUNNING
-    print(json.dumps(body, indent=2) if args.json else status_file.summary(body))
-    return 0
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -176,8 +176,16 @@ def test_status_reads_the_live_daemon_and_a_second_instance_is_refused(fixtures_
         assert body["health"] == "ok" and body["uptime_s"] >= 0 and "jobs_kv_bytes" in body["memory"]
         assert [m["id"] for m in body["models"] if m["state"] == "ready"] == ["qwen3-tiny"]
         assert body["coordinator_session"] is None and body["counters"]["jobs_completed"] == 0
+        assert body["source"] == "live"  # asked over the control socket, not read from the snapshot file
         text = _provider("status", env=env).stdout
-        assert f"pid {srv.proc.pid}" in text and "qwen3-tiny (ready" in text
+        assert f"pid {srv.proc.pid}" in text and "qwen3-tiny (ready" in text and "status: live" in text
+        srv.proc.send_signal(signal.SIGSTOP)  # a daemon that does not answer: its last snapshot, and its age
+        try:
+            stale = _provider("status", env=env)
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        assert stale.returncode == 0 and "status: snapshot written" in stale.stdout, stale.stdout
+        assert "s ago (the daemon did not answer)" in stale.stdout
         second = _provider("start", "--local", "--port", "0", "--model", str(fixtures_dir / "qwen3-tiny"), env=env)
         assert second.returncode == 75 and f"pid {srv.proc.pid}" in second.stderr
         assert len(second.stderr.strip().splitlines()) == 1

@@ -92,6 +92,7 @@ class LocalAPI:
             web.post("/provider/v1/generate/{job_id}/cancel", self.cli_jobs.cancel),
             web.post("/provider/v1/models/load", self.model_controls.load),  # `provider models load|unload`
             web.post("/provider/v1/models/unload", self.model_controls.unload),
+            web.get("/provider/v1/status", self.status),  # `provider status`: what the snapshot file holds, now
         ])
         self.page.add_routes(self.app)
 
@@ -181,6 +182,9 @@ class LocalAPI:
         if st.health == "unhealthy":  # the supervisor restarts the process; until then, say so
             return web.json_response({"status": "unhealthy", "reason": st.failure}, status=503)
         return web.json_response(out.health_body(st))
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.page.facts.snapshot(self.node.status()))
 
     async def metrics(self, request: web.Request) -> web.Response:
         # Prometheus text format (0.0.4); behind the bearer token unless metrics_public.
