@@ -256,6 +256,7 @@ def forged(verifier, model: str, job: Job, ids: list[int], proof: Proof) -> Proo
     ClaimReader, which believes no claim before its commitment reads)."""
     prompt = verifier.prompts.prepare(dataclasses.replace(job, model=model)).result().prompt
     tokens = list(ids) + ([proof.end_token] if proof.end_token is not None else [])
+    asyncio.run(verifier.preload(model))  # resident whichever cheats run first (--kinds)
     lm = verifier.models.acquire(model)
     try:
         tap = install(lm.model)
