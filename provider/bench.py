@@ -103,7 +103,7 @@ def _pair(model_path: Path, drafter_path: Path):
     from mlx_lm import load
 
     from .drafters import registry
-    from .engine.drafters import drafter_for
+    from .engine.proposers import drafter_for
     from .memory.checkpoint import read_config
     from .models.loader import LoadedModel
 

@@ -14,7 +14,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from provider.engine.acceptance import SampledChoice
-from provider.engine.drafters import HeadDrafter
+from provider.engine.proposers import HeadDrafter
 from provider.engine.spec_rounds import Speculator
 from provider.jobs import Job, SamplingParams
 from provider.memory import estimate
@@ -406,5 +406,5 @@ def draws_through_the_shared_rule(target, load_head, prompt=None, params=None, d
 
 
 # The engine's drafter classes whose sampled rounds the distribution battery runs (module, class).
-BATTERY_CLASSES = (("provider.engine.drafters", "HeadDrafter"), ("provider.engine.drafters", "Eagle3Drafter"),
+BATTERY_CLASSES = (("provider.engine.proposers", "HeadDrafter"), ("provider.engine.proposers", "Eagle3Drafter"),
                    ("provider.engine.dflash_drafter", "DFlashDrafter"))

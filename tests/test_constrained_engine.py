@@ -12,7 +12,7 @@ import pytest
 from mlx_lm import load
 
 from provider.constraints import OutputRules, ResponseFormat, Tool, ToolChoice
-from provider.engine.drafters import DraftModelDrafter
+from provider.engine.proposers import DraftModelDrafter
 from provider.engine.grammar import GrammarError, RowGrammar
 from provider.engine.grammar_compile import Compiler
 from provider.jobs import Done, Job, SamplingParams

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from provider.engine.drafters import Eagle3Drafter
+from provider.engine.proposers import Eagle3Drafter
 from provider.models import capability
 from provider.drafters.eagle3 import config as eagle3
 from provider.drafters.eagle3.head import Eagle3Head, load_eagle3

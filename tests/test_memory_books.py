@@ -65,7 +65,7 @@ def test_prefix_entries_hold_only_their_own_bytes(fixtures_dir):
 
 
 def test_a_draft_model_reads_a_cached_prefix_a_chunk_per_step(fixtures_dir, monkeypatch):
-    from provider.engine.drafters import DraftModelDrafter
+    from provider.engine.proposers import DraftModelDrafter
 
     node = make_node({"l": fixtures_dir / "llama-tiny"}, speculation="on", prefill_step_size=64, prefix_cache_gb=1.0,
                      manager_kw={"drafters": {"l": fixtures_dir / "llama-tiny-draft"}, "prefill_step": 64})

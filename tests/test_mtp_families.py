@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from mlx_lm import load
 
-from provider.engine.drafters import HeadDrafter
+from provider.engine.proposers import HeadDrafter
 from provider.engine.spec_rounds import Speculator
 from provider.jobs import Job, SamplingParams
 from provider.models import capability

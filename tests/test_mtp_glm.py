@@ -157,7 +157,7 @@ def test_the_head_computes_what_mlx_vlms_glm_drafter_parts_compute_on_the_same_w
 
     # The node's own drafting (HeadDrafter in the engine's round loop, the head's embed_tokens, its pairs read
     # chunk by chunk) proposes the reference's drafts for the same prompt and first token.
-    from provider.engine.drafters import HeadDrafter
+    from provider.engine.proposers import HeadDrafter
     from provider.engine.spec_rounds import Speculator
     from provider.models.gemma4_target import Target
     from provider.telemetry import SpecTelemetry

@@ -70,7 +70,7 @@ def test_the_head_computes_what_mlx_vlms_glm_moe_dsa_drafter_computes_on_the_sam
     pytest.importorskip("mlx_vlm.speculative.drafters.glm_moe_dsa_mtp")
     from mlx_vlm.speculative.drafters import load_drafter
 
-    from provider.engine.drafters import HeadDrafter
+    from provider.engine.proposers import HeadDrafter
     from provider.engine.spec_rounds import Speculator
     from provider.models.gemma4_target import Target
     from provider.telemetry import SpecTelemetry

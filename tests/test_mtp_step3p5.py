@@ -61,7 +61,7 @@ def test_the_drafter_feeds_the_head_the_hidden_before_the_final_norm(target):
     the hidden before its final norm (that norm's input: normed, the target's final-norm hidden), as vLLM and
     SGLang feed it: the prompt's pairs, then the last prompt token's and the first token's, each from its own
     forward. Fails when the drafter feeds the final norm's output (seen)."""
-    from provider.engine.drafters import HeadDrafter
+    from provider.engine.proposers import HeadDrafter
     from provider.engine.spec_rounds import Speculator
     from provider.models.gemma4_target import Target
     from provider.telemetry import SpecTelemetry

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from mlx_lm import load  # noqa: E402
 
 from provider.engine.acceptance import GreedyChoice, greedy_tokens  # noqa: E402
-from provider.engine.drafters import MTPDrafter  # noqa: E402
+from provider.engine.proposers import MTPDrafter  # noqa: E402
 from provider.engine.spec_rounds import SpecRow, speculative_tokens  # noqa: E402
 from provider.telemetry import SpecTelemetry
 from provider.models.gemma4_target import Target

@@ -11,7 +11,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from provider import speculation as sp
-from provider.engine.drafters import MTPDrafter
+from provider.engine.proposers import MTPDrafter
 from provider.engine.spec_rounds import Speculator
 from provider.telemetry import SpecTelemetry
 from provider.models.gemma4_target import Target

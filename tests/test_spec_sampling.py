@@ -8,7 +8,7 @@ from mlx_lm import load
 
 from provider import speculation as sp
 from provider.engine.acceptance import SampledChoice
-from provider.engine.drafters import DraftModelDrafter
+from provider.engine.proposers import DraftModelDrafter
 from provider.engine.spec_rounds import speculative_tokens
 from provider.jobs import Job, SamplingParams
 from provider.telemetry import SpecTelemetry

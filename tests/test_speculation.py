@@ -11,7 +11,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from provider import speculation as sp
-from provider.engine.drafters import DraftModelDrafter
+from provider.engine.proposers import DraftModelDrafter
 from provider.engine.spec_rounds import speculative_tokens
 from provider.telemetry import SpecTelemetry
 from provider.jobs import Done, Error, Job, SamplingParams
@@ -401,7 +401,7 @@ def test_logits_processors_run_plain_with_a_reason_and_are_honoured(fixtures_dir
 
 def test_the_trained_demo_pair_alone_is_lossless_across_its_window():
     """One row at a time (its own caches, no merge); tests/test_spec_batch.py has the pair in batches."""
-    from provider.engine.drafters import MTPDrafter
+    from provider.engine.proposers import MTPDrafter
     from provider.models.gemma4_target import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
     from provider.drafters.gemma4_assistant import load_assistant

@@ -23,7 +23,7 @@ class DrafterKind:
     name      what a pair speculates with (Capabilities.speculates_with, LoadedModel.drafter_kind)
     tag       what `provider models list` prints after a model that speculates with it
     mode      SpecMode.MTP (it reads the target's own state) or SpecMode.DRAFT (a model of its own)
-    proposer  which of the engine's proposers runs its rounds (engine.drafters.PROPOSERS, by this name)
+    proposer  which of the engine's proposers runs its rounds (engine.proposers.PROPOSERS, by this name)
     awaited_by    target model_types that speculate only with a drafter of this kind: such a target configured
                   without one lacks a drafter (`no_drafter`) rather than the capability (`not_mtp_capable`)
     group_drafts  whether a node group's rank 0 drafts with it alone: it reads only what rank 0 holds whole, the

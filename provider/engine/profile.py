@@ -30,7 +30,7 @@ from ..jobs import SamplingParams
 from ..models.loader import LoadedModel
 from ..speculation import GREEDY, SPECULATIVE_SAMPLING, SpecCosts, SpecProfile
 from .acceptance import SampledChoice, greedy_tokens
-from .drafters import drafter_for
+from .proposers import drafter_for
 from .kv_quant import caches_for
 from .spec_rounds import Speculator, merged, prefill, speculative_tokens
 from ..telemetry import SpecTelemetry

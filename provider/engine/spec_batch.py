@@ -22,7 +22,7 @@ from .acceptance import SampledChoice, choice_for
 from .output import JobOutput
 from .prefill_plan import read_chunk
 from .prefix_cache import COMPLETION, PrefixCache
-from .drafters import drafter_for
+from .proposers import drafter_for
 from .kv_quant import caches_for
 from .logprobs import LogprobRequest
 from .spec_rounds import SpecRow, Speculator

@@ -26,7 +26,7 @@ from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..types import Cause
 from ..engine.collective import GroupLost
-from ..engine.drafters import drafter_for
+from ..engine.proposers import drafter_for
 from .drafts import FollowerDrafts, LeaderDrafts
 from .link import Link
 from .plan import CancelRow, StartRow, StepPlan

@@ -166,7 +166,7 @@ def compare(plain, spec, positions: int) -> list[dict]:
 def load_demo_pair():
     from mlx_lm import load
 
-    from provider.engine.drafters import MTPDrafter
+    from provider.engine.proposers import MTPDrafter
     from provider.models.gemma4_target import Target
     from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
     from provider.drafters.gemma4_assistant import load_assistant

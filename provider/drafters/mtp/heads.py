@@ -15,7 +15,7 @@ An `OwnHead` maps (token t+1's embedding, the hidden at t) pairs to the hidden t
 (`__call__`), and that hidden to what the LM head reads (`readout`); `lm_head` is the head's own output
 projection where the checkpoint ships one, else None (the target's is used); `tap` None, or the tap a head that
 reads another of the target's states (Step-3.5: its final norm's input) installed at load.
-provider.engine.drafters runs it.
+provider.engine.proposers runs it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Drafters: what proposes a round's k tokens for each row (provider.engine.spec_rounds runs the round), one
+"""The engine's proposers: what proposes a round's k tokens for each row (provider.engine.spec_rounds runs the round), one
 proposer per method, which each drafter kind names (provider.drafters.registry; PROPOSERS below).
 
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
