@@ -1,5 +1,5 @@
-"""The engine's proposers: what proposes a round's k tokens for each row (provider.engine.spec_rounds runs the round), one
-proposer per method, which each drafter kind names (provider.drafters.registry; PROPOSERS below).
+"""The engine's proposers: what proposes a round's k tokens for each row (provider.engine.spec_rounds runs the
+round), one proposer per method, which each drafter kind names (provider.drafters.registry; PROPOSERS below).
 
 - DraftModelDrafter: a smaller LM with the target's vocabulary; each row has its own caches of it.
 - MTPDrafter: the Gemma 4 assistant, which reads the target's own committed K/V and last hidden state.
