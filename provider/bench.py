@@ -223,10 +223,10 @@ def run(model_path: Path, drafter_path: Path, ks: list[int], prompts: list[str],
 
 
 def _keep(model_path: Path, drafter_path: Path, mode: str, profile, measured_at: float, k_max: int) -> str:
-    """The fresh measurement as the node's kept profile of this pair (engine.profile_store), so the next load
+    """The fresh measurement as the node's kept profile of this pair (models.profile_store), so the next load
     reads it: `provider bench` refreshes it. Only a measurement the node would make (its k_max); "" otherwise."""
     from .engine import profile as profiling
-    from .engine import profile_store
+    from .models import profile_store
 
     if k_max != profiling.K_MAX:
         return ""

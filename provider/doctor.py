@@ -103,7 +103,7 @@ def speculation_costs(settings, budget) -> None:
 
     print("speculation")
     models = build_models(settings, primary_models(settings), budget)
-    models.profiler = profile.measure
+    models.profiler = profile.Profiler()
     model_id = models.catalog.default_id
     try:
         lm = models.request(model_id).result(timeout=600)

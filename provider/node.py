@@ -148,7 +148,7 @@ class Node:
         )
         self.catalog = models.catalog
         self.loading = False  # the daemon listens while its default model loads: health says `loading`
-        models.profiler = profile.measure
+        models.profiler = profile.Profiler()
         self.prompts = PromptPreparer(self.catalog.tokenizer_files)
         self.metrics = Metrics(self.status)
         self.engine.on_job_done.append(self.metrics.job_ended)

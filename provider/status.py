@@ -37,7 +37,7 @@ class ModelStatus:
     facts: ModelFacts | None = None  # None while not downloaded, or when its files cannot be read
     drafter_sha256: str = ""  # the same for its drafter, when it has one
     speculation: dict | None = None  # a resident pair's measured costs and auto's k (SpecProfile.as_dict)
-    # Where those costs came from (engine.profile_store): source file | measured (and when, and the file), or
+    # Where those costs came from (models.profile_store): source file | measured (and when, and the file), or
     # measuring (auto decodes plain meanwhile); `measuring` also marks a stale file being measured again.
     speculation_profile: dict | None = None
     pinned: bool = False  # loaded at start and never unloaded

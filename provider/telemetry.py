@@ -70,7 +70,7 @@ class SpecTelemetry:
 
 def decision_dict(choice) -> dict[str, Any] | None:
     """A speculation.KChoice as telemetry carries it, with where its costs came from when it knows
-    (engine.profile_store.SourcedChoice: `profile` source file | measured, and when)."""
+    (models.profile_store.SourcedChoice: `profile` source file | measured, and when)."""
     if choice is None:
         return None
     out = {"k": choice.k, "acceptance": round(choice.acceptance, 4),

@@ -18,7 +18,7 @@ from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.drafters import registry
 from provider.types import SpecMode
-from provider.verification.hidden_tap import model_layers
+from provider.proofs.hidden_tap import model_layers
 from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
 

@@ -24,7 +24,7 @@ from tools.fixtures.mtp import train_prompts
 from provider.drafters.mtp.kind import KIND as NATIVE_HEAD
 from provider.models.gemma4_target import Target
 from provider.telemetry import SpecTelemetry
-from provider.verification.hidden_tap import install
+from provider.proofs.hidden_tap import install
 from tests.helpers import collect, greedy, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples
 

@@ -19,7 +19,7 @@ from provider.drafters.dflash.head import DFlashHead
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.drafters.dflash.kind import KIND as DFLASH
-from provider.verification.hidden_tap import install_layers
+from provider.proofs.hidden_tap import install_layers
 from tests import drafter_checks
 from tests.drafter_checks import broken
 

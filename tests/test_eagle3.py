@@ -20,7 +20,7 @@ from provider.drafters.eagle3.head import Eagle3Head, load_eagle3
 from tools.fixtures.eagle3 import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.drafters.eagle3.kind import KIND as EAGLE3
-from provider.verification.hidden_tap import install_layers
+from provider.proofs.hidden_tap import install_layers
 from tests import drafter_checks
 from tests.drafter_checks import broken, caps_with
 

@@ -19,7 +19,7 @@ from provider.drafters.mtp.kind import KIND as NATIVE_HEAD
 from provider.models.gemma4_target import Target
 from provider.drafters.mtp.qwen3_5 import load_head
 from provider.telemetry import SpecTelemetry
-from provider.verification.hidden_tap import install
+from provider.proofs.hidden_tap import install
 from tests import mtp_checks
 from tests.helpers import collect, greedy, make_node, run
 

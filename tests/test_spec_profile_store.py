@@ -1,4 +1,4 @@
-"""Speculation profiles kept across runs (provider.engine.profile_store): measured once per pair and machine by the
+"""Speculation profiles kept across runs (provider.models.profile_store): measured once per pair and machine by the
 real `profile.measure`, read back at the next load, measured again when their key changes, ignored (with a log
 line) when corrupt or foreign, and never measured in front of a job."""
 
@@ -12,19 +12,22 @@ from structlog.testing import capture_logs
 
 from provider import logs, paths
 from provider import speculation as sp
-from provider.engine import profile, profile_store
+from provider.engine import profile
+from provider.models import profile_store
 from provider.jobs import Job, SamplingParams
 from tests.helpers import collect, make_node, run, until
 
 
 def _counting(calls: list, gate: threading.Event | None = None):
-    """The real measuring function, through the residency's profiler hook, counting its calls."""
-    def measure(lm):
-        calls.append(lm.id)
-        if gate is not None:
-            gate.wait(120)
-        return profile.measure(lm)
-    return measure
+    """The node's own profiler (its measurement and its settings), through the residency's hook, counting its
+    calls."""
+    class Counting(profile.Profiler):
+        def __call__(self, lm):
+            calls.append(lm.id)
+            if gate is not None:
+                gate.wait(120)
+            return super().__call__(lm)
+    return Counting()
 
 
 def _node(fixtures_dir, calls: list, gate: threading.Event | None = None):

@@ -179,7 +179,7 @@ def test_auto_says_not_profitable_with_the_numbers_it_decided_from(fixtures_dir)
             origin = spec["decision"].pop("profile")
             assert spec["decision"] == {"k": 0, "acceptance": acceptance, "expected_speedup": {
                 str(k): round(v, 3) for k, v in sp.speedups(costs, acceptance).items()}}
-            assert origin["source"] == "measured"  # at this load, in the background (engine.profile_store)
+            assert origin["source"] == "measured"  # at this load, in the background (models.profile_store)
         (model,) = [m for m in node.status().models if m.id == "g"]
         profile = model.speculation
         assert profile["plain_token_ms"] == 10.0 and profile["round_ms"] == [12.0, 16.0, 20.0, 24.0]

@@ -12,9 +12,9 @@ import pytest
 from provider.jobs import Done, Job, Proof, SamplingParams
 from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
-from provider.verification.commitment import (CHUNK, HEADER, TOP_K, CommitmentBuilder, CommitmentError, decode,
+from provider.proofs.commitment import (CHUNK, HEADER, TOP_K, CommitmentBuilder, CommitmentError, decode,
                                               encode_chunk)
-from provider.verification.field import PRIME, evaluate, injective_modulus, interpolate
+from provider.proofs.field import PRIME, evaluate, injective_modulus, interpolate
 from provider.verification.verifier import Claim, ClaimReader, Verdict
 from tests.helpers import collect, make_node, run
 

@@ -17,7 +17,7 @@ from provider.jobs import Done, Job, Proof, SamplingParams
 from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.types import JobError
-from provider.verification.commitment import CommitmentBuilder, decode
+from provider.proofs.commitment import CommitmentBuilder, decode
 from provider.verification.verifier import Claim, ClaimReader, Verdict
 from tests.helpers import collect, make_node, run
 from tools.harness.forger import forged_commitment

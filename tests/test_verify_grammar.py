@@ -18,7 +18,7 @@ from provider.engine.output import end_ids
 from provider.jobs import Claim as Claimed
 from provider.jobs import Done, Error, Job, Proof, SamplingParams
 from provider.prompts import CompiledGrammar
-from provider.verification.commitment import CommitmentBuilder
+from provider.proofs.commitment import CommitmentBuilder
 from provider.verification.replay import GrammarReplay
 from provider.verification.verifier import Claim, ClaimReader
 from tests.helpers import collect, make_node, run

@@ -34,7 +34,7 @@ class JobOutput:
         self.job = job
         # The seed its sampled tokens are drawn with: the job's, or one drawn now (reported, so they replay).
         self.seed = None if job.sampling.greedy else job_seed(job.sampling)
-        self.commitment = None  # a committing job's verification.commitment.CommitmentBuilder
+        self.commitment = None  # a committing job's proofs.commitment.CommitmentBuilder
         self.replayable = True  # false once it drew by speculative sampling, whose draws nobody replays
         self.verdict = None  # a verify job's jobs.VerdictSummary, once its claim is read
         self.grammar = None  # a constrained job's RowGrammar, wherever the job decodes

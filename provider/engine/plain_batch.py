@@ -34,7 +34,7 @@ from .output import JobOutput
 from .prefill_plan import longest_read, plan_prefill
 from .kv_quant import caches_for
 from .prefix_cache import SYSTEM, PrefixCache
-from ..verification.hidden_tap import HiddenTap
+from ..proofs.hidden_tap import HiddenTap
 
 QUEUED, READING, DECODING = "queued", "reading", "decoding"  # a row's stage in the generator
 

@@ -200,7 +200,7 @@ class HeadDrafter:
 
 class Eagle3Drafter(HeadDrafter):
     """An EAGLE-3 drafter (drafters.eagle3.head): HeadDrafter's rounds, pairs and rollback, fed the concatenated outputs
-    of three of the target's decoder layers (the layer tap its load installed: verification.hidden_tap.LayerTap)
+    of three of the target's decoder layers (the layer tap its load installed: proofs.hidden_tap.LayerTap)
     instead of the final-norm hidden, and its draft-vocabulary logits scattered onto the target's vocabulary
     through d2t (ids outside it: probability 0), so a sampled round's q is over the target's vocabulary."""
 

@@ -22,7 +22,7 @@ from ..models.tool_format import ToolFormat
 from ..media_plan import MediaPlan
 from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..prompts import CompiledGrammar
-from ..verification.commitment import CommitmentBuilder
+from ..proofs.commitment import CommitmentBuilder
 from .grammar import GrammarProcessor, RowGrammar
 from .plain_batch import PlainBatch
 from .prompt_reader import PREFILL_ROWS, reading_bytes

@@ -35,7 +35,7 @@ from .acceptance import GreedyChoice
 from .grammar import masked
 from .logprobs import log_softmax, pick, read
 from .prompt_reader import PromptReader
-from ..verification.hidden_tap import top_entries
+from ..proofs.hidden_tap import top_entries
 
 
 @dataclass

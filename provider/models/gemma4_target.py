@@ -15,7 +15,7 @@ class Target:
     """The target model seen by the round loop: logits, and for Gemma 4 its final-norm hidden and K/V."""
 
     def __init__(self, model):
-        from ..verification.hidden_tap import installed
+        from ..proofs.hidden_tap import installed
 
         self.model = model
         self.tap = installed(model)  # another family's final-norm hidden, when the model has a tap

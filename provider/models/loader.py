@@ -36,7 +36,7 @@ class LoadedModel:
     act_shape: Any = None  # memory.estimate.ActivationShape: a forward's scratch (set by the residency)
     act_reserve: int = 0  # the scratch its footprint already reserves (one chunk of one row)
     vision: Any = None  # models.vision.VisionTower: the checkpoint's own image encoder, when it takes images
-    hidden_tap: Any = None  # verification.hidden_tap.HiddenTap: its final-norm hidden state, for commitments
+    hidden_tap: Any = None  # proofs.hidden_tap.HiddenTap: its final-norm hidden state, for commitments
     drafter_lm_head: Any = None  # on a group's rank 0: the whole LM head a head drafts from, where the group split it
 
     @property
@@ -132,7 +132,7 @@ def load_pair(model_id: str, path: Path, drafter_path: Path | None, drafting, gr
     before = mx.get_active_memory()
     lm = load(model_id, path, group, split)
     active_delta = mx.get_active_memory() - before
-    from ..verification.hidden_tap import install
+    from ..proofs.hidden_tap import install
 
     lm.hidden_tap = install(lm.model)  # before the warm-up, whose forward tells it the hidden size
     warm_up(lm)

@@ -67,7 +67,7 @@ class Residency:
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-loader")
         self.loads_started = 0
         self.evictions = 0
-        self.profiler: Callable[[LoadedModel], object] | None = None  # auto's costs: engine.profile.measure
+        self.profiler: Callable[[LoadedModel], object] | None = None  # auto's costs: engine.profile.Profiler
         self._profiles = SpecProfiles()
 
     # --- any thread ---------------------------------------------------------------

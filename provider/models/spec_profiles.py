@@ -1,5 +1,5 @@
 """The residency's part in speculation profiles: at a pair's load, auto's costs from the kept profile
-(engine.profile_store) when one holds for this pair and machine; else the pair serves at once, auto decoding
+(models.profile_store) when one holds for this pair and machine; else the pair serves at once, auto decoding
 plain (`profile_pending`), and its costs are measured on a thread of their own and kept for the next load.
 
 `origin` is what the status says of a model's profile: a kept file's (`source` file, `measured_at`, `file`,
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import logs
-from ..engine import profile_store
+from . import profile_store
 from .loader import LoadedModel
 
 log = logs.get("models")
@@ -35,7 +35,7 @@ class SpecProfiles:
                 profiler: Callable) -> None:
         """Set the pair's kept profile when one holds; else let it serve with a stale one or none (auto plain)
         and measure it on the profiler thread meanwhile."""
-        key = self._key(model_id, lm, path, drafter_path)
+        key = self._key(model_id, lm, path, drafter_path, getattr(profiler, "settings", {}))
         found = profile_store.read(self._dir(), key) if key is not None else profile_store.Read(None)
         if found.profile is not None:
             lm.spec_profile = found.profile
@@ -91,12 +91,12 @@ class SpecProfiles:
             kept_before = before if before and before["source"] != profile_store.SOURCE_MEASURING else None
             self._set(model_id, lm, origin or kept_before)
 
-    def _key(self, model_id: str, lm: LoadedModel, path: Path, drafter_path: Path | None) -> dict | None:
-        from ..engine.profile import SETTINGS
-
+    def _key(self, model_id: str, lm: LoadedModel, path: Path, drafter_path: Path | None,
+             settings: dict) -> dict | None:
+        """`settings`: how the profiler times a step (engine.profile.Profiler's); a change measures again."""
         try:
             # A step's cost depends on the KV's precision too (quantized attention costs more on a CPU).
-            measure = SETTINGS | ({"kv_quant": [lm.kv_quant.bits, lm.kv_quant.group_size]} if lm.kv_quant else {})
+            measure = settings | ({"kv_quant": [lm.kv_quant.bits, lm.kv_quant.group_size]} if lm.kv_quant else {})
             return profile_store.pair_key(profile_store.weights_hash(path), profile_store.weights_hash(drafter_path),
                                           lm.drafter_mode, measure)
         except OSError as e:

@@ -27,8 +27,8 @@ from ..engine.stops import StopMatcher
 from ..jobs import SPECULATIVE_SAMPLER, Proof, SamplingParams
 from ..verdicts import Tolerance
 from .claim_rules import Failure, TokenCheck, length_failure, token_check
-from .commitment import CHUNK, ChunkMatch, CommitmentError, decode, match_chunk
-from .hidden_tap import install, top_entries
+from ..proofs.commitment import CHUNK, ChunkMatch, CommitmentError, decode, match_chunk
+from ..proofs.hidden_tap import install, top_entries
 from .replay import GrammarReplay, processed, token_gaps
 
 # Output positions a constrained claim's read takes a pass. Each costs one mask, bounded as a generating row's step

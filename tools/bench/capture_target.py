@@ -46,7 +46,7 @@ class TapCaptureTarget(CaptureTarget):
     Its embedding is the text model's (mlx-vlm's drafter binds it and its embed_scale from `model`)."""
 
     def __init__(self, model, layer_ids: list[int]):
-        from provider.verification.hidden_tap import install_layers
+        from provider.proofs.hidden_tap import install_layers
 
         lm = getattr(model, "language_model", model)
         self.lm, self.model, self.args = model, lm.model, lm.args

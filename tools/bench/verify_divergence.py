@@ -74,8 +74,8 @@ from provider.engine.sampling import sampler_for  # noqa: E402
 from provider.jobs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, Proof, SamplingParams  # noqa: E402
 from tools.fixtures import cheats as cheat_fixtures, factory  # noqa: E402
 from provider.models.loader import LoadedModel, load, warm_up  # noqa: E402
-from provider.verification.commitment import CHUNK, ChunkMatch, CommitmentBuilder, decode, match_chunk  # noqa: E402
-from provider.verification.hidden_tap import install, top_entries  # noqa: E402
+from provider.proofs.commitment import CHUNK, ChunkMatch, CommitmentBuilder, decode, match_chunk  # noqa: E402
+from provider.proofs.hidden_tap import install, top_entries  # noqa: E402
 from provider.verification.verifier import Claim, ClaimReader, Tolerance, Verdict, judge  # noqa: E402
 
 TODAY = Tolerance()

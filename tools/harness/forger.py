@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 
 from provider.engine.kv_quant import caches_for
-from provider.verification.commitment import CommitmentBuilder
-from provider.verification.hidden_tap import install, top_entries
+from provider.proofs.commitment import CommitmentBuilder
+from provider.proofs.hidden_tap import install, top_entries
 
 
 def forged_commitment(lm, prompt, tokens) -> bytes:

@@ -66,8 +66,8 @@ from provider.engine.output import end_ids  # noqa: E402
 from provider.jobs import REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Job, Proof, SamplingParams  # noqa: E402
 from tools.fixtures import cheats as cheat_fixtures, factory as fixtures  # noqa: E402
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
-from provider.verification.commitment import CommitmentBuilder  # noqa: E402
-from provider.verification.hidden_tap import install, top_entries  # noqa: E402
+from provider.proofs.commitment import CommitmentBuilder  # noqa: E402
+from provider.proofs.hidden_tap import install, top_entries  # noqa: E402
 from provider.verification.verifier import Claim, ClaimReader  # noqa: E402
 from tools.harness.group import start_group  # noqa: E402
 from tools.harness.nodes import make_node  # noqa: E402

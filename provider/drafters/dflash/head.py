@@ -139,7 +139,7 @@ class DFlashHead(nn.Module):
         # Laguna's (drafters.dflash.laguna): a window and a causal block
         self.window, self.target_logits = flat.get("context_window"), bool(flat.get("target_logits"))
         self.causal = bool(flat.get("causal_block"))
-        self.tap = None  # verification.hidden_tap.LayerTap on the target, set by load_dflash
+        self.tap = None  # proofs.hidden_tap.LayerTap on the target, set by load_dflash
 
     def embedding(self, model) -> tuple:
         """(embed, lm_head) the block is embedded and its logits read with: the target's. A MuseGlimmer assistant's
@@ -245,7 +245,7 @@ def load_dflash(path: Path, model, head_class=DFlashHead) -> DFlashHead:
     """The drafter at `path` for the loaded target `model` (paired already: drafters.dflash.config.check_pair), in its own
     dtype, and the target's layer tap installed (only now: a target without a DFlash drafter has none);
     `head_class`: DFlashHead or its variant's subclass (its row's, drafters.dflash.variants)."""
-    from ...verification.hidden_tap import install_layers
+    from ...proofs.hidden_tap import install_layers
 
     flat = flat_config(json.loads((path / "config.json").read_text()))
     weights = {}

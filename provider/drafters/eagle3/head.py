@@ -66,7 +66,7 @@ class Eagle3Head(nn.Module):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         if flat["draft_vocab_size"] != args.vocab_size:
             self.hot = mx.zeros((flat["draft_vocab_size"],), dtype=mx.int32)  # draft id -> target id
-        self.tap = None  # verification.hidden_tap.LayerTap on the target, set by load_eagle3
+        self.tap = None  # proofs.hidden_tap.LayerTap on the target, set by load_eagle3
 
     def make_cache(self) -> list:
         return [KVCache()]
@@ -115,7 +115,7 @@ def read_weights(path: Path) -> dict[str, mx.array]:
 def load_eagle3(path: Path, model) -> Eagle3Head:
     """The drafter at `path` for the loaded target `model` (paired already: drafters.eagle3.config.check_pair), in its own
     dtype, and the target's layer tap installed (only now: a target without an EAGLE-3 drafter has none)."""
-    from ...verification.hidden_tap import install_layers
+    from ...proofs.hidden_tap import install_layers
 
     flat = flat_config(json.loads((path / "config.json").read_text()))
     weights = read_weights(path)

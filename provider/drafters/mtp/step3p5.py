@@ -71,9 +71,9 @@ class Step3p5MTPHead(NextNHead):
 
 
 def install_input_tap(model):
-    """A verification.hidden_tap.HiddenTap on the text model's final norm that records its input (the hidden
+    """A proofs.hidden_tap.HiddenTap on the text model's final norm that records its input (the hidden
     before it), installed once (over the final-norm tap if there is one, which keeps working)."""
-    from ...verification.hidden_tap import HiddenTap, _final_norm, _text_model
+    from ...proofs.hidden_tap import HiddenTap, _final_norm, _text_model
 
     norm = _final_norm(_text_model(model))
     existing = getattr(type(norm), "input_tap", None)
