@@ -17,6 +17,7 @@ from .memory.checkpoint import read_config
 from .models.footprint import estimate_footprint
 from .machine import longest_prefill_read
 from .settings import Settings
+from .status_file import staying
 
 MiB = 1 << 20
 EXIT_NOT_RUNNING = 3  # as `provider status`: no daemon runs on this state directory
@@ -26,8 +27,10 @@ EXIT_REFUSED = 1
 def add_parser(sub, config: list) -> None:
     models = sub.add_parser("models", help="list, download, delete, verify, load and unload models", parents=config)
     msub = models.add_subparsers(dest="models_command", required=True)
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="the answer as JSON, for scripts")
     msub.add_parser("list", help="models found (the bundled pair included), their capabilities and footprint",
-                    parents=config)
+                    parents=[*config, as_json])
     pull = msub.add_parser("pull", help="download a Hugging Face repo into the HF cache", parents=config)
     pull.add_argument("repo", help="a Hugging Face repo id (owner/name)")
     named = "a model id as `provider models list` shows it"
@@ -36,12 +39,13 @@ def add_parser(sub, config: list) -> None:
     rm.add_argument("--yes", action="store_true", help="delete it (without: say what would be deleted)")
     msub.add_parser("verify", help="recompute and print the SHA-256 manifest", parents=config).add_argument(
         "model", help=named)
-    load = msub.add_parser("load", help="load a model in the running daemon ahead of work", parents=config)
+    load = msub.add_parser("load", help="load a model in the running daemon ahead of work",
+                           parents=[*config, as_json])
     load.add_argument("model", help=named)
     load.add_argument("--keep-alive", help='how long it stays once idle: "10m", seconds, -1 for ever (default: '
                       "its idle_timeout_s)")
     unload = msub.add_parser("unload", help="unload a model from the running daemon and give its memory back",
-                             parents=config)
+                             parents=[*config, as_json])
     unload.add_argument("model", help=named)
 
 
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
     command = args.models_command
     if command == "list":
-        return cmd_list(settings, decide_node_budget(settings).usable)
+        return cmd_list(settings, decide_node_budget(settings).usable, args.json)
     if command == "pull":
         return cmd_pull(args.repo)
     if command == "rm":
@@ -58,12 +62,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if command in ("load", "unload"):
         body = {"model": args.model} | ({"keep_alive": args.keep_alive} if command == "load" and args.keep_alive
                                         is not None else {})
-        return asyncio.run(_ask_daemon(command, body))
+        return asyncio.run(_ask_daemon(command, body, args.json))
     return cmd_verify(settings, args.model)
 
 
-async def _ask_daemon(command: str, body: dict) -> int:
-    """load / unload in the live daemon; its answer (JSON) on stdout, or why not on stderr."""
+async def _ask_daemon(command: str, body: dict, as_json: bool = False) -> int:
+    """load / unload in the live daemon; its answer on stdout (a line, or the JSON), or why not on stderr."""
     from . import daemon_client
 
     try:
@@ -76,8 +80,20 @@ async def _ask_daemon(command: str, body: dict) -> int:
         error = answer.get("error", {}) if isinstance(answer, dict) else {}
         print(f"provider models {command}: {error.get('message') or answer}", file=sys.stderr)
         return EXIT_REFUSED
-    print(json.dumps(answer, indent=2))
+    print(json.dumps(answer, indent=2) if as_json else answer_line(command, answer))
     return 0
+
+
+def answer_line(command: str, answer: dict) -> str:
+    """What `models load|unload` print: the model, its state, and what it holds or what is booked now."""
+    mib = 1 << 20
+    if command == "load":
+        took = f", loaded in {answer['load_seconds']:.1f} s" if answer.get("load_seconds") else ""
+        return f"{answer['model']}: {answer['state']}, {answer['bytes'] / mib:.0f} MiB, {staying(answer)}{took}"
+    mem = answer.get("memory") or {}
+    booked = f"; {mem['reserved_bytes'] / mib:.0f} of {mem['usable_bytes'] / mib:.0f} MiB booked now" \
+        if "reserved_bytes" in mem and "usable_bytes" in mem else ""
+    return f"{answer['model']}: {answer['state']}{booked}"
 
 
 def _served(settings: Settings) -> list[store.StoredModel]:
@@ -132,8 +148,11 @@ def list_line(r: dict) -> str:
             + spec_tag(r.get("speculates_with") or ""))
 
 
-def cmd_list(settings: Settings, usable: int) -> int:
+def cmd_list(settings: Settings, usable: int, as_json: bool = False) -> int:
     rows = [describe(settings, m, usable) for m in _served(settings)]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
     if not rows:
         print("no models found; `provider models pull ORG/NAME` downloads one")
         return 0

@@ -1,5 +1,6 @@
 """`provider doctor` and `provider models` as a user runs them."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,8 @@ def test_models_list_verify_rm(home):
     r = cli(home, "models", "list")
     assert r.returncode == 0 and "qwen3-tiny" in r.stdout and "[mtp]" in r.stdout
     assert "assistant" not in r.stdout
+    rows = {row["id"]: row for row in json.loads(cli(home, "models", "list", "--json").stdout)}
+    assert rows["qwen3-tiny"]["origin"] and rows["qwen3-tiny"]["path"] and not any("assistant" in i for i in rows)
     r = cli(home, "models", "verify", "qwen3-tiny")
     assert r.returncode == 0
     digest = r.stdout.split("model sha256 ")[1].split()[0]

@@ -118,14 +118,21 @@ def test_keep_alive_zero_and_minus_one_through_the_api(daemon):
 
 
 def test_models_load_and_unload_from_the_command_line(daemon):
-    r = models_cli(daemon, "unload", "heavy")
+    r = models_cli(daemon, "unload", "heavy", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["state"] in ("unloaded", "not_loaded"), r.stderr
     assert "heavy" not in resident(daemon)
-    r = models_cli(daemon, "load", "heavy", "--keep-alive", "10m")
+    r = models_cli(daemon, "load", "heavy", "--keep-alive", "10m", "--json")
     assert r.returncode == 0, r.stderr
     answer = json.loads(r.stdout)
     assert answer["state"] == "ready" and answer["keep_alive_s"] == 600
     assert "heavy" in resident(daemon)
+    # Without --json, a line a person reads: the model, its state, what it holds and how long it stays.
+    r = models_cli(daemon, "load", "heavy", "--keep-alive", "10m")
+    assert r.returncode == 0 and r.stdout.startswith("heavy: ready, ") and " MiB, unloads" in r.stdout, r.stdout
+    r = models_cli(daemon, "unload", "heavy")
+    assert r.returncode == 0 and r.stdout.startswith("heavy: unloaded; ") and "MiB booked now" in r.stdout, r.stdout
+    r = models_cli(daemon, "load", "heavy", "--keep-alive", "10m")
+    assert r.returncode == 0 and "heavy" in resident(daemon)
     r = models_cli(daemon, "load", "no-such-model")
     assert r.returncode == 1 and "no-such-model" in r.stderr
     r = models_cli(daemon, "load", "heavy", "--keep-alive", "a while")
