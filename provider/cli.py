@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("bench.json"), help="where the JSON report goes")
     bench.add_argument("--plot", type=Path, help="also write tokens/s and tokens per target forward against k "
                        "as a PNG (needs matplotlib: the `plot` extra)")
-    sub.add_parser("doctor", help="check platform, memory budget, models and coordinator", parents=config)
+    sub.add_parser("doctor", help="check platform, memory budget, models and coordinator",
+                   parents=config).add_argument("--json", action="store_true", help="the report as one JSON object")
     svc = sub.add_parser("service", help="install, remove or inspect the systemd unit / launchd agent")
     ssub = svc.add_subparsers(dest="service_command", required=True)
     for name, what in (("install", "render the unit (or plist) from deploy/ with this installation's paths"),
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from . import doctor
 
-        _leave(doctor.run(lambda: Settings.load(config_file=args.config)))
+        _leave(doctor.run(lambda: Settings.load(config_file=args.config), args.json))
     if args.command == "generate":
         from . import generate
 

@@ -41,6 +41,11 @@ def test_doctor_reports_budget_models_and_passes(home):
 def test_doctor_fails_when_nothing_fits_or_config_is_bad(home):
     r = cli(home, "doctor", config="memory_budget_gb = 0.0001\n")
     assert r.returncode == 1 and "no model fits the memory budget" in r.stdout
+    r = cli(home, "doctor", "--json", config="memory_budget_gb = 0.0001\n")  # the same report, as data
+    report = json.loads(r.stdout)
+    assert r.returncode == 1 and report["problems"] == ["no model fits the memory budget"], report["problems"]
+    assert "qwen3-tiny" in {m["id"] for m in report["models"]} and not any(m.get("fits") for m in report["models"])
+    assert report["memory"]["budget_source"] and report["speculation"] is None and report["coordinator"] is None
     r = cli(home, "doctor", config="memory_fraction = 3\n")
     assert r.returncode == 1 and "memory_fraction" in r.stdout and "allowed range" in r.stdout
 
