@@ -57,7 +57,8 @@ def check(settings_loader) -> dict:
     facts = system_facts()
     report["platform"] |= {"mlx": _version("mlx"), "backend": facts.backend, "mlx_lm": _version("mlx-lm")}
     gib = 1 << 30
-    budget = decide_budget(facts, fraction=settings.memory_fraction, reserve_bytes=int(settings.memory_reserve_gb * gib),
+    budget = decide_budget(facts, fraction=settings.memory_fraction,
+                           reserve_bytes=int(settings.memory_reserve_gb * gib),
                            override_bytes=int(settings.memory_budget_gb * gib))
     report["memory"] = {"total_bytes": facts.total_memory, "available_bytes": facts.available_memory,
                         "budget_bytes": budget.total, "budget_source": budget.source, "reserve_bytes": budget.reserve,

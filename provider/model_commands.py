@@ -89,7 +89,8 @@ def answer_line(command: str, answer: dict) -> str:
     mib = 1 << 20
     if command == "load":
         took = f", loaded in {answer['load_seconds']:.1f} s" if answer.get("load_seconds") else ""
-        return f"{answer['model']}: {answer['state']}, {(answer.get('bytes') or 0) / mib:.0f} MiB, {staying(answer)}{took}"
+        held = (answer.get("bytes") or 0) / mib
+        return f"{answer['model']}: {answer['state']}, {held:.0f} MiB, {staying(answer)}{took}"
     mem = answer.get("memory") or {}
     booked = f"; {mem['reserved_bytes'] / mib:.0f} of {mem['usable_bytes'] / mib:.0f} MiB booked now" \
         if "reserved_bytes" in mem and "usable_bytes" in mem else ""
