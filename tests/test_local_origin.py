@@ -44,6 +44,7 @@ ROUTES = [
     ("POST", "/provider/v1/generate/{job_id}/cancel", None),
     ("POST", "/provider/v1/models/load", {"model": "spare", "keep_alive": -1}),
     ("POST", "/provider/v1/models/unload", {"model": "spare"}),
+    ("GET", "/provider/v1/status", None),
     # The node's page (provider/local/dashboard.py).
     ("GET", "/", None),
     ("GET", "/ui/login", None),

@@ -227,10 +227,10 @@ source = "{fixtures_dir / 'qwen2-tiny'}"
 
 def test_the_resident_cap_unloads_the_least_recently_used_unpinned_model(capped):
     for model in ("a", "b"):
-        r = models_cli(capped, "load", model)
+        r = models_cli(capped, "load", model, "--json")
         assert r.returncode == 0 and json.loads(r.stdout)["state"] == "ready", r.stderr
     chat(capped, "a")  # b is the least recently used unpinned model now (the pin, loaded first, is older)
-    r = models_cli(capped, "load", "c")
+    r = models_cli(capped, "load", "c", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["state"] == "ready", r.stderr
     assert sorted(health(capped)["resident_models"]) == ["a", "c", "pinned"]
     chat(capped, "b")  # by a request as well: a is the least recently used now

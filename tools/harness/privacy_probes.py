@@ -32,7 +32,7 @@ ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST"
           ("DELETE", "/v1/responses/resp_x"), ("POST", "/tokenize"), ("POST", "/detokenize"),
           ("GET", "/tokenizer_info"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
           ("POST", "/provider/v1/generate"), ("POST", "/provider/v1/models/load"),
-          ("POST", "/provider/v1/models/unload")]
+          ("POST", "/provider/v1/models/unload"), ("GET", "/provider/v1/status")]
 
 
 @dataclass
