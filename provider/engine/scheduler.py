@@ -2,16 +2,14 @@
 (one decode forward for every decoding row and at most one prefill chunk: provider.engine.plain_batch), plus one
 round of each job that speculates on its own.
 
-Front ends hand jobs in through a thread-safe inbox and receive events through a sink callback (called on
-this thread; it must not block). A job waits, in arrival order, until its prompt is prepared off this
-thread, its model is resident and the batch it joins, as that batch will be with it, fits the memory budget
-(Residency.admit_batch): a job that could never fit is refused with the numbers; one that must wait may be
-passed over by later jobs a bounded number of times (provider.engine.waiting). Cancels are read between
-steps, so a cancelled job stops within one step.
+Front ends hand jobs in through a thread-safe inbox and receive events through a sink callback (called on this
+thread; it must not block). A job waits, in arrival order, until its prompt is prepared off this thread, its
+model is resident and the batch it joins, as that batch will be with it, fits the memory budget
+(Residency.admit_batch): a job that could never fit is refused with the numbers; one that must wait may be passed
+over by later jobs a bounded number of times (provider.engine.waiting). A cancelled job stops within one step.
 
-Supervised: whatever one job raises fails that job alone. If the loop itself
-dies, the engine is `failed`: every job, queued or new, gets a typed error at
-once, and `on_failure` tells the owner, who exits for its supervisor to restart.
+Supervised: whatever one job raises fails that job alone. If the loop itself dies, the engine is `failed`: every
+job, queued or new, gets a typed error at once, and `on_failure` tells the owner, who exits to be restarted.
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ class Engine:
         self._floor: dict[str, int] = {}
         self._running = running(stats=self.stats, step_tokens=step_tokens, max_rows=max_concurrent,
                                 prefix_cache_bytes=prefix_cache_bytes, prefix_disk=prefix_disk)
-        self._next_idle_check = 0.0
+        self._next_idle_check, self._evictions_seen = 0.0, 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._draining = threading.Event()
         self._stop_at: float | None = None
@@ -168,6 +166,9 @@ class Engine:
             self._pump(block=not len(self._running))
             if self._stop_at is not None and (time.monotonic() >= self._stop_at or self.idle):
                 break
+            if self.models.evictions != self._evictions_seen:  # a load evicted a model: the prefix caches that
+                self._evictions_seen = self.models.evictions  # still reach its weights go before the next admission
+                self._running.keep_prefix_caches_of(set(self.models.resident()))
             self._admit()
             if time.monotonic() >= self._next_idle_check:
                 unloaded = self.models.unload_idle()
