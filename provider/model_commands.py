@@ -17,10 +17,10 @@ from .memory.checkpoint import read_config
 from .models.footprint import estimate_footprint
 from .machine import longest_prefill_read
 from .settings import Settings
+from .status_command import EXIT_NOT_RUNNING  # as `provider status`: no daemon runs here
 from .status_file import staying
 
 MiB = 1 << 20
-EXIT_NOT_RUNNING = 3  # as `provider status`: no daemon runs on this state directory
 EXIT_REFUSED = 1
 
 

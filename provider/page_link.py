@@ -8,7 +8,7 @@ import asyncio
 import os
 import sys
 
-EXIT_NOT_RUNNING = 3
+from .status_command import EXIT_NOT_RUNNING  # as `provider status`
 
 
 def _can_open() -> bool:
