@@ -35,6 +35,7 @@ from .models.residency import Residency
 from .prompts import PromptPreparer, encode_prompt, for_model
 from .settings import ModelSpec, Settings
 from .speculation import SpeculationConfig
+from .verification.verifier import read_claim
 from .metrics import Metrics
 from .status import GroupStatus, ModelStatus, NodeStatus, Platform
 
@@ -128,12 +129,12 @@ class Node:
         self.settings = settings
         self.models = models
         self.group = group
-        running = functools.partial(Running, commit=settings.committing)
+        running = functools.partial(Running, commit=settings.committing, read_claim=read_claim)
         if group is not None:  # rank 0 of a node group: its batches lead the other ranks' (docs/group.md)
             self._watchdog = Watchdog(settings.group_step_timeout_s, self._group_stalled)
             self._group_ready = threading.Event()
             running = functools.partial(LeaderRunning, group.link, self._watchdog.beat, self._group_ready,
-                                        commit=settings.committing)
+                                        commit=settings.committing, read_claim=read_claim)
         self.prefix_disk = None if group is not None or settings.prefix_disk_gb <= 0 else DiskTier.configured(
             settings.prefix_disk_dir, settings.prefix_disk_gb, settings.prefix_disk_write_gb_per_hour)
         self.engine = Engine(

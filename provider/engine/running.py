@@ -57,7 +57,7 @@ class Running:
     drafter = staticmethod(lambda lm: None)  # a model's speculating rows' drafter: None, its own (groups: their own)
 
     def __init__(self, stats: QueueStatus, *, step_tokens: int, max_rows: int, prefix_cache_bytes: int,
-                 commit: bool = False, prefix_disk: DiskTier | None = None):
+                 commit: bool = False, prefix_disk: DiskTier | None = None, read_claim=None):
         self._step_tokens = step_tokens
         self._commit = commit  # every job's outcome carries a proof (provider.verification)
         self._max_rows = max_rows
@@ -67,7 +67,7 @@ class Running:
         self._speculating: dict[str, SpecBatch] = {}  # by model id: the jobs that speculate together
         self.prefixes: dict[str, PrefixCache] = {}  # by model id, while it is resident (written on this thread)
         self._media = MediaReads()  # jobs with images or video, read before they join a batch
-        self._verifying = VerifyReads()  # verify jobs: claims read back through the model
+        self._verifying = VerifyReads(read_claim)  # verify jobs: claims read back by the verifier's reader
         self.stats = stats  # the engine's (EngineStats): batch and prefix-reuse counters are added to it here
 
     def __len__(self) -> int:

@@ -1,6 +1,7 @@
 """Verify jobs beside the batches: each reads its claim (prompt + the claimed output) through the model a chunk
-per pass (provider.verification.verifier.ClaimReader, by the one prompt reader), oldest first, and ends with
-its verdict. Memory sees one as a plain row reading a scored prompt (running.Layout: its KV to the claim's
+per pass (the reader the engine is given: provider.verification.verifier.read_claim, built on the one prompt
+reader), oldest first, and ends with its verdict. The engine sits below verification: the node that builds it
+hands it the verifier's reader, and an engine given none refuses verify jobs. Memory sees one as a plain row reading a scored prompt (running.Layout: its KV to the claim's
 end, the scoring scratch a chunk's logits take).
 
 A claim whose request has images or video reads its prompt as the job that made it did: by the engine's own
@@ -14,14 +15,14 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass
+from typing import Any, Callable
 
-from ..jobs import Event, Sink
+from ..jobs import Event, JobError, Sink
 from ..media_plan import MediaPlan
 from ..memory.budget import system_facts
 from ..verdicts import ChunkVerdict, VerdictSummary, for_backend, looser
 from ..models.loader import LoadedModel
-from ..types import FinishReason
-from ..verification.verifier import Claim, ClaimReader
+from ..types import Cause, FinishReason
 from .output import JobOutput
 from .vision_prefill import PIXELS_WAIT_S, MediaRead
 
@@ -31,7 +32,7 @@ class VerifyRead:
     lm: LoadedModel
     output: JobOutput
     sink: Sink
-    scorer: ClaimReader  # named as a scored prompt's reader: what memory books for it is the same
+    scorer: Any  # the claim's reader (verifier.ClaimReader), named as a scored prompt's: booked the same
     media: MediaRead | None = None  # its prompt with images, read first into the scorer's caches; None once read
     fault: BaseException | None = None
 
@@ -49,8 +50,13 @@ class VerifyRead:
             self.media = None
 
 
+# read_claim(lm, prompt, job, grammar, *, cache, read, tolerance) -> the claim's reader (verifier.read_claim).
+ClaimReading = Callable[..., Any]
+
+
 class VerifyReads:
-    def __init__(self):
+    def __init__(self, read_claim: ClaimReading | None = None):
+        self._read_claim = read_claim
         self._reads: dict[str, VerifyRead] = {}
 
     def __len__(self) -> int:
@@ -67,16 +73,20 @@ class VerifyReads:
         """`grammar`: the job's output rules compiled as for generating it (prompts.CompiledGrammar), or None;
         `vision`: the request's images or video, planned as for generating it (prompts.Prepared.vision), or None."""
         job = output.job
-        claim = Claim(tuple(prompt), job.verify.output, job.sampling, job.verify.proof)
+        if self._read_claim is None:
+            raise JobError(Cause.INVALID_REQUEST, "this engine was built without a claim reader: it runs no verify jobs",
+                           "verify")
         # What this backend needs for this checkpoint, loosened to the coordinator's choice for both nodes' backends.
         own = for_backend(system_facts().backend, bfloat16=_bfloat16(lm))
         tolerance = looser(job.verify.tolerance, own) if job.verify.tolerance is not None else own
         if vision is None:
-            self._reads[job.id] = VerifyRead(lm, output, sink, ClaimReader(lm, claim, grammar, tolerance=tolerance))
+            self._reads[job.id] = VerifyRead(lm, output, sink, self._read_claim(lm, prompt, job, grammar,
+                                                                                tolerance=tolerance))
             return
         # Raises, typed, for a model whose tower is not loaded, before anything is prepared.
         media = MediaRead(lm, output, sink, prompt, vision, None, 0, joining={})
-        scorer = ClaimReader(lm, claim, grammar, cache=media.cache, read=len(prompt) - 1, tolerance=tolerance)
+        scorer = self._read_claim(lm, prompt, job, grammar, cache=media.cache, read=len(prompt) - 1,
+                                  tolerance=tolerance)
         self._reads[job.id] = VerifyRead(lm, output, sink, scorer, media)
 
     def step(self, budget: int, idle: bool = False) -> list[tuple[VerifyRead, list[Event]]]:

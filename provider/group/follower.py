@@ -18,6 +18,7 @@ from ..speculation import DrafterPlan
 from ..status import EngineStats
 from ..types import SpecReason
 from ..engine.collective import GroupLost, collective_failure
+from ..verification.verifier import read_claim
 from .lockstep import FollowerRunning, follow
 from .member import EXIT_GROUP_LOST, Watchdog, join_with_settings
 from .spec import GroupSpec
@@ -69,7 +70,7 @@ def run_follower(settings: Settings, spec: GroupSpec) -> int:
         print(f"provider: rank {spec.rank} lost the group while loading: {e}", file=sys.stderr, flush=True)
         return EXIT_GROUP_LOST
     running = FollowerRunning(member.link, stats=EngineStats(), step_tokens=member.engine.step_tokens,
-                              max_rows=member.engine.max_rows, prefix_cache_bytes=0)
+                              max_rows=member.engine.max_rows, prefix_cache_bytes=0, read_claim=read_claim)
     watchdog.expect("a step of the group", settings.group_step_timeout_s)
     print(f"provider: rank {spec.rank} of {spec.size} serving {model_id} for rank 0", flush=True)
     status = f"rank {spec.rank} of {spec.size} serving {model_id} for rank 0"

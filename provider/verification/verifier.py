@@ -218,6 +218,14 @@ class ClaimReader:
         return self._judged()
 
 
+def read_claim(lm, prompt: list[int], job, grammar=None, *, cache: list | None = None, read: int = 0,
+               tolerance: Tolerance = Tolerance()) -> ClaimReader:
+    """The reader of verify job `job`'s claim after `prompt` (what the engine, below this package, is handed by
+    the node that builds it: provider.engine.verify_reads)."""
+    claim = Claim(tuple(prompt), job.verify.output, job.sampling, job.verify.proof)
+    return ClaimReader(lm, claim, grammar, cache=cache, read=read, tolerance=tolerance)
+
+
 def stop_position(tokenizer, output, stops: tuple[str, ...]) -> int | None:
     """The output position whose token first completes one of `stops` in the output's text, as the producer's
     JobOutput saw it (the same streaming detokenizer and matcher, token by token); None if none does."""
