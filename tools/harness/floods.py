@@ -4,7 +4,7 @@ while the flood runs, and the node's RSS; and a bare aiohttp server's /health me
 share of any latency. Used by tools/scripts/fuzz_campaign.py (--floods-only, and after the media phase).
 
 Each flood is sent for 15 s by a process of its own, so its senders hold none of the probes' interpreter. The
-floods: count_tokens and /tokenize with 2.6 MB prompts; chats of 99,999 and of 4,999 empty messages; 150,000
+floods: count_tokens and /tokenize with 2.6 MB prompts; chats of 99,999 and of 9,999 empty messages; 150,000
 and 600 tiny tools (/v1/messages, /v1/responses, Chat Completions); values nested 940-999 deep in temperature and
 in Responses metadata; previous_response_id chains of 2 MB requests of left-out items. Expected: 0 5xx, /health
 and the Ping answered within 100 ms at the 99th percentile during each, RSS bounded.
@@ -65,11 +65,12 @@ class Flood:
 
     @property
     def ok(self) -> bool:
-        return (not any(s >= 500 for s in self.statuses) and self.pct(self.health_ms, 0.99) < 100
+        # a status is an HTTP code, or the name of the error a request ended with (no answer): a failure too
+        return (not any(isinstance(s, str) or s >= 500 for s in self.statuses) and self.pct(self.health_ms, 0.99) < 100
                 and self.pct(self.ping_ms, 0.99) < 100)
 
     def line(self) -> str:
-        codes = ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items()))
+        codes = ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items(), key=lambda kv: str(kv[0])))
         return (f"{self.name:24s} {self.requests:4d} requests in {self.seconds:5.1f} s ({codes}); /health p50 "
                 f"{self.pct(self.health_ms, .5):5.1f} p99 {self.pct(self.health_ms, .99):6.1f} max "
                 f"{max(self.health_ms, default=0):6.1f} ms ({len(self.health_ms)}); Ping p99 "
@@ -94,7 +95,9 @@ def _bodies() -> dict[str, list[tuple[str, bytes]]]:
                          ("/tokenize", enc({"model": MODEL, "prompt": text}))] * 8,
         "empty_messages": [("/v1/chat/completions", enc(ask | {"messages": turns(99_999)})),
                            ("/v1/messages", enc(ask | {"messages": [{"role": "user", "content": "x"}] * 99_999})),
-                           ("/v1/chat/completions", enc(ask | {"messages": turns(4_999)}))] * 4,
+                           # ~50k tokens templated, past the bundled model's context (4,999 turns fit it:
+                           # a lawful prompt, minutes of prefill on a CPU, which no flood should send)
+                           ("/v1/chat/completions", enc(ask | {"messages": turns(9_999)}))] * 4,
         "tools": [("/v1/messages", enc(ask | {"tools": tiny})), ("/v1/messages", enc(ask | {"tools": tiny[:600]})),
                   ("/v1/chat/completions", enc(ask | {"tools": [{"type": "function", "function": t}
                                                                 for t in tiny]}))] * 4,
@@ -275,7 +278,7 @@ def flood_phase(root: Path) -> tuple[list[Flood], dict]:
         report = end["probes"] = ProbeReport()
         report.sealed = sealed_probe(coord, call, session)
         origin_probe(srv.url, srv.headers, report)
-        tracebacks = srv.logs().count("Traceback")
+        tracebacks = _tracebacks(srv.logs())
 
         def restart() -> LocalServer:
             nonlocal srv
@@ -287,9 +290,18 @@ def flood_phase(root: Path) -> tuple[list[Flood], dict]:
     finally:
         control.terminate()
         end["code"] = srv.stop()
-        end["tracebacks"] = srv.logs().count("Traceback") + locals().get("tracebacks", 0)
+        end["tracebacks"] = _tracebacks(srv.logs()) + locals().get("tracebacks", Counter())
         call(coord.kill())
     return floods, end
+
+
+def _tracebacks(log: str) -> Counter:
+    """The node's tracebacks by what each ended with (the error's line), so a failed run says what failed."""
+    found = Counter()
+    for block in log.replace("\\n", "\n").split("Traceback (most recent call last):")[1:]:  # JSON lines too
+        lines = [ln for ln in block.splitlines() if ln and not ln.startswith((" ", "\t"))]
+        found[(lines[0] if lines else "?")[:200]] += 1
+    return found
 
 
 def _free_port() -> int:
@@ -303,7 +315,9 @@ def print_floods(floods: list[Flood], end: dict, rss_bound_mib: float = 512) -> 
     for f in floods:
         print("    " + f.line())
     print(f"    node RSS idle {end.get('idle_rss_mib', 0):.0f} MiB, after {end.get('rss_mib', 0):.0f} MiB; stored "
-          f"responses {end.get('store_bytes')} bytes; tracebacks {end.get('tracebacks')}; exit code {end.get('code')}")
+          f"responses {end.get('store_bytes')} bytes; tracebacks {sum(end.get('tracebacks', Counter()).values())}; exit code {end.get('code')}")
+    for error, count in end.get("tracebacks", Counter()).items():
+        print(f"      {count} x {error}")
     report = end.get("probes")
     for line in report.lines() if report else ["the probes did not run"]:
         print("    " + line)
