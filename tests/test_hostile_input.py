@@ -60,6 +60,7 @@ CASES = [
     ("role dict", {"model": "llama-tiny", "messages": [{"role": {"a": 1}, "content": "x"}], "max_tokens": 2}, 400,
      "role"),
     ("logit_bias key not decimal", GOOD | {"logit_bias": {"1e5": 1}}, 400, "logit_bias"),
+    ("logit_bias key of 4,301 digits", GOOD | {"logit_bias": {"1" * 4301: 1}}, 400, "logit_bias"),  # int(): a 500
     ("bool temperature", GOOD | {"temperature": True}, 400, "temperature"),
     ("stop list of ints", GOOD | {"stop": [1]}, 400, "stop"),
     ("stop string too long", GOOD | {"stop": "x" * 5000}, 400, "stop"),

@@ -287,3 +287,46 @@ def test_an_integer_past_forty_digits_is_refused_as_it_is_parsed(server):
     ok = _post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "seed": (1 << 64) - 1,
                                                  "messages": [{"role": "user", "content": "Hi"}]})
     assert ok.status_code == 200, ok.text  # a 64-bit seed (20 digits) still is
+
+
+def test_a_whole_answer_is_shaped_and_encoded_off_the_event_loop(fixtures_dir, monkeypatch):
+    """An outside review (issue 56): 64 echoed prompts with 20 logprobs each make a 25.8 MiB answer, which was
+    shaped and encoded on the event loop the coordinator session shares (/health held 1.4-2.6 s; how long is the
+    campaign's to measure). Through a real server in this process: every prompt's and every choice's logprobs are
+    shaped on another thread than the loop's, and the answer holds them all."""
+    from aiohttp import web
+
+    from provider.local import openai_responses as out
+    from provider.local.server import LocalAPI
+    from tests.helpers import make_node
+
+    on_loop: list[bool] = []
+    shape = out.completion_logprobs
+
+    def spied(*args, **kw):
+        on_loop.append(asyncio._get_running_loop() is not None)
+        return shape(*args, **kw)
+
+    monkeypatch.setattr(out, "completion_logprobs", spied)
+    node = make_node({"llama-tiny": fixtures_dir / "llama-tiny"})
+
+    async def ask() -> httpx.Response:
+        runner = web.AppRunner(LocalAPI(node, None).app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await c.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                    "model": "llama-tiny", "prompt": ["The quick brown fox", "jumps over"], "echo": True,
+                    "logprobs": 5, "max_tokens": 2, "temperature": 0})
+        finally:
+            await runner.cleanup()
+            await node.stop()
+
+    r = asyncio.run(ask())
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and all(len(c["logprobs"]["top_logprobs"]) > 2 for c in choices), choices
+    assert on_loop and not any(on_loop), on_loop

@@ -17,6 +17,7 @@ from .image_parts import content_parts
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = 64  # prompts x n: the jobs one request may start
+MAX_TOKEN_ID_DIGITS = 100  # a logit_bias key: past any vocabulary (refused as such), short of int()'s 4,300
 
 
 class RequestError(ValueError):
@@ -262,9 +263,11 @@ def _sampling(body: dict[str, Any], limits: Limits, least: int = 1) -> SamplingP
     bias = _given(body, "logit_bias", {})
     if not isinstance(bias, dict):
         raise RequestError("logit_bias must map token ids to numbers", "logit_bias")
-    # JSON object keys are strings; only plain decimal ones name a token (int() would also take "1_0", " 7").
-    if not all(k.isascii() and k.isdigit() for k in bias):
-        raise RequestError("logit_bias must map token ids (decimal strings) to numbers", "logit_bias")
+    # JSON object keys are strings; only plain decimal ones name a token (int() would also take "1_0", " 7", and
+    # raise on 4,301 digits: a 500 then).
+    if not all(k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS for k in bias):
+        raise RequestError(f"logit_bias must map token ids (decimal strings of at most {MAX_TOKEN_ID_DIGITS} digits) "
+                           "to numbers", "logit_bias")
     logit_bias = tuple(sorted((int(k), v) for k, v in bias.items()))
     max_tokens = resolve_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")),
                                     limits.default_max_tokens, limits.max_tokens_limit, least)

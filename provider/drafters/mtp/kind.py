@@ -42,7 +42,9 @@ def has_mtp_tensors(names: list[str], config: dict) -> bool:
         parts = name.split(".")
         if "layers" in parts:
             i = parts.index("layers")
-            if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= layers:
+            index = parts[i + 1] if i + 1 < len(parts) else ""
+            # a header's name is the checkpoint's word: int() takes no non-ASCII digit, nor 4,300 of them
+            if index.isascii() and index.isdigit() and len(index) < 10 and int(index) >= layers:
                 return True
     return False
 
