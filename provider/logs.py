@@ -84,6 +84,8 @@ def configure(level: str = "info", fmt: str = "auto", stream=None, file: str = "
             old.close()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS[level], logging.INFO))  # libraries' debug lines stay out even at debug
+    server = logging.getLogger("aiohttp.server")
+    server.filters[:] = [f for f in server.filters if not isinstance(f, MalformedRequests)] + [MalformedRequests()]
     events = logging.getLogger(_EVENTS)
     events.setLevel(_LEVELS[level])  # structlog has filtered by level already
     structlog.configure(
@@ -187,3 +189,22 @@ class Throttle:
                 logger.warning("log_suppressed", key=key, suppressed=b.suppressed,
                                seconds=round(self.clock() - b.summarized_at, 3))
                 b.suppressed, b.summarized_at = 0, self.clock()
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp logs a client's malformed request (a bad Host, a broken header; answered 400 already) with its whole
+    traceback: lines a stranger makes the node write at will. Each becomes one line naming the error, throttled."""
+
+    def __init__(self):
+        super().__init__()
+        self.throttle = Throttle()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or type(error).__module__ != "aiohttp.http_exceptions":
+            return True
+        admitted, due = self.throttle.admit(type(error).__name__)
+        record.exc_info, record.exc_text, record.args = None, None, ()
+        record.levelno, record.levelname = logging.INFO, "INFO"  # the client's fault, not the node's
+        record.msg = f"malformed request refused: {type(error).__name__}" + (f" ({due} more not logged)" if due else "")
+        return admitted or bool(due)

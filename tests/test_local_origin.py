@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from provider.logs import THROTTLE_BURST
 from provider.local.origin_guard import OriginGuard, _ip, split_host
 from provider.settings import Settings, SettingsError
 from tools.harness.daemon import LocalServer
@@ -149,6 +150,19 @@ def test_every_method_and_route_refuses_a_foreign_origin_and_a_foreign_host(open
     assert "spare" not in _health(open_node)["resident_models"]
 
 
+def test_an_absolute_form_target_must_name_the_node_as_its_host_must(open_node):
+    """RFC 9112: an absolute-form target's authority stands for the Host; one naming another host was served."""
+    port = _port(open_node)
+    for target, status in ((f"http://evil.example:{port}/health", b" 403 "),
+                           (f"http://127.0.0.1:{port}/health", b" 200 ")):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        assert status in answer.split(b"\r\n")[0], (target, answer[:300])
+
+
 def test_a_request_without_a_host_or_with_two_is_refused(open_node):
     for head in ("GET /health HTTP/1.1\r\n", "GET /health HTTP/1.0\r\n",
                  "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n"):
@@ -158,6 +172,19 @@ def test_a_request_without_a_host_or_with_two_is_refused(open_node):
             while chunk := s.recv(65536):
                 answer += chunk
         assert answer.split(b"\r\n")[0].endswith(b" 400 Bad Request"), answer[:300]  # aiohttp's parser or the guard
+
+
+def test_a_malformed_request_is_one_throttled_line_in_the_log_not_a_traceback(open_node):
+    """aiohttp logged each malformed request it answered 400 with its whole traceback (17 in the fuzz campaign's
+    origin probe): a stranger wrote the node's log at will. Each is one line now, THROTTLE_BURST of them at once."""
+    before = len(open_node.logs())
+    for _ in range(3 * THROTTLE_BURST):
+        with socket.create_connection(("127.0.0.1", _port(open_node)), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nthis line has no colon\r\n\r\n")
+            assert s.recv(65536).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    written = open_node.logs()[before:]
+    assert "Traceback" not in written, written[:2000]
+    assert 1 <= written.count("malformed request refused: BadHttpMessage") <= THROTTLE_BURST, written[:2000]
 
 
 def test_the_nodes_own_host_and_origin_still_work(open_node, auth_node):

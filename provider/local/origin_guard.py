@@ -9,11 +9,13 @@ arrive with that name as Host. So one middleware, ahead of auth and of every han
   the other loopback literals (127.0.0.1, [::1]); on another address (a LAN bind, or 0.0.0.0 / ::) also this
   machine's host name (and its `.local` form); or a name in `allowed_hosts`. The port is not compared: an SSH
   tunnel or a port forward changes it, and a rebinding page cannot choose the name. Missing, repeated or
-  malformed: 400 (RFC 9112); another name: 403 `host_not_allowed`.
+  malformed: 400 (RFC 9112); another name: 403 `host_not_allowed`. An absolute-form target
+  (`GET http://name/...`) must name the node alike: its authority stands for the Host.
 - A request that carries Origin is served only if that origin is in `cors_origins` or is the node's own
   (http://, a name Host may carry, the port the connection arrived at); without Origin, `Sec-Fetch-Site:
-  cross-site` is refused alike: 403 `cors_disabled`. Clients that are not browsers (curl, the openai SDK) send
-  neither and are unaffected.
+  cross-site` is refused alike: 403 `cors_disabled`. A same-site request without Origin (a page on another port
+  of this host: a navigation, or a no-cors GET whose answer it cannot read) goes on to auth, where the page's
+  cookie does not open it (dashboard.py). Clients that are not browsers (curl, the openai SDK) send neither.
 - The control socket (0600, no browser can reach it) is exempt.
 
 Refusals are RequestErrors, rendered in the shape of the route's surface by the server's error middleware
@@ -120,7 +122,9 @@ class OriginGuard:
         if parsed is None:
             raise api.RequestError("the request needs exactly one well-formed Host header", status=400,
                                    code="invalid_host")
-        if not self.host_ok(parsed[0], local):
+        target = request.message.url  # an absolute-form target's authority stands for the Host (RFC 9112 3.2.2)
+        named = split_host(target.raw_authority) if target.is_absolute() else parsed
+        if not (named is not None and self.host_ok(named[0], local) and self.host_ok(parsed[0], local)):
             raise api.RequestError(
                 f"Host {hosts[0][:100]!r} does not name this node (DNS rebinding is refused); if it is one of its "
                 "names, add it to allowed_hosts", status=403, code="host_not_allowed", type_="permission_error")
