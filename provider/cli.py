@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a systemd user unit (the default on Linux)")
         if name == "install":
             sp.add_argument("--dry-run", action="store_true", help="print what would be written; write nothing")
+        if name == "status":
+            sp.add_argument("--json", action="store_true", help="the state as one JSON object (no systemctl output)")
     grp = sub.add_parser("group", help="node groups: one provider on several machines (docs/group.md)")
     gsub = grp.add_subparsers(dest="group_command", required=True)
     chk = gsub.add_parser("check", help="run on every rank: whether the ranks reach each other, each link's latency "
@@ -159,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                                service_files.installed_provider())
         if args.service_command == "install":
             return service_files.install(s, dry_run=args.dry_run)
-        return service_files.uninstall(s) if args.service_command == "uninstall" else service_files.status(s)
+        if args.service_command == "uninstall":
+            return service_files.uninstall(s)
+        return service_files.status(s, as_json=args.json)
     if args.command == "bench":
         from . import bench
         from .models.default import default_pair

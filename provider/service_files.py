@@ -8,6 +8,7 @@ environment (which may hold tokens and secrets).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -136,9 +137,15 @@ def uninstall(s: Service) -> int:
     return 0
 
 
-def status(s: Service) -> int:
-    print(f"{s.kind}: {'installed at ' + str(s.unit) if s.unit.exists() else 'not installed'} ({s.unit})")
+def status(s: Service, as_json: bool = False) -> int:
+    """Whether the unit is installed and the daemon runs (exit 1 when not installed); with `as_json`, as one object."""
     pid = startup.holder_pid(s.state_dir)
+    if as_json:
+        print(json.dumps({"kind": s.kind, "unit": str(s.unit), "installed": s.unit.exists(),
+                          "daemon_running": pid is not None, "daemon_pid": pid if pid and pid > 0 else None,
+                          "state_dir": str(s.state_dir)}))
+        return 0 if s.unit.exists() else 1
+    print(f"{s.kind}: {'installed at ' + str(s.unit) if s.unit.exists() else 'not installed'} ({s.unit})")
     print(f"daemon: {'running, pid ' + str(pid) if pid else 'not running'} (state {s.state_dir})")
     if s.kind != "launchd" and shutil.which("systemctl") and s.unit.exists():
         user = [] if s.kind == "systemd-system" else ["--user"]

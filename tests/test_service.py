@@ -93,8 +93,13 @@ def test_install_writes_the_unit_and_a_starter_config_and_uninstall_removes_it(t
     assert "local = true" in (tmp_path / "config" / "provider" / "config.toml").read_text()
     status = _provider("service", "status", env=env)
     assert status.returncode == 0 and "installed at" in status.stdout and "daemon: not running" in status.stdout
+    state = json.loads(_provider("service", "status", "--json", env=env).stdout)
+    assert state == {"kind": "systemd-user", "unit": str(unit), "installed": True, "daemon_running": False,
+                     "daemon_pid": None,
+                     "state_dir": state["state_dir"]} and state["state_dir"].startswith(str(tmp_path)), state
     assert _provider("service", "uninstall", env=env).returncode == 0 and not unit.exists()
     assert _provider("service", "status", env=env).returncode == 1
+    assert json.loads(_provider("service", "status", "--json", env=env).stdout)["installed"] is False
 
 
 def _notify_socket(tmp_path):
