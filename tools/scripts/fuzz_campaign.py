@@ -456,7 +456,7 @@ def schema_phase(n: int, seed: int, t: Tally, root: Path) -> dict:
                         try:
                             r = client.post(srv.url + "/v1/chat/completions", headers=srv.headers, json=body)
                         except httpx.HTTPError as e:
-                            t.bad("schema_transport_errors", f"{type(e).__name__}")
+                            t.bad("schema_transport_errors", f"{type(e).__name__} <- {json.dumps(body)[:200]}")
                             continue
                         t.counts["schema_cases"] += 1
                         t.counts[f"schema_{r.status_code}"] += 1
