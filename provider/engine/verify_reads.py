@@ -1,8 +1,8 @@
 """Verify jobs beside the batches: each reads its claim (prompt + the claimed output) through the model a chunk
 per pass (the reader the engine is given: provider.verification.verifier.read_claim, built on the one prompt
 reader), oldest first, and ends with its verdict. The engine sits below verification: the node that builds it
-hands it the verifier's reader, and an engine given none refuses verify jobs. Memory sees one as a plain row reading a scored prompt (running.Layout: its KV to the claim's
-end, the scoring scratch a chunk's logits take).
+hands it the verifier's reader, and an engine given none refuses verify jobs. Memory sees one as a plain row
+reading a scored prompt (running.Layout: its KV to the claim's end, the scoring scratch a chunk's logits take).
 
 A claim whose request has images or video reads its prompt as the job that made it did: by the engine's own
 vision prefill (vision_prefill.MediaRead: the same media, prepared again from the request within the same
@@ -74,8 +74,8 @@ class VerifyReads:
         `vision`: the request's images or video, planned as for generating it (prompts.Prepared.vision), or None."""
         job = output.job
         if self._read_claim is None:
-            raise JobError(Cause.INVALID_REQUEST, "this engine was built without a claim reader: it runs no verify jobs",
-                           "verify")
+            raise JobError(Cause.INVALID_REQUEST, "this engine was built without a claim reader: it runs no verify "
+                           "jobs", "verify")
         # What this backend needs for this checkpoint, loosened to the coordinator's choice for both nodes' backends.
         own = for_backend(system_facts().backend, bfloat16=_bfloat16(lm))
         tolerance = looser(job.verify.tolerance, own) if job.verify.tolerance is not None else own

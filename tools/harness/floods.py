@@ -315,7 +315,8 @@ def print_floods(floods: list[Flood], end: dict, rss_bound_mib: float = 512) -> 
     for f in floods:
         print("    " + f.line())
     print(f"    node RSS idle {end.get('idle_rss_mib', 0):.0f} MiB, after {end.get('rss_mib', 0):.0f} MiB; stored "
-          f"responses {end.get('store_bytes')} bytes; tracebacks {sum(end.get('tracebacks', Counter()).values())}; exit code {end.get('code')}")
+          f"responses {end.get('store_bytes')} bytes; tracebacks {sum(end.get('tracebacks', Counter()).values())}; "
+          f"exit code {end.get('code')}")
     for error, count in end.get("tracebacks", Counter()).items():
         print(f"      {count} x {error}")
     report = end.get("probes")
