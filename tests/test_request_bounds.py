@@ -300,8 +300,13 @@ def test_a_whole_answer_is_shaped_and_encoded_off_the_event_loop(fixtures_dir, m
     from provider.local.server import LocalAPI
     from tests.helpers import make_node
 
+    from provider.local import completions
+
     on_loop: list[bool] = []
     shape = out.completion_logprobs
+    pieces: list[int] = []  # each json.dumps call's length: the answer is encoded a piece at a time
+    monkeypatch.setattr(completions, "json", type("Spied", (), {"dumps": staticmethod(
+        lambda v, **kw: pieces.append(len(json.dumps(v, **kw))) or json.dumps(v, **kw))}))
 
     def spied(*args, **kw):
         on_loop.append(asyncio._get_running_loop() is not None)
@@ -330,3 +335,8 @@ def test_a_whole_answer_is_shaped_and_encoded_off_the_event_loop(fixtures_dir, m
     choices = r.json()["choices"]
     assert len(choices) == 2 and all(len(c["logprobs"]["top_logprobs"]) > 2 for c in choices), choices
     assert on_loop and not any(on_loop), on_loop
+    # and encoded a piece at a time (one json.dumps of all of it held the loop 1.6 s from another thread), the
+    # same text json.dumps gives
+    assert pieces and max(pieces) < len(r.text) / 10, (max(pieces), len(r.text))
+    answer = r.json()
+    assert completions.dumps_in_pieces(answer) == json.dumps(answer) == r.text
