@@ -96,9 +96,8 @@ class Completions:
             ids[i] += [t for e in batch for t in e.token_ids]
             reply.scored(i, batch[0].prompt_logprobs if batch else end.prompt_logprobs if isinstance(end, Done)
                          else None)
-            echo = reply.echo_chunk(i)
-            if echo is not None:
-                await send(echo)
+            if reply.echo_due(i):  # a whole prompt's logprobs: shaped and encoded off the loop, as a whole answer
+                await send(await off_loop(lambda: dumps_in_pieces(reply.echo_chunk(i))))
             text = "".join(e.text for e in batch)
             lps = [lp for e in batch for lp in e.logprobs]
             if text or lps:
@@ -159,6 +158,9 @@ class _Reply:
                 r.logprobs = self._prompt_lps(r.index) + r.logprobs
         return out.completion_response(self.job_id, self.model, results, self.created, self.req.n,
                                        self.req.logprobs, self.echoes)
+
+    def echo_due(self, index: int) -> bool:
+        return self.echoes is not None and index not in self._echoed
 
     def echo_chunk(self, index: int) -> dict[str, Any] | None:
         """The echoed prompt, once, before a choice's first text (with its logprobs when they were asked)."""
