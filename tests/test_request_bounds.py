@@ -289,28 +289,28 @@ def test_an_integer_past_forty_digits_is_refused_as_it_is_parsed(server):
     assert ok.status_code == 200, ok.text  # a 64-bit seed (20 digits) still is
 
 
-def test_a_whole_answer_is_shaped_and_encoded_off_the_event_loop(fixtures_dir, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed_echo"])
+def test_an_answers_logprobs_are_shaped_and_encoded_off_the_event_loop(fixtures_dir, monkeypatch, stream):
     """An outside review (issue 56): 64 echoed prompts with 20 logprobs each make a 25.8 MiB answer, which was
     shaped and encoded on the event loop the coordinator session shares (/health held 1.4-2.6 s; how long is the
-    campaign's to measure). Through a real server in this process: every prompt's and every choice's logprobs are
-    shaped on another thread than the loop's, and the answer holds them all."""
+    campaign's to measure). One ring out, a streamed echo's first chunk holds a whole prompt's logprobs. Through a
+    real server in this process: every prompt's logprobs (and a whole answer's choices') are shaped on another
+    thread than the loop's and encoded a piece at a time, and the answer holds them all."""
     from aiohttp import web
 
-    from provider.local import openai_responses as out
+    from provider.local import completions, openai_responses as out
     from provider.local.server import LocalAPI
     from tests.helpers import make_node
 
-    from provider.local import completions
-
-    on_loop: list[bool] = []
+    on_loop: list[tuple[bool, int]] = []  # (on the loop, how many positions) of each shaping
     shape = out.completion_logprobs
     pieces: list[int] = []  # each json.dumps call's length: the answer is encoded a piece at a time
     monkeypatch.setattr(completions, "json", type("Spied", (), {"dumps": staticmethod(
         lambda v, **kw: pieces.append(len(json.dumps(v, **kw))) or json.dumps(v, **kw))}))
 
-    def spied(*args, **kw):
-        on_loop.append(asyncio._get_running_loop() is not None)
-        return shape(*args, **kw)
+    def spied(lps, *args, **kw):
+        on_loop.append((asyncio._get_running_loop() is not None, len(lps)))
+        return shape(lps, *args, **kw)
 
     monkeypatch.setattr(out, "completion_logprobs", spied)
     node = make_node({"llama-tiny": fixtures_dir / "llama-tiny"})
@@ -325,18 +325,29 @@ def test_a_whole_answer_is_shaped_and_encoded_off_the_event_loop(fixtures_dir, m
             async with httpx.AsyncClient(timeout=120) as c:
                 return await c.post(f"http://127.0.0.1:{port}/v1/completions", json={
                     "model": "llama-tiny", "prompt": ["The quick brown fox", "jumps over"], "echo": True,
-                    "logprobs": 5, "max_tokens": 2, "temperature": 0})
+                    "logprobs": 5, "max_tokens": 2, "temperature": 0, "stream": stream})
         finally:
             await runner.cleanup()
             await node.stop()
 
     r = asyncio.run(ask())
     assert r.status_code == 200, r.text
-    choices = r.json()["choices"]
-    assert len(choices) == 2 and all(len(c["logprobs"]["top_logprobs"]) > 2 for c in choices), choices
-    assert on_loop and not any(on_loop), on_loop
-    # and encoded a piece at a time (one json.dumps of all of it held the loop 1.6 s from another thread), the
-    # same text json.dumps gives
-    assert pieces and max(pieces) < len(r.text) / 10, (max(pieces), len(r.text))
-    answer = r.json()
-    assert completions.dumps_in_pieces(answer) == json.dumps(answer) == r.text
+    if not stream:
+        answer = r.json()
+        choices = answer["choices"]
+        assert len(choices) == 2 and all(len(c["logprobs"]["top_logprobs"]) > 2 for c in choices), choices
+        assert on_loop and not any(loop for loop, _ in on_loop), on_loop
+        # and encoded a piece at a time (one json.dumps of all of it held the loop 1.6 s from another thread),
+        # the same text json.dumps gives
+        assert pieces and max(pieces) < len(r.text) / 10, (max(pieces), len(r.text))
+        assert completions.dumps_in_pieces(answer) == json.dumps(answer) == r.text
+        return
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    echoes = [c for c in chunks if c["choices"][0]["text"] in ("The quick brown fox", "jumps over")]
+    assert len(echoes) == 2 and all(len(c["choices"][0]["logprobs"]["top_logprobs"]) > 1 for c in echoes), chunks
+    # The echoes' shaping (a whole prompt's positions) ran off the loop; a token's own chunk (one position) may not
+    prompts = [loop for loop, n in on_loop if n > 1]
+    assert len(prompts) == 2 and not any(prompts), on_loop
+    # and each echo encoded a piece at a time: no json.dumps call made a whole echo chunk's text
+    echo_text = min(len(json.dumps(c, separators=(",", ":"))) for c in echoes)
+    assert pieces and max(pieces) < echo_text, (pieces, echo_text)
