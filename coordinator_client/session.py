@@ -30,6 +30,7 @@ from .registration import heartbeat, registration
 from .residency import ResidencyFrames
 from .sealing import SealingKey
 from .serving import CoordinatorJobs
+from .spot_check_verdicts import SpotCheckVerdicts
 
 log = logs.get("coordinator")
 PROTOCOL_VERSION = 1
@@ -103,6 +104,7 @@ class CoordinatorSession:
         # task, not one each (60,000 of them held 124 MiB outside the outbox's bound).
         self._drain_report: asyncio.Task | None = None
         self.residency = ResidencyFrames(node)
+        self.verdicts = SpotCheckVerdicts()  # what the coordinator told of its spot checks on this node's jobs
 
     # --- the reconnect loop ---------------------------------------------------------
 
@@ -280,6 +282,9 @@ class CoordinatorSession:
                 self.residency.on_warm(frame.warm_model, outbox)
             elif kind == "release_model":
                 self.residency.on_release(frame.release_model, outbox)
+            elif kind == "spot_check_result":
+                if (failed := self.verdicts.record(frame.spot_check_result)) is not None:
+                    self.throttle.log(log, "warning", "spot_check_failed", **failed)
             elif kind in HANDSHAKE_FRAMES:
                 self._protocol_error(outbox, f"{kind} is a handshake frame; the session is already up",
                                      frame.ByteSize(), kind, why=kind)

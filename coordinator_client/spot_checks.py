@@ -6,7 +6,7 @@ claimed output ids and the opened proof in `verify`, under a deadline of its own
 Verdict. The verifier is never the producer, nor a node on the producer's address (its sibling, as far as a
 coordinator can tell). A job picked from a node that registered as committing but answered without a proof
 fails its check: leaving the proof out must not be a way round the check. A job with no other node to check it
-counts as unchecked.
+counts as unchecked. Each verdict that counts is told to its producer, if connected (SpotCheckResult).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class SpotChecks:
         """On `coord` (a ReferenceCoordinator), a recorded outcome from `session`: a verify job's answer is
         tallied; a finished job picked for a spot check is sent to another node."""
         if job_id in self.pending:
-            self.answered(frame, session)
+            if (verdict := self.answered(frame, session)) is not None:
+                tell(coord, *verdict)
             return
         if len(coord.outcomes[job_id]) > 1 or frame.WhichOneof("frame") != "job_done" \
                 or job_id.startswith(VERIFY_PREFIX) or frame.job_done.finish_reason == "cancelled":
@@ -76,7 +77,8 @@ class SpotChecks:
             self.unchecked(session.node_id)
             return
         if not proof.commitment and session.registration.verification.commits:
-            self.failed(session.node_id, job_id, NO_PROOF)  # seen without a check: every such outcome counts
+            # seen without a check: every such outcome counts
+            tell(coord, session.node_id, self.failed(session.node_id, job_id, NO_PROOF))
             return
         if not self.pick(job_id):
             return
@@ -119,38 +121,47 @@ class SpotChecks:
     def unchecked(self, producer: str) -> None:
         self.tally.setdefault(producer, Tally()).unchecked += 1
 
-    def failed(self, producer: str, job_id: str, reason: str, first_failure: int | None = None) -> None:
+    def failed(self, producer: str, job_id: str, reason: str, first_failure: int | None = None) -> pb.SpotCheckResult:
         t = self.tally.setdefault(producer, Tally())
         t.checked += 1
         t.failed += 1
         t.failures.append({"job_id": job_id, "reason": reason, "first_failure": first_failure})
+        return pb.SpotCheckResult(job_id=job_id, passed=False, reason=reason, first_failure=first_failure)
 
-    def answered(self, frame: pb.ProviderFrame, session=None) -> None:
+    def answered(self, frame: pb.ProviderFrame, session=None) -> tuple[str, pb.SpotCheckResult] | None:
         """A verify job's outcome: its verdict counts for the node that made the claim. Only the checker it was sent
         to answers it (another node's frame for that id, the producer's first of all, is ignored). A claim the
         checker refuses as invalid (a proof or output ids no node would send) fails: an error must not be a way
-        round the check."""
+        round the check. Returns (the producer, the verdict to tell it) when one counted."""
         kind = frame.WhichOneof("frame")
         outcome = getattr(frame, kind)
         pending = self.pending.get(outcome.job_id)
         if pending is None or (pending.checker is not None and session is not None
                                and session.node_id != pending.checker):
-            return
+            return None
         del self.pending[outcome.job_id]
         t = self.tally.setdefault(pending.producer, Tally())
         if kind == "job_error":
             if outcome.cause == pb.ERROR_CAUSE_INVALID_REQUEST:
-                self.failed(pending.producer, pending.job_id, f"the claim is invalid: {outcome.message}", 0)
-            else:
-                t.errors += 1
-            return
+                return pending.producer, self.failed(pending.producer, pending.job_id,
+                                                     f"the claim is invalid: {outcome.message}", 0)
+            t.errors += 1
+            return None
         v = outcome.verdict
         if not v.passed:
-            self.failed(pending.producer, pending.job_id, v.reason,
-                        v.first_failure if v.HasField("first_failure") else None)
-            return
+            return pending.producer, self.failed(pending.producer, pending.job_id, v.reason,
+                                                 v.first_failure if v.HasField("first_failure") else None)
         t.checked += 1
         t.passed += 1
+        return pending.producer, pb.SpotCheckResult(job_id=pending.job_id, passed=True)
+
+
+def tell(coord, producer: str, result: pb.SpotCheckResult) -> None:
+    """The producer hears each verdict on its own work, if it is connected (informational: the tally here is what
+    counts)."""
+    session = coord.sessions.get(producer)
+    if session is not None:
+        session.outgoing.put_nowait(pb.CoordinatorFrame(spot_check_result=result))
 
 
 def proof_of(coord, done: pb.JobDone) -> pb.Proof | None:

@@ -68,7 +68,7 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
             return None
         return {"state": session_state(), "connected_since": session.connected_since,
                 "sessions": session.stats.sessions, "jobs_received": session.jobs.stats.jobs_received,
-                "outcomes_sent": session.jobs.stats.outcomes_sent}
+                "outcomes_sent": session.jobs.stats.outcomes_sent, "spot_checks": session.verdicts.as_dict()}
 
     mode = "+".join(m for m, on in (("local", local), ("coordinator", session)) if on)
     # What `provider status` and the node's page say of the daemon beside NodeStatus (status_file.DaemonFacts).

@@ -47,7 +47,8 @@ class DaemonFacts:
     coordinator: str | None = None
     local_url: str | None = None
     # The coordinator session, or None without one: {"state": connecting | connected | rejected, "connected_since":
-    # unix time or None, "sessions", "jobs_received", "outcomes_sent"}.
+    # unix time or None, "sessions", "jobs_received", "outcomes_sent", "spot_checks": the verdicts the coordinator told
+    # of this node's jobs (coordinator_client/spot_check_verdicts.py)}.
     session: Callable[[], dict | None] = lambda: None
 
     def snapshot(self, st: NodeStatus) -> dict[str, Any]:
@@ -107,6 +108,11 @@ def summary(body: dict[str, Any]) -> str:
         f"  speculation: {c['spec_drafted']} drafted, {c['spec_accepted']} accepted, "
         f"{c['spec_target_forwards']} target forwards",
     ]
+    checks = (body.get("coordinator_session_detail") or {}).get("spot_checks")
+    if checks:
+        lines.insert(3, f"  spot checks of this node's jobs: {checks['passed']} passed, {checks['failed']} failed"
+                        + "".join(f" (latest failure: {f['job_id']}, {f['reason']})"
+                                  for f in checks["recent_failures"][-1:]))
     lines += [f"  {m['id']} speculation profile: {profile_line(m['speculation_profile'])}" for m in resident
               if m.get("speculation_profile")]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Spot checks that cannot be dodged (issue 55), through the real wire: the reference coordinator with its defaults
 seeds every sampled job and checks a share of them; a node that strips its proofs, or that lies about how it
 sampled, ends `failed` in its tally, not `unchecked` or `errors`. The verifier is never the producer nor a node on
-its address, and a verify job has a deadline of its own."""
+its address, and a verify job has a deadline of its own. Each producer hears the verdicts on its own jobs."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
+from coordinator_client.convert import MAX_JOB_ID
 from coordinator_client.identity import Identity
 from coordinator_client.network_terms import NETWORK_MAX_TOKENS, network_terms
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
+from coordinator_client.spot_check_verdicts import MAX_REASON
 from coordinator_client.spot_checks import DEFAULT_VERIFY_FRACTION, NO_PROOF, VERIFY_DEADLINE_S, SpotChecks, siblings
 from provider.jobs import Done
 from tests.helpers import run, until
@@ -57,9 +59,9 @@ def test_a_node_that_strips_proofs_or_lies_about_its_sampler_ends_failed(fixture
         assert coord.spot_checks.fraction == DEFAULT_VERIFY_FRACTION > 0
         await coord.start()
         async with contextlib.AsyncExitStack() as stack:
-            nodes = {}
+            nodes, sessions = {}, {}
             for name in names:
-                _, nodes[name], _ = await stack.enter_async_context(
+                _, nodes[name], sessions[name] = await stack.enter_async_context(
                     harness({"m": model}, tmp_path / name, coordinator=coord, commitments="on"))
             await until(lambda: len(coord.sessions) == len(names), "every session")
             assert all(s.registration.verification.commits for s in coord.sessions.values())
@@ -78,9 +80,12 @@ def test_a_node_that_strips_proofs_or_lies_about_its_sampler_ends_failed(fixture
             await until(lambda: not coord.spot_checks.pending and sum(
                 t.checked + t.errors + t.unchecked for t in coord.spot_checks.tally.values()) == len(sent),
                 "every verdict", 300)
-            return coord
+            # and each producer was told of each verdict on its jobs (SpotCheckResult), as the tally has it
+            await until(lambda: all(sessions[n].verdicts.passed + sessions[n].verdicts.failed == 2
+                                    for n in ("honest", "stripper", "liar")), "the producers told")
+            return coord, {n: sessions[n].verdicts.as_dict() for n in names}
 
-    coord = run(main())
+    coord, heard = run(main())
     for job_id, request in coord.requests.items():  # every job went out seeded
         assert request.sampling.HasField("seed"), request
     tally = {name: coord.spot_checks.tally[ids[name]] for name in ("honest", "stripper", "liar")}
@@ -89,6 +94,10 @@ def test_a_node_that_strips_proofs_or_lies_about_its_sampler_ends_failed(fixture
     assert {f["reason"] for f in tally["stripper"].failures} == {NO_PROOF}
     assert (tally["liar"].failed, tally["liar"].errors) == (2, 0), tally
     assert all(f["first_failure"] == 0 and "seed" in f["reason"] for f in tally["liar"].failures), tally["liar"]
+    assert (heard["honest"]["passed"], heard["honest"]["failed"], heard["verifier"]["passed"]) == (2, 0, 0), heard
+    for name in ("stripper", "liar"):  # what the page and `provider status --json` show them
+        told = {(f["job_id"], f["reason"], f["first_failure"]) for f in heard[name]["recent_failures"]}
+        assert told == {(f["job_id"], f["reason"], f["first_failure"]) for f in tally[name].failures}, heard[name]
     honest_proofs = [o for j, o in coord.outcomes.items() if j.startswith("honest")]
     assert all(o[0].job_done.completion.proof.sampler == pb.PROOF_SAMPLER_REPLAYABLE for o in honest_proofs)
 
@@ -142,3 +151,25 @@ def test_only_the_chosen_checker_answers_and_an_invalid_claim_fails():
     checks.answered(refused, SimpleNamespace(node_id="checker"))
     t = checks.tally["producer"]
     assert (t.failed, t.errors) == (1, 0) and "invalid" in t.failures[0]["reason"], t
+
+
+def test_a_coordinators_verdicts_are_counted_bounded_and_never_stop_the_node(fixtures_dir, tmp_path):
+    """SpotCheckResult is informational and a coordinator may send any: a 1 MiB reason or a 70,000-character job id
+    is kept cut short, a verdict on a job the node never ran is only counted, and the session keeps serving."""
+    async def main():
+        async with harness({"m": fixtures_dir / "llama-tiny"}, tmp_path) as (coord, node, session):
+            await until(lambda: coord.sessions, "a session")
+            (s,) = coord.sessions.values()
+            for result in (pb.SpotCheckResult(job_id="x" * 70_000, reason="r" * (1 << 20), first_failure=3),
+                           pb.SpotCheckResult(), pb.SpotCheckResult(job_id="never-ran", passed=True)):
+                coord.send(s, pb.CoordinatorFrame(spot_check_result=result))
+            coord.dispatch(s, pb.JobRequest(job_id="after", model="m", prompt="The cache", max_tokens=4))
+            assert (await coord.outcome("after")).WhichOneof("frame") == "job_done"
+            await until(lambda: session.verdicts.passed + session.verdicts.failed == 3, "every verdict counted")
+            return session.verdicts.as_dict()
+
+    heard = run(main())
+    assert (heard["passed"], heard["failed"]) == (1, 2), heard
+    first = heard["recent_failures"][0]
+    assert len(first["job_id"]) <= MAX_JOB_ID and len(first["reason"]) <= MAX_REASON and first["first_failure"] == 3
+    assert heard["recent_failures"][1]["first_failure"] is None

@@ -111,7 +111,7 @@ class ProviderFrame(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., job_accepted: _Optional[_Union[JobAccepted, _Mapping]] = ..., token_chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., job_error: _Optional[_Union[JobError, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., drained: _Optional[_Union[Drained, _Mapping]] = ..., protocol_error: _Optional[_Union[ProtocolError, _Mapping]] = ..., model_residency: _Optional[_Union[ModelResidency, _Mapping]] = ...) -> None: ...
 
 class CoordinatorFrame(_message.Message):
-    __slots__ = ("challenge", "welcome", "reject", "job_request", "cancel", "drain", "ping", "job_ack", "warm_model", "release_model")
+    __slots__ = ("challenge", "welcome", "reject", "job_request", "cancel", "drain", "ping", "job_ack", "warm_model", "release_model", "spot_check_result")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class CoordinatorFrame(_message.Message):
     JOB_ACK_FIELD_NUMBER: _ClassVar[int]
     WARM_MODEL_FIELD_NUMBER: _ClassVar[int]
     RELEASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SPOT_CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
     challenge: Challenge
     welcome: Welcome
     reject: Reject
@@ -132,7 +133,8 @@ class CoordinatorFrame(_message.Message):
     job_ack: JobAck
     warm_model: WarmModel
     release_model: ReleaseModel
-    def __init__(self, challenge: _Optional[_Union[Challenge, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., job_request: _Optional[_Union[JobRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., job_ack: _Optional[_Union[JobAck, _Mapping]] = ..., warm_model: _Optional[_Union[WarmModel, _Mapping]] = ..., release_model: _Optional[_Union[ReleaseModel, _Mapping]] = ...) -> None: ...
+    spot_check_result: SpotCheckResult
+    def __init__(self, challenge: _Optional[_Union[Challenge, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., job_request: _Optional[_Union[JobRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., job_ack: _Optional[_Union[JobAck, _Mapping]] = ..., warm_model: _Optional[_Union[WarmModel, _Mapping]] = ..., release_model: _Optional[_Union[ReleaseModel, _Mapping]] = ..., spot_check_result: _Optional[_Union[SpotCheckResult, _Mapping]] = ...) -> None: ...
 
 class Challenge(_message.Message):
     __slots__ = ("nonce", "server_time_ms")
@@ -569,6 +571,18 @@ class Verdict(_message.Message):
     ties: int
     per_chunk: _containers.RepeatedCompositeFieldContainer[ChunkVerdict]
     def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., first_failure: _Optional[int] = ..., tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., min_overlap: _Optional[float] = ..., max_rel_err: _Optional[float] = ..., max_gap: _Optional[float] = ..., ties: _Optional[int] = ..., per_chunk: _Optional[_Iterable[_Union[ChunkVerdict, _Mapping]]] = ...) -> None: ...
+
+class SpotCheckResult(_message.Message):
+    __slots__ = ("job_id", "passed", "reason", "first_failure")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    passed: bool
+    reason: str
+    first_failure: int
+    def __init__(self, job_id: _Optional[str] = ..., passed: _Optional[bool] = ..., reason: _Optional[str] = ..., first_failure: _Optional[int] = ...) -> None: ...
 
 class ChunkVerdict(_message.Message):
     __slots__ = ("start", "overlap", "max_rel_err", "max_gap", "ties", "mean_rel_err")

@@ -247,6 +247,10 @@
     set("verify-jobs", count(c.verify_jobs), c.verify_jobs);
     set("verify-verdicts", c.verify_jobs ? `${count(c.verify_passed)} passed, ` +
       `${count(c.verify_jobs - c.verify_passed)} failed` : "none yet");
+    const d = n.coordinator_session_detail, s = d && d.spot_checks;
+    set("spot-checks", !d ? "none (no coordinator)" : s.passed + s.failed === 0 ? "none yet" :
+      `${count(s.passed)} passed, ${count(s.failed)} failed` +
+      (s.recent_failures.length ? `; latest failure: ${s.recent_failures[s.recent_failures.length - 1].reason}` : ""));
   }
 
   // --- the chat box ---
