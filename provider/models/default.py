@@ -2,7 +2,10 @@
 
 The default is the trained demo pair in provider/models/demo/ (a small Gemma 4 target and its MTP
 assistant, trained by tools/scripts/train_demo_pair.py), so a first run shows MTP speculation and its telemetry.
-Its weights are committed with the code and installed with the package: a tree without them is incomplete.
+Beside it, `gemma4-demo-chat`: the same target fine-tuned to answer in its chat template and end its turn
+(tools/scripts/train_demo_chat.py), served by the same `provider start --local` and loaded on its first request, so
+a coding agent's turn completes (docs/api.md). Its weights are committed with the code and installed with the
+package: a tree without them is incomplete.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_TARGET = DEMO_DIR / "gemma4-demo"
 DEMO_ASSISTANT = DEMO_DIR / "gemma4-demo-assistant"
+DEMO_CHAT = DEMO_DIR / "gemma4-demo-chat"
 
 
 def _has_weights(path: Path) -> bool:
@@ -32,7 +36,8 @@ def ensure_default_model() -> Path:
 
 
 def primary_models(settings) -> list:
-    """The model `start` serves by default: --model / `model`, else the bundled default model."""
+    """The models `start` serves by default: --model / `model`, else the bundled default model (the first, with
+    its assistant) and its chat variant."""
     from ..settings import ModelSpec
     from .loader import model_id_for
 
@@ -42,4 +47,5 @@ def primary_models(settings) -> list:
         return []
     target, assistant = default_pair()
     drafter = settings.drafter or (str(assistant) if assistant else "")
-    return [ModelSpec(target.name, str(target), drafter=drafter)]
+    chat = [ModelSpec(DEMO_CHAT.name, str(DEMO_CHAT))] if _has_weights(DEMO_CHAT) else []
+    return [ModelSpec(target.name, str(target), drafter=drafter), *chat]
