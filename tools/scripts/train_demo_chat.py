@@ -83,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEMO.parent / "gemma4-demo-chat")
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--seconds", type=float, default=480)
     ap.add_argument("--seq", type=int, default=384)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--long", type=int, default=3072, help="tokens of a long step's sequence (one row)")
