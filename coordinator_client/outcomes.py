@@ -190,6 +190,10 @@ class Outcomes:
         if kept is not None:
             self._finished_bytes -= kept[1]
 
+    def ran(self, job_id: str) -> bool:
+        """Whether this node has the job's outcome (one of its last MAX_FINISHED)."""
+        return job_id in self._finished
+
     def ack(self, job_ids) -> None:
         for job_id in job_ids:
             self._drop_unacked(job_id)

@@ -282,8 +282,12 @@ class CoordinatorSession:
                 self.residency.on_warm(frame.warm_model, outbox)
             elif kind == "release_model":
                 self.residency.on_release(frame.release_model, outbox)
+            elif kind == "spot_check_result" and not valid_job_id(frame.spot_check_result.job_id):
+                self._protocol_error(outbox, f"spot_check_result.job_id must be 1 to {MAX_JOB_ID} characters",
+                                     frame.ByteSize(), kind, why="job_id")
             elif kind == "spot_check_result":
-                if (failed := self.verdicts.record(frame.spot_check_result)) is not None:
+                result = frame.spot_check_result
+                if (failed := self.verdicts.record(result, self.jobs.outcomes.ran(result.job_id))) is not None:
                     self.throttle.log(log, "warning", "spot_check_failed", **failed)
             elif kind in HANDSHAKE_FRAMES:
                 self._protocol_error(outbox, f"{kind} is a handshake frame; the session is already up",

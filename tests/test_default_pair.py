@@ -6,7 +6,8 @@ import anthropic
 import openai
 
 from provider.models import capability
-from provider.models.default import DEMO_ASSISTANT, DEMO_CHAT, DEMO_TARGET, default_pair
+from provider.models.default import DEMO_ASSISTANT, DEMO_CHAT, DEMO_TARGET, default_pair, primary_models
+from provider.settings import Settings
 from tests.helpers import LocalServer
 
 
@@ -16,6 +17,9 @@ def test_the_demo_pair_ships_paired_and_small():
     size = sum(f.stat().st_size for d in (DEMO_TARGET, DEMO_ASSISTANT) for f in d.iterdir())
     assert size <= 20 * 2**20
     assert sum(f.stat().st_size for f in DEMO_CHAT.iterdir()) <= 12 * 2**20
+    # the chat variant is the local API's (agents'): a coordinator-only node offers the demo target alone
+    assert [m.id for m in primary_models(Settings(local=True))] == ["gemma4-demo", "gemma4-demo-chat"]
+    assert [m.id for m in primary_models(Settings(coordinator="grpcs://c.example:443"))] == ["gemma4-demo"]
 
 
 def test_local_node_defaults_to_the_pair_and_speculates_losslessly(tmp_path):

@@ -10,14 +10,13 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
-from coordinator_client.convert import MAX_JOB_ID
 from coordinator_client.identity import Identity
 from coordinator_client.network_terms import NETWORK_MAX_TOKENS, network_terms
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
-from coordinator_client.spot_check_verdicts import MAX_REASON
 from coordinator_client.spot_checks import DEFAULT_VERIFY_FRACTION, NO_PROOF, VERIFY_DEADLINE_S, SpotChecks, siblings
 from provider.jobs import Done
+from provider.logs import CLIP_CHARS
 from tests.helpers import run, until
 from tools.harness.nodes import harness
 
@@ -154,22 +153,29 @@ def test_only_the_chosen_checker_answers_and_an_invalid_claim_fails():
 
 
 def test_a_coordinators_verdicts_are_counted_bounded_and_never_stop_the_node(fixtures_dir, tmp_path):
-    """SpotCheckResult is informational and a coordinator may send any: a 1 MiB reason or a 70,000-character job id
-    is kept cut short, a verdict on a job the node never ran is only counted, and the session keeps serving."""
+    """SpotCheckResult is informational and a coordinator may send any: an id no job could have is refused with a
+    ProtocolError, a verdict on a job the node has no outcome of is counted apart (never as its own), a reason is
+    kept cut short and printable (no escape sequence or forged line reaches `provider status`), and the session
+    keeps serving."""
     async def main():
         async with harness({"m": fixtures_dir / "llama-tiny"}, tmp_path) as (coord, node, session):
             await until(lambda: coord.sessions, "a session")
             (s,) = coord.sessions.values()
-            for result in (pb.SpotCheckResult(job_id="x" * 70_000, reason="r" * (1 << 20), first_failure=3),
-                           pb.SpotCheckResult(), pb.SpotCheckResult(job_id="never-ran", passed=True)):
+            coord.dispatch(s, pb.JobRequest(job_id="ran", model="m", prompt="The cache", max_tokens=4))
+            assert (await coord.outcome("ran")).WhichOneof("frame") == "job_done"
+            for result in (pb.SpotCheckResult(job_id="x" * 70_000), pb.SpotCheckResult(),
+                           pb.SpotCheckResult(job_id="never-ran", passed=True),
+                           pb.SpotCheckResult(job_id="ran", first_failure=3,
+                                              reason="\x1b[2J\n  coordinator: SPOOFED" + "r" * (1 << 20))):
                 coord.send(s, pb.CoordinatorFrame(spot_check_result=result))
             coord.dispatch(s, pb.JobRequest(job_id="after", model="m", prompt="The cache", max_tokens=4))
             assert (await coord.outcome("after")).WhichOneof("frame") == "job_done"
-            await until(lambda: session.verdicts.passed + session.verdicts.failed == 3, "every verdict counted")
-            return session.verdicts.as_dict()
+            await until(lambda: session.verdicts.failed == 1 and len(coord.protocol_errors) == 2, "every verdict")
+            return session.verdicts.as_dict(), list(coord.protocol_errors)
 
-    heard = run(main())
-    assert (heard["passed"], heard["failed"]) == (1, 2), heard
-    first = heard["recent_failures"][0]
-    assert len(first["job_id"]) <= MAX_JOB_ID and len(first["reason"]) <= MAX_REASON and first["first_failure"] == 3
-    assert heard["recent_failures"][1]["first_failure"] is None
+    heard, refused = run(main())
+    assert (heard["passed"], heard["failed"], heard["unknown_jobs"]) == (0, 1, 1), heard
+    assert all(e.frame_kind == "spot_check_result" and "job_id" in e.reason for e in refused), refused
+    (failure,) = heard["recent_failures"]
+    assert failure["job_id"] == "ran" and failure["first_failure"] == 3, failure
+    assert len(failure["reason"]) <= CLIP_CHARS and failure["reason"].isprintable(), failure["reason"][:40]

@@ -37,7 +37,7 @@ def ensure_default_model() -> Path:
 
 def primary_models(settings) -> list:
     """The models `start` serves by default: --model / `model`, else the bundled default model (the first, with
-    its assistant) and its chat variant."""
+    its assistant) and, with the local API on (agents' model), its chat variant."""
     from ..settings import ModelSpec
     from .loader import model_id_for
 
@@ -47,5 +47,5 @@ def primary_models(settings) -> list:
         return []
     target, assistant = default_pair()
     drafter = settings.drafter or (str(assistant) if assistant else "")
-    chat = [ModelSpec(DEMO_CHAT.name, str(DEMO_CHAT))] if _has_weights(DEMO_CHAT) else []
+    chat = [ModelSpec(DEMO_CHAT.name, str(DEMO_CHAT))] if settings.local and _has_weights(DEMO_CHAT) else []
     return [ModelSpec(target.name, str(target), drafter=drafter), *chat]
