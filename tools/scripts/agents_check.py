@@ -18,8 +18,9 @@ CLI over OpenAI's Responses API, each for two turns, headless and offline.
 Exit 0 when both agents completed both turns, their tools were accepted and each ratio is <= 0.15.
 
 With --bundled, out of the box instead (issue 58): the node is `provider start --local` as the README starts it,
-the agents talk to its bundled chat variant (`gemma4-demo-chat`), and each is set up with exactly what docs/api.md
-says, nothing more (no max_tokens cap, no longer timeouts). Exit 0 when both agents completed both turns with their
+the agents talk to its bundled chat variant (`gemma4-demo-chat`), and each is set up with docs/api.md's settings
+and no others that change what it does (no max_tokens cap, no longer timeouts; a home of its own, and RUST_LOG to
+quiet Codex's log). Exit 0 when both agents completed both turns with their
 tools accepted; the ratio is printed (a first turn reads the agent's whole prompt: minutes on a CPU).
 """
 
