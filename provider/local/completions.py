@@ -162,10 +162,9 @@ class _Reply:
     def echo_due(self, index: int) -> bool:
         return self.echoes is not None and index not in self._echoed
 
-    def echo_chunk(self, index: int) -> dict[str, Any] | None:
-        """The echoed prompt, once, before a choice's first text (with its logprobs when they were asked)."""
-        if self.echoes is None or index in self._echoed:
-            return None
+    def echo_chunk(self, index: int) -> dict[str, Any]:
+        """The echoed prompt, once (when `echo_due`), before a choice's first text (with its logprobs when they were
+        asked)."""
         self._echoed.add(index)
         return self.chunk(index, self.echoes[index // self.req.n], self._prompt_lps(index) if self.req.logprobs else [])
 
