@@ -18,6 +18,7 @@ def _run_root(tmp_path_factory) -> Path:
 
 
 REPO = Path(__file__).resolve().parents[1]
+AS_INSTALLED = REPO / "tools" / "harness" / "as_installed"
 # What a distilled head is made from: the fixture modules and the drafters' code they train (a change to either
 # builds them anew), beside MLX's and mlx-lm's versions.
 FIXTURE_SOURCES = ("tools/fixtures/**/*.py", "provider/drafters/**/*.py", "provider/models/*mtp*.py")
@@ -84,6 +85,14 @@ def head_fixture(tmp_path_factory):
 
     root = KEPT_ROOT / "heads" if KEPT_ROOT is not None else _run_root(tmp_path_factory) / "heads"
     return lambda name: _built_once(root / name, lambda: build_head_fixture(name, root))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_as_installed():
+    """Every process a test starts runs without torch, as a user's install does (tools/harness/as_installed).
+    Set where tests run (a worker, or the one process without xdist), never in the xdist controller: the
+    workers keep torch for the parity test."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(AS_INSTALLED), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(autouse=True)

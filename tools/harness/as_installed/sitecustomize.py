@@ -1,0 +1,11 @@
+"""Started first by every Python process the test suite spawns (tests/conftest.py puts this folder on their
+PYTHONPATH): it hides torch, as a user's install has none (`pip install -e .` does not bring it).
+
+The test venv holds torch for the parity test alone, and transformers imports it whenever it is installed: a
+node process importing mlx-lm and mlx-vlm then pays about 11 s of CPU instead of 3. A module set to None in
+sys.modules is one `import` refuses and `importlib.util.find_spec` reports absent, which is how transformers asks.
+"""
+
+import sys
+
+sys.modules.setdefault("torch", None)
