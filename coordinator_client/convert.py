@@ -14,7 +14,7 @@ from provider.jobs import (GREEDY_SAMPLER, MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX
 from provider.types import Cause, Policy
 
 from provider.telemetry import Telemetry
-from provider.verdicts import Tolerance
+from provider.proofs.verdicts import Tolerance
 
 from .pb import provider_pb2 as pb
 from .sealed_errors import sealed_message

@@ -6,7 +6,7 @@ import time
 
 from provider.speculation import GREEDY, SPECULATIVE_SAMPLING
 from provider.status import NodeStatus
-from provider.verdicts import for_backend
+from provider.proofs.verdicts import for_backend
 
 from .convert import decision_to_pb, tolerance_to_pb
 from .identity import Identity

@@ -16,7 +16,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from provider.verdicts import looser
+from provider.proofs.verdicts import looser
 
 from .convert import tolerance_from_pb, tolerance_to_pb
 from .pb import provider_pb2 as pb

@@ -29,7 +29,7 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
     from .models.default import primary_models
     from .machine import decide_node_budget, node_step_tokens
     from .node import Node, build_models
-    from . import service, status_file
+    from . import status_file, systemd_notify
 
     session = identity = None
     if settings.coordinator:  # check the URL, then the key, before loading anything
@@ -84,7 +84,7 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
         print(f"provider {__version__}: loading {model_id}; health at {url}/health", flush=True)
     # The command line's way in (`provider generate`), with or without the TCP API, and after it: on its runner.
     runner, control = await start_control_socket(node, token, runner, facts=facts)
-    loading = asyncio.create_task(service.while_loading(model_id))
+    loading = asyncio.create_task(systemd_notify.while_loading(model_id))
     try:
         await node.preload(model_id)  # load and warm up before saying we are ready
     except JobError as e:
@@ -158,11 +158,11 @@ async def run(settings: Settings, *, local: bool, group: GroupSpec | None = None
             except asyncio.TimeoutError:
                 pass
 
-    watchdog = asyncio.create_task(service.notify_loop(node, stop, describe))
+    watchdog = asyncio.create_task(systemd_notify.notify_loop(node, stop, describe))
     publisher = asyncio.create_task(publish_status())
 
     await stop.wait()
-    service.notify("STOPPING=1")
+    systemd_notify.notify("STOPPING=1")
     await node.stop(grace_s=settings.shutdown_grace_s)
     if session_task is not None:
         await session_task

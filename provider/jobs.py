@@ -15,7 +15,7 @@ from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
 from .keep_alive import parse_keep_alive
 from .types import Cause, FinishReason, JobError, JobId, Policy
 from .telemetry import Telemetry
-from .verdicts import Tolerance, VerdictSummary, clamped
+from .proofs.verdicts import Tolerance, VerdictSummary, clamped
 
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})

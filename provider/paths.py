@@ -31,6 +31,11 @@ def config_file() -> Path:
     return config_dir() / "config.toml"
 
 
+def control_socket(state: Path | None = None) -> Path:
+    """The daemon's control socket (`provider generate`, `models load`, the status command's probe)."""
+    return (state or state_dir()) / "control.sock"
+
+
 def write_private(path: Path, data: bytes) -> None:
     """Write `data` to a file only the owner can read (0600), creating parents 0700."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from . import logs
 from .engine.grammar_compile import Compiler, compile_rules
-from .images import ImageProcessor, VisionPrompt
-from .media_plan import MediaPlan, plan_media
+from .media.images import ImageProcessor, VisionPrompt
+from .media.plan import MediaPlan, plan_media
 from .jobs import Job, JobError, check_vocabulary
 from .models.tool_format import ToolFormat, tool_format_for
 from .types import Cause

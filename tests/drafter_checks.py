@@ -39,7 +39,7 @@ def paired_listed_and_registered(target, name: str, drafter, kind: str) -> None:
     """Paired as `kind` from config + headers, listed so (its tag) by the model command, and registered so by a
     node with the drafter configured."""
     from coordinator_client.registration import model_infos
-    from provider.model_commands import describe, list_line
+    from provider.commands.model_commands import describe, list_line
     from provider.models.store import StoredModel
     from provider.settings import Settings
 

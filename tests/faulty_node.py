@@ -55,6 +55,6 @@ def install(kind: str) -> None:
 
 if __name__ == "__main__":
     install(os.environ.get("FAULT", "kill"))
-    from provider.cli import main
+    from provider.commands.cli import main
 
     sys.exit(main())

@@ -62,9 +62,11 @@ def _graph():
 # the floors below its own. `drafters`, the registry of drafter kinds and their model code, sits below `models`,
 # whose capability, loader, footprint and residency ask it, and above `memory` (which reads checkpoints). `proofs`
 # (the hidden-state tap, the commitment) sits lowest: models and drafters install taps, the engine commits, the
-# verifier reads them back.
+# verifier reads them back. `media` (decoding, processors, a job's media plan) only reads the vocabulary, so it sits
+# just above `proofs`. The command line (provider.commands) is above them all and nothing imports it
+# (test_nothing_below_the_command_line_imports_it).
 FLOORS = ("provider.group", "provider.verification", "provider.engine", "provider.models", "provider.drafters",
-          "provider.memory", "provider.proofs")
+          "provider.memory", "provider.media", "provider.proofs")
 
 
 def _floor(module: str) -> int | None:
@@ -97,12 +99,20 @@ def test_transports_do_not_reach_below_the_node():
     assert not {m: t for m, t in bad.items() if t}, bad
 
 
+def test_nothing_below_the_command_line_imports_it():
+    """The `provider` command and its subcommands (provider.commands) drive the node from above: the daemon, the
+    transports and everything under them import no command (only `python -m provider` starts one)."""
+    bad = {m: sorted(t for t in ts if t.startswith("provider.commands")) for m, ts in _graph().items()
+           if not m.startswith("provider.commands") and m != "provider.__main__"}
+    assert not {m: t for m, t in bad.items() if t}, bad
+
+
 def test_the_group_sits_beside_the_node_tied_one_way():
     """The node leads a group and the group drives the engine: nothing below the group imports it (the engine owns
     the failure type the group raises), and the group imports nothing above it (a worker rank is built from the
     parts below the node)."""
     below = ("provider.engine", "provider.models", "provider.drafters", "provider.memory", "provider.machine")
-    above = ("provider.node", "provider.daemon", "provider.cli", "provider.local", "coordinator_client")
+    above = ("provider.node", "provider.daemon", "provider.commands", "provider.local", "coordinator_client")
     graph = _graph()
     bad = {m: sorted(t for t in ts if t.startswith("provider.group")) for m, ts in graph.items() if m.startswith(below)}
     bad |= {m: sorted(t for t in ts if t.startswith(above)) for m, ts in graph.items()

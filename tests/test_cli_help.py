@@ -5,7 +5,7 @@ import argparse
 import subprocess
 import sys
 
-from provider.cli import build_parser
+from provider.commands.cli import build_parser
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

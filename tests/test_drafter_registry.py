@@ -80,7 +80,7 @@ def pair(request, fixtures_dir, head_fixture, tmp_path):
 
 @pytest.mark.parametrize("pair", sorted(ROWS), indirect=True)
 def test_a_kind_recognises_pairs_books_and_tags_its_drafters(pair, fixtures_dir):
-    from provider.model_commands import describe, list_line
+    from provider.commands.model_commands import describe, list_line
     from provider.models.store import StoredModel
     from provider.settings import Settings
 

@@ -14,7 +14,8 @@ import sys
 import httpx
 import pytest
 
-from provider import daemon_client, status_file
+from provider.commands import daemon_client
+from provider import status_file
 from provider.startup import InstanceLock
 from tests.helpers import LocalServer, until_blocking
 

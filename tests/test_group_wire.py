@@ -53,7 +53,7 @@ def test_a_plan_crosses_as_json_and_comes_back_the_same(key):
 
 
 def test_no_pickle_on_the_groups_wire():
-    """Plans travelled as pickles, and `("provider.service_files", "subprocess.Popen")` ran a command on every
+    """Plans travelled as pickles, and `("provider.commands.service_files", "subprocess.Popen")` ran a command on every
     worker: nothing under provider/group may unpickle (or import pickle at all)."""
     for path in (ROOT / "provider" / "group").glob("*.py"):
         names = {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))

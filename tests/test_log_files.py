@@ -7,7 +7,8 @@ import logging
 import plistlib
 from pathlib import Path
 
-from provider import logs, service_files
+from provider import logs
+from provider.commands import service_files
 from tests.helpers import LocalServer
 
 

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from provider.content import ImageInput, VideoInput
-from provider.images import MAX_MEDIA_BYTES
-from provider.media_decode import MAX_PIXELS
+from provider.media.images import MAX_MEDIA_BYTES
+from provider.media.decode import MAX_PIXELS
 from provider.memory.estimate import vision_scratch_bytes
 from tools.fixtures.vision import make_gemma4_vlm
 from provider.types import JobError
@@ -138,7 +138,7 @@ def _prepare_peaks(root: str) -> list[dict]:
     does): the outcome, the prepared bytes against the headers' count, and the peak RSS over the start."""
     from mlx_lm.utils import load_tokenizer
 
-    from provider.images import ImageProcessor
+    from provider.media.images import ImageProcessor
     from provider.local.image_parts import content_parts
 
     path = Path(root) / "gemma4-vlm"
@@ -183,7 +183,7 @@ def test_preparing_each_bomb_holds_at_most_the_media_bound_and_no_more_than_its_
 def _processor(vlm: Path):
     from mlx_lm.utils import load_tokenizer
 
-    from provider.images import ImageProcessor
+    from provider.media.images import ImageProcessor
 
     path = vlm / "gemma4-vlm"
     config = json.loads((path / "config.json").read_text())
@@ -216,7 +216,7 @@ def test_video_frames_are_each_resized_to_the_processors_size_never_to_another_f
     at, none at the first's own size; the same for a GIF whose later frames grow its canvas."""
     from PIL import Image
 
-    from provider.media_decode import video_frames
+    from provider.media.decode import video_frames
     from tools.harness.hostile import _png, gif_with_frames
 
     fit = lambda w, h: (min(w, 96), min(h, 96))  # noqa: E731 - the processor's rule is exercised by the server

@@ -240,7 +240,7 @@ def _queued_image_jobs_held(root: str) -> dict:
     import tracemalloc
 
     from provider.engine.plain_batch import PlainBatch
-    from provider.media_plan import media_bytes
+    from provider.media.plan import media_bytes
 
     paused = {"vlm"}
     real_step = PlainBatch.step

@@ -298,7 +298,7 @@ def test_an_answers_logprobs_are_shaped_and_encoded_off_the_event_loop(fixtures_
     thread than the loop's and encoded a piece at a time, and the answer holds them all."""
     from aiohttp import web
 
-    from provider.local import completions, openai_responses as out
+    from provider.local import completions, chat_output as out
     from provider.local.server import LocalAPI
     from tests.helpers import make_node
 

@@ -241,7 +241,7 @@ def load_pair(*args, **kwargs):  # the load waits for the test's word: 'loading'
     return real(*args, **kwargs)
 
 loader.load_pair = load_pair
-from provider.cli import main
+from provider.commands.cli import main
 main(sys.argv[1:])
 """
 

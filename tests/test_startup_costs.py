@@ -41,7 +41,7 @@ def report():  # on the test's word (a file named ask-NAME), what this process h
 
 loader.load_pair = load_pair
 threading.Thread(target=report, daemon=True).start()
-from provider.cli import main
+from provider.commands.cli import main
 main(sys.argv[1:])
 """
 

@@ -23,7 +23,7 @@ from coordinator_client.spot_checks import SpotChecks
 from provider.jobs import Claim, Done, Job, Proof, SamplingParams
 from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
-from provider.verdicts import CPU, DIVERGENT_KERNELS, Tolerance, clamped, looser
+from provider.proofs.verdicts import CPU, DIVERGENT_KERNELS, Tolerance, clamped, looser
 from provider.proofs.commitment import CommitmentBuilder
 from provider.verification.claim_rules import Failure, TokenCheck, length_failure, token_check
 from provider.verification.verifier import allowed_ties, judge

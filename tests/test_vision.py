@@ -174,7 +174,7 @@ def test_a_model_without_a_vision_tower_refuses_images_and_keeps_serving(fixture
 
 
 def test_detail_picks_the_budget_nearest_a_scaled_default():
-    from provider.images import budget_for
+    from provider.media.images import budget_for
 
     assert [budget_for(d, 280) for d in ("low", "auto", "high")] == [70, 280, 1120]
     assert [budget_for(d, 70) for d in ("low", "auto", "high")] == [70, 70, 280]
@@ -248,7 +248,7 @@ def test_video_as_frames_and_as_an_animated_gif_equals_mlx_vlm(vlm):
 
 def test_a_long_video_is_sampled_to_the_frame_cap_at_its_real_rate():
     from provider.content import VideoInput
-    from provider.media_decode import video_frames
+    from provider.media.decode import video_frames
 
     files = tuple(_encoded(f) for f in _frames(40, seed=1))
     frames, fps = video_frames(VideoInput(files, 8.0), cap=32)
@@ -311,7 +311,7 @@ def _encode_peaks(root: str) -> list[dict]:
     for it (run in a process of its own: the figures are process-wide)."""
     import mlx.core as mx
 
-    from provider.images import ImageProcessor
+    from provider.media.images import ImageProcessor
     from provider.memory.estimate import vision_scratch_bytes
     from provider.models.loader import load
 

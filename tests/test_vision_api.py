@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from provider.content import MAX_IMAGE_BYTES, MAX_IMAGES
-from provider.media_decode import MAX_PIXELS
+from provider.media.decode import MAX_PIXELS
 from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 from tests.helpers import LocalServer
 

@@ -19,7 +19,7 @@ from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..status import QueueStatus
 from ..models.tool_format import ToolFormat
-from ..media_plan import MediaPlan
+from ..media.plan import MediaPlan
 from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..prompts import CompiledGrammar
 from ..proofs.commitment import CommitmentBuilder

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..jobs import Event, JobError, Sink
-from ..media_plan import MediaPlan
+from ..media.plan import MediaPlan
 from ..memory.budget import system_facts
-from ..verdicts import ChunkVerdict, VerdictSummary, for_backend, looser
+from ..proofs.verdicts import ChunkVerdict, VerdictSummary, for_backend, looser
 from ..models.loader import LoadedModel
 from ..types import Cause, FinishReason
 from .output import JobOutput

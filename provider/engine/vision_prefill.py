@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from ..media_plan import MediaPlan
+from ..media.plan import MediaPlan
 from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..models.loader import LoadedModel
 from ..types import Cause, JobError

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .. import logs, service
+from .. import logs, systemd_notify
 from ..jobs import JobError
 from ..machine import decide_node_budget, node_step_tokens
 from ..models.loader import load_pair
@@ -32,14 +32,14 @@ class ServicePings:
 
     def __init__(self, status: str):
         self.status = status
-        self.interval = service.watchdog_interval()
+        self.interval = systemd_notify.watchdog_interval()
         self._last = 0.0
 
     def beat(self) -> None:
         now = time.monotonic()
         if self.interval is not None and now - self._last >= self.interval:
             self._last = now
-            service.notify(f"WATCHDOG=1\nSTATUS={self.status}")
+            systemd_notify.notify(f"WATCHDOG=1\nSTATUS={self.status}")
 
 
 def run_follower(settings: Settings, spec: GroupSpec) -> int:
@@ -74,7 +74,7 @@ def run_follower(settings: Settings, spec: GroupSpec) -> int:
     watchdog.expect("a step of the group", settings.group_step_timeout_s)
     print(f"provider: rank {spec.rank} of {spec.size} serving {model_id} for rank 0", flush=True)
     status = f"rank {spec.rank} of {spec.size} serving {model_id} for rank 0"
-    service.notify(f"READY=1\nSTATUS={status}")
+    systemd_notify.notify(f"READY=1\nSTATUS={status}")
     pings = ServicePings(status)
     try:
         follow(member.link, running, lm, prompts.grammar, prompts.tool_format, lambda: (watchdog.beat(), pings.beat()))

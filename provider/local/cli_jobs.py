@@ -1,5 +1,5 @@
 """The command line's jobs in the daemon: `provider generate` beside a running daemon sends its job here over the
-control socket (provider/daemon_client.py) instead of loading a second engine.
+control socket (provider/commands/daemon_client.py) instead of loading a second engine.
 
 POST /provider/v1/generate takes the job's JSON (provider/generate_job.py, checked by the same `job_of` as the
 command's own) and answers NDJSON, one event a line: {"accepted": {job_id, model}}, {"tokens": text} as they

@@ -12,7 +12,7 @@ from aiohttp import web
 from ..jobs import Done, Error, TokenLogprob, Usage
 from ..node import Node
 from . import openai_api as api
-from . import openai_responses as out
+from . import chat_output as out
 from .bodies import off_loop, read_parsed
 from .choices import Choice, merged, open_choices
 

@@ -8,8 +8,7 @@ from typing import Any
 
 from ..constraints import MAX_TOOLS, OutputRules, ResponseFormat, Tool, ToolChoice
 from ..content import ImageInput, VideoInput
-from ..jobs import (MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Job, JobError, SamplingParams,
-                    resolve_max_tokens)
+from ..jobs import MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Job, JobError, SamplingParams, resolve_max_tokens
 from ..types import Cause
 from .image_parts import content_parts
 

@@ -19,7 +19,7 @@ from . import responses_output as out
 from .agent_edge import collected, failed, kept_alive, run_job
 from .bodies import Body, off_loop, parse_bounded, read_body
 from .json_bounds import MAX_JSON_VALUES
-from .openai_responses import now
+from .chat_output import now
 from .responses_api import ResponsesRequest, parse_responses
 from .responses_store import ResponseStore, Stored, compact, joined
 

@@ -19,10 +19,9 @@ from ..jobs import JobError
 from ..node import Node
 from ..status_file import DaemonFacts
 from . import openai_api as api
-from . import openai_responses as out
+from . import chat_output as out
 from . import anthropic_messages
 from .anthropic_routes import AnthropicMessages
-from ..daemon_client import socket_path
 from .bodies import off_loop, read_json
 from .cli_jobs import CliJobs
 from .dashboard import Dashboard
@@ -228,7 +227,7 @@ async def start_control_socket(node: Node, token: str | None, runner: web.AppRun
     lock: a socket file found there is a dead daemon's and is replaced. The socket is made 0600 before it
     listens. Returns the runner and the socket's path, or None (and a warning) if it could not be made."""
     runner = runner or await _runner(node, token, facts)
-    path = socket_path()
+    path = paths.control_socket()
     sock, bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), False
     try:
         if path.is_socket():

@@ -101,7 +101,7 @@ def pair_key(target_hash: str, drafter_hash: str, drafter_mode: str, measure: di
 
 def weights_hash(path: Path | None) -> str:
     """A checkpoint's manifest hash (per-file hashes cached by size and mtime: read once per machine)."""
-    from ..models import manifest
+    from . import manifest
 
     if path is None:
         return ""

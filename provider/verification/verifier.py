@@ -25,7 +25,7 @@ from ..engine.output import end_ids
 from ..engine.prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
 from ..engine.stops import StopMatcher
 from ..jobs import SPECULATIVE_SAMPLER, Proof, SamplingParams
-from ..verdicts import Tolerance
+from ..proofs.verdicts import Tolerance
 from .claim_rules import Failure, TokenCheck, length_failure, token_check
 from ..proofs.commitment import CHUNK, ChunkMatch, CommitmentError, decode, match_chunk
 from ..proofs.hidden_tap import install, top_entries

@@ -54,7 +54,7 @@ def _main(target: str, result: str) -> None:
 
 if __name__ == "__main__":
     _main(*sys.argv[1:])
-    # Leave without the interpreter's teardown, as provider.cli._leave does: after MLX ran on worker threads,
+    # Leave without the interpreter's teardown, as provider.commands.cli._leave does: after MLX ran on worker threads,
     # MLX 0.32's CPU backend sometimes aborts there ("terminate called without an active exception") once the
     # result is already written.
     sys.stdout.flush()

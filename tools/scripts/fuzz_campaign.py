@@ -319,7 +319,7 @@ def media_phase(n: int, seed: int, t: Tally, root: Path) -> dict:
     + 64 MiB, a normal image served after every 20 cases."""
     from PIL import Image
 
-    from provider.images import MAX_MEDIA_BYTES
+    from provider.media.images import MAX_MEDIA_BYTES
     from provider.memory.estimate import vision_scratch_bytes
     from tools.fixtures.vision import make_gemma4_vlm
     from tools.harness.hostile import _png, image_part

@@ -18,8 +18,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from .generate import CAUSE_EXIT, EX_DATAERR, EX_NOINPUT, EX_SOFTWARE, EX_USAGE_FLAG
-from .jobs import Done, Error
-from .types import JobError
+from ..jobs import Done, Error
+from ..types import JobError
 
 EXIT_FAILED = 1
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from coordinator_client import convert
     from coordinator_client.pb import provider_pb2 as pb
 
-    from .settings import Settings, SettingsError
+    from ..settings import Settings, SettingsError
 
     try:
         settings = Settings.load(cli={"model": args.model, "speculation": "off", "log_level": "warning",
@@ -63,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _verify(settings, job) -> int:
-    from . import logs
-    from .models.default import primary_models
-    from .node import Node, build_models
+    from .. import logs
+    from ..models.default import primary_models
+    from ..node import Node, build_models
 
     logs.configure(settings.log_level, settings.log_format, file=settings.log_file)
     node = Node(settings, build_models(settings, primary_models(settings)))

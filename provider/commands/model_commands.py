@@ -10,15 +10,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from .drafters import registry
-from .jobs import JobError
-from .models import capability, loader, manifest, store
-from .memory.checkpoint import read_config
-from .models.footprint import estimate_footprint
-from .machine import longest_prefill_read
-from .settings import Settings
+from ..drafters import registry
+from ..jobs import JobError
+from ..models import capability, loader, manifest, store
+from ..memory.checkpoint import read_config
+from ..models.footprint import estimate_footprint
+from ..machine import longest_prefill_read
+from ..settings import Settings
 from .status_command import EXIT_NOT_RUNNING  # as `provider status`: no daemon runs here
-from .status_file import staying
+from ..status_file import staying
 
 MiB = 1 << 20
 EXIT_REFUSED = 1
@@ -50,7 +50,7 @@ def add_parser(sub, config: list) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    from .machine import decide_node_budget
+    from ..machine import decide_node_budget
 
     command = args.models_command
     if command == "list":
@@ -99,7 +99,7 @@ def answer_line(command: str, answer: dict) -> str:
 
 def _served(settings: Settings) -> list[store.StoredModel]:
     """Exactly what `provider start` would serve: the bundled pair or --model first, then the store."""
-    from .models.default import primary_models
+    from ..models.default import primary_models
 
     return store.discover(settings, primary_models(settings))
 

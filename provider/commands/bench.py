@@ -73,7 +73,7 @@ def _plain(model, prompt: list[int], n: int, eos: set[int], sampler=None) -> Ite
 
 
 def _speculative(model, drafter_factory, prompt: list[int], n: int, eos: set[int], stats, choice) -> Iterator[int]:
-    from .engine.spec_rounds import speculative_tokens
+    from ..engine.spec_rounds import speculative_tokens
 
     tokens = speculative_tokens(model, prompt, drafter_factory(), k=stats.k, stats=stats, choice=choice)
     try:
@@ -102,10 +102,10 @@ def _pair(model_path: Path, drafter_path: Path):
     """The loaded target and drafter as the node holds them, and a factory of fresh drafters."""
     from mlx_lm import load
 
-    from .drafters import registry
-    from .engine.proposers import drafter_for
-    from .memory.checkpoint import read_config
-    from .models.loader import LoadedModel
+    from ..drafters import registry
+    from ..engine.proposers import drafter_for
+    from ..memory.checkpoint import read_config
+    from ..models.loader import LoadedModel
 
     model, tok = load(str(model_path))
     lm = LoadedModel("bench", model_path, model, tok, {}, 0.0)
@@ -146,11 +146,11 @@ def _scheme_runs(lm, factory, encoded: list[list[int]], ks: list[int], max_token
     """Every configuration (off, each k, auto) on every prompt. The configurations of a prompt decode side by
     side, CHUNK tokens each in turn, each prompt starting one further along: on a shared machine speed drifts
     by tens of percent over seconds, and taking turns this finely puts the drift on all of them alike."""
-    from .engine.acceptance import GreedyChoice, SampledChoice
-    from .engine.sampling import sampler_for
-    from .telemetry import SpecTelemetry
-    from .jobs import SamplingParams
-    from .speculation import GREEDY, SPECULATIVE_SAMPLING
+    from ..engine.acceptance import GreedyChoice, SampledChoice
+    from ..engine.sampling import sampler_for
+    from ..telemetry import SpecTelemetry
+    from ..jobs import SamplingParams
+    from ..speculation import GREEDY, SPECULATIVE_SAMPLING
 
     scheme = GREEDY if temperature == 0 else SPECULATIVE_SAMPLING
     names = ["off", *[f"k={k}" for k in ks], "auto"]
@@ -197,8 +197,8 @@ def _scheme_runs(lm, factory, encoded: list[list[int]], ks: list[int], max_token
 
 def run(model_path: Path, drafter_path: Path, ks: list[int], prompts: list[str], max_tokens: int,
         out_path: Path, temperature: float = 0.7) -> dict:
-    from .engine import profile as profiling
-    from .models import manifest
+    from ..engine import profile as profiling
+    from ..models import manifest
 
     lm, factory = _pair(model_path, drafter_path)
     eos = set(lm.tokenizer.eos_token_ids)
@@ -225,8 +225,8 @@ def run(model_path: Path, drafter_path: Path, ks: list[int], prompts: list[str],
 def _keep(model_path: Path, drafter_path: Path, mode: str, profile, measured_at: float, k_max: int) -> str:
     """The fresh measurement as the node's kept profile of this pair (models.profile_store), so the next load
     reads it: `provider bench` refreshes it. Only a measurement the node would make (its k_max); "" otherwise."""
-    from .engine import profile as profiling
-    from .models import profile_store
+    from ..engine import profile as profiling
+    from ..models import profile_store
 
     if k_max != profiling.K_MAX:
         return ""

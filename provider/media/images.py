@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .content import ImageInput, VideoInput
-from .media_decode import BICUBIC, MAX_SOURCE_FRAMES, decode, open_image, refused, video_frames
-from .types import Cause, JobError
+from ..content import ImageInput, VideoInput
+from .decode import BICUBIC, MAX_SOURCE_FRAMES, decode, open_image, refused, video_frames
+from ..types import Cause, JobError
 
 # One request's media as the model reads them (float32 pixels and patches, counted from the headers before any
 # is decoded): eight images at the largest budget (1120 soft tokens: 29.5 MiB each) or four full videos

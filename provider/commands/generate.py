@@ -7,7 +7,7 @@ line on stderr and a sysexits code. Ctrl-C cancels the job within one engine ste
 printed.
 
 One node per machine: when a daemon holds the state directory, the job goes to it over its control socket
-(`_forward`, provider/daemon_client.py) and runs there; otherwise the engine runs in this process. Either way
+(`_forward`, provider/commands/daemon_client.py) and runs there; otherwise the engine runs in this process. Either way
 the job is built and checked by `generate_job.job_of`, from the JSON shape the daemon's route reads too.
 """
 
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .generate_job import job_of, summary_of
-from .jobs import Done, Error, Job, Tokens
-from .types import Cause, JobError
+from ..generate_job import job_of, summary_of
+from ..jobs import Done, Error, Job, Tokens
+from ..types import Cause, JobError
 
 EX_USAGE_FLAG = 2  # a bad flag value: as argparse exits
 EX_DATAERR = 65  # the prompt or the schema is refused
@@ -163,7 +163,7 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace):
-    from .settings import Settings, SettingsError
+    from ..settings import Settings, SettingsError
 
     try:
         return Settings.load(cli={"model": args.model, "drafter": args.drafter, "speculation": args.speculation,
@@ -175,10 +175,10 @@ def _settings(args: argparse.Namespace):
 async def _generate(args: argparse.Namespace, job: Job, collector_on: Callable[[bool], None]) -> int:
     from dataclasses import replace
 
-    from . import logs
-    from .memory.budget import freeze_startup_heap
-    from .models.default import primary_models
-    from .node import Node, build_models
+    from .. import logs
+    from ..memory.budget import freeze_startup_heap
+    from ..models.default import primary_models
+    from ..node import Node, build_models
 
     settings = _settings(args)
     logs.configure(settings.log_level, settings.log_format, file=settings.log_file)
@@ -211,21 +211,20 @@ async def _generate(args: argparse.Namespace, job: Job, collector_on: Callable[[
 def _find_daemon(args: argparse.Namespace) -> tuple[int, Path] | None:
     """The daemon running on this state directory, its pid and control socket; None when none runs (a daemon
     just starting is given START_WAIT_S to open its socket)."""
-    from . import paths
-    from .daemon_client import socket_path
-    from .startup import holder_pid
+    from .. import paths
+    from ..startup import holder_pid
 
     state = paths.state_dir()
     pid = holder_pid(state)
     if pid is None:
         return None
-    from . import status_file
+    from .. import status_file
     own = [flag for flag, given in (("--drafter", args.drafter), ("--config", args.config)) if given]
     if own:
         raise Refused(f"{' and '.join(own)} set{'s' if len(own) == 1 else ''} the node itself, and the daemon (pid "
                       f"{pid}) on {state} runs with its own settings; drop {' and '.join(own)} to send the job to "
                       "the daemon, or stop the daemon to run it here", EX_USAGE_FLAG)
-    path = socket_path(state)
+    path = paths.control_socket(state)
     deadline = time.monotonic() + START_WAIT_S
     while not path.exists():
         if holder_pid(state) is None:

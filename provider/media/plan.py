@@ -15,10 +15,10 @@ import concurrent.futures
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .content import ImageInput, VideoInput
+from ..content import ImageInput, VideoInput
 from .images import ImageProcessor, PreparedImage, PreparedVideo, VisionPrompt, budget_for
-from .media_decode import decode
-from .types import Cause, JobError
+from .decode import decode
+from ..types import Cause, JobError
 
 Submit = Callable[..., concurrent.futures.Future]  # an executor's submit: the prompt workers'
 

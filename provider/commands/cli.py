@@ -9,13 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__, logs, paths
+from .. import __version__, logs, paths
 from .cli_help import explain
-from .group.spec import GroupSpec, GroupSpecError, group_spec, public_addresses
-from .jobs import JobError
-from .net import is_loopback
-from .settings import Settings, SettingsError
-from .startup import EXIT_CONFIG, InstanceLock, StartupError
+from ..group.spec import GroupSpec, GroupSpecError, group_spec, public_addresses
+from ..jobs import JobError
+from ..net import is_loopback
+from ..settings import Settings, SettingsError
+from ..startup import EXIT_CONFIG, InstanceLock, StartupError
 
 
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return service_files.status(s, as_json=args.json)
     if args.command == "bench":
         from . import bench
-        from .models.default import default_pair
+        from ..models.default import default_pair
 
         if args.model is None:
             args.model, default_drafter = default_pair()
@@ -185,7 +185,7 @@ def _leave(code: int) -> None:
 
 
 def _group_init(args: argparse.Namespace) -> int:
-    from .group.secret import GroupSecretError, create_secret, secret_path
+    from ..group.secret import GroupSecretError, create_secret, secret_path
 
     try:
         path = secret_path(args.out or Settings.load(config_file=getattr(args, "config", None)).group_secret_file)
@@ -201,9 +201,9 @@ def _group_init(args: argparse.Namespace) -> int:
 def _group_check(args: argparse.Namespace) -> int:
     import json
 
-    from .group.check import describe, run_check
-    from .engine.collective import GroupLost
-    from .group.member import EXIT_GROUP_LOST
+    from ..group.check import describe, run_check
+    from ..engine.collective import GroupLost
+    from ..group.member import EXIT_GROUP_LOST
 
     if not 0 < args.timeout <= 3600 or not 1 <= args.payload_mb <= 1024:
         print("provider: --timeout must be in (0, 3600] s and --payload-mb in 1..1024", file=sys.stderr)
@@ -295,7 +295,7 @@ def _start(args: argparse.Namespace) -> int:
 
 
 def _run_daemon(settings: Settings, group: GroupSpec | None) -> int:
-    from . import daemon, startup
+    from .. import daemon, startup
 
     failures: tuple = (JobError, PermissionError)
     if settings.coordinator:  # a local-only node never loads the gRPC stack (protobuf, grpc, its keys)
@@ -313,8 +313,8 @@ def _run_daemon(settings: Settings, group: GroupSpec | None) -> int:
     except StartupError as e:
         print(f"provider: cannot start: {e.message}", file=sys.stderr)
         return e.exit_code
-    from .engine.collective import GroupLost
-    from .group.member import EXIT_GROUP_LOST
+    from ..engine.collective import GroupLost
+    from ..group.member import EXIT_GROUP_LOST
 
     try:
         return asyncio.run(daemon.run(settings, local=settings.local, group=group))
@@ -329,8 +329,8 @@ def _run_daemon(settings: Settings, group: GroupSpec | None) -> int:
 
 
 def _follow(settings: Settings, group: GroupSpec) -> int:
-    from . import startup
-    from .group.follower import run_follower
+    from .. import startup
+    from ..group.follower import run_follower
 
     lock = InstanceLock(paths.state_dir())
     try:

@@ -8,10 +8,10 @@ import platform
 import socket
 from urllib.parse import urlparse
 
-from .memory.budget import decide_budget, system_facts
+from ..memory.budget import decide_budget, system_facts
 from . import model_commands as commands
-from .models import store
-from .settings import SettingsError
+from ..models import store
+from ..settings import SettingsError
 
 MiB = 1 << 20
 
@@ -65,7 +65,7 @@ def check(settings_loader) -> dict:
                         "usable_bytes": budget.usable}
     if budget.usable <= 0:
         problems.append("the memory budget leaves nothing usable; lower memory_reserve_gb")
-    from .models.default import primary_models
+    from ..models.default import primary_models
 
     found = store.discover(settings, primary_models(settings))
     report["models"] = [commands.describe(settings, m, budget.usable) for m in found]
@@ -124,9 +124,9 @@ def print_text(report: dict) -> None:
 def speculation_costs(settings, budget) -> dict:
     """Load the default model's pair as the node would, and say what speculation costs here and the k auto picks
     (the live node refines its acceptance with traffic; `provider status` shows that): the profile and its lines."""
-    from .engine import profile
-    from .models.default import primary_models
-    from .node import build_models
+    from ..engine import profile
+    from ..models.default import primary_models
+    from ..node import build_models
 
     models = build_models(settings, primary_models(settings), budget)
     models.profiler = profile.Profiler()

@@ -15,8 +15,8 @@ import io
 import warnings
 from typing import Callable
 
-from .content import ImageInput, VideoInput
-from .types import Cause, JobError
+from ..content import ImageInput, VideoInput
+from ..types import Cause, JobError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_PIXELS = 32_000_000  # width x height of one decoded image (an 8k x 4k photo)

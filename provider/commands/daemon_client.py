@@ -4,7 +4,7 @@ Only the owner of the state directory can connect, so no token is sent.
 
 `call` is one request and its JSON answer; `stream_generate` is a `provider generate` job, read event by event
 (`POST /provider/v1/generate`, provider/local/cli_jobs.py). aiohttp is imported by the calls, not with the module:
-`provider generate` takes `socket_path` from here, and when no daemon runs it never talks HTTP (aiohttp and the
+when no daemon runs `provider generate` never talks HTTP (aiohttp and the
 TLS contexts it builds on import are ~0.1-0.2 s of a one-shot start, issue 57)."""
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import json as jsonlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from . import paths
+from .. import paths
 
 if TYPE_CHECKING:
     import aiohttp
 
-SOCKET_NAME = "control.sock"
 BASE = "http://provider"  # the host is not looked up: the connector always dials the socket
 CONNECT_TIMEOUT_S = 10.0
 READ_BUFSIZE = 2**20  # an event of the stream (a batch of tokens, the job's end) may be twice this long
@@ -32,14 +31,10 @@ class Unreachable(Exception):
     before the socket existed)."""
 
 
-def socket_path(state_dir: Path | None = None) -> Path:
-    return (state_dir or paths.state_dir()) / SOCKET_NAME
-
-
 def _session(socket: Path | None, timeout: float | None) -> aiohttp.ClientSession:
     import aiohttp
 
-    connector = aiohttp.UnixConnector(path=str(socket or socket_path()))
+    connector = aiohttp.UnixConnector(path=str(socket or paths.control_socket()))
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
         total=timeout, sock_connect=CONNECT_TIMEOUT_S), read_bufsize=READ_BUFSIZE)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
 
-from . import paths, startup
+from .. import paths, startup
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 # Passed through when set: where models are cached and how to reach the package index / Hub.

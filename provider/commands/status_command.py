@@ -9,8 +9,8 @@ import json
 import sys
 import time
 
-from . import paths, status_file
-from .startup import holder_pid
+from .. import paths, status_file
+from ..startup import holder_pid
 
 EXIT_NOT_RUNNING = 3  # no daemon runs on this state directory
 LIVE_TIMEOUT_S = 3.0
