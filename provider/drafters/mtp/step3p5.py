@@ -12,7 +12,7 @@ where the pair (token t+1, h_t) sits at position t, and h_t is the hidden BEFORE
 `model.norm` (vLLM's Step3p5Model returns it so and norms it in compute_logits; SGLang passes
 `hidden_states_before_norm`), and for draft steps after the first the head's own x before `shared_head.norm` (both
 chain that). So the head reads the target's final norm's input, through a tap of its own on that norm
-(`head.tap`, which drafters.HeadDrafter reads instead of the final-norm tap). Every published norm is zero-centred
+(`head.tap`, which engine.proposers.HeadDrafter reads instead of the final-norm tap). Every published norm is zero-centred
 (GemmaRMSNorm): + 1 at load, where mlx-lm's own sanitize would add it (a checkpoint in the published layout).
 
 The release declares three MTP layers (MTP-3); the node loads the first and chains it k times, as it does every
