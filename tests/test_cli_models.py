@@ -1,6 +1,7 @@
 """`provider doctor` and `provider models` as a user runs them."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,8 @@ def home(tmp_path, fixtures_dir):
 
 def cli(home, *args, config: str | None = None):
     env = {"XDG_CACHE_HOME": str(home / "cache"), "XDG_CONFIG_HOME": str(home / "config"),
-           "XDG_STATE_HOME": str(home / "state"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+           "XDG_STATE_HOME": str(home / "state"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # tests/conftest.py: children run without torch
     if config is not None:
         (home / "config" / "provider").mkdir(parents=True, exist_ok=True)
         (home / "config" / "provider" / "config.toml").write_text(config)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import os
 import pickle
 import socket
 import subprocess
@@ -53,7 +54,7 @@ def test_a_plan_crosses_as_json_and_comes_back_the_same(key):
 
 
 def test_no_pickle_on_the_groups_wire():
-    """Plans travelled as pickles, and `("provider.commands.service_files", "subprocess.Popen")` ran a command on every
+    """Plans travelled as pickles, and `("provider.service_files", "subprocess.Popen")` ran a command on every
     worker: nothing under provider/group may unpickle (or import pickle at all)."""
     for path in (ROOT / "provider" / "group").glob("*.py"):
         names = {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
@@ -277,7 +278,8 @@ def test_start_refuses_a_group_over_public_addresses_without_the_flag(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["8.8.8.8:5000"], ["127.0.0.1:5001"]]))
     env = {"PROVIDER_GROUP_SECRET_FILE": str(write_secret(tmp_path / "secret")), "XDG_STATE_HOME": str(tmp_path),
-           "XDG_CONFIG_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+           "XDG_CONFIG_HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # tests/conftest.py: children run without torch
     run = subprocess.run([sys.executable, "-m", "provider", "start", "--group", str(hostfile), "--rank", "1"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 2 and "public addresses (8.8.8.8:5000)" in run.stderr, run.stderr

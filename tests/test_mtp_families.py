@@ -6,6 +6,7 @@ continuations of a few prompts (`fixtures.mtp.train_prompts`): on those its draf
 seldom, so rounds accept every number of drafts from 0 to k. Greedy output must equal plain decoding."""
 
 import asyncio
+import os
 
 import pytest
 from mlx_lm import load
@@ -179,7 +180,8 @@ def test_registration_says_which_models_speculate_and_with_what(fixtures_dir, ta
     for name in ("gemma4-tiny", "gemma4-tiny-assistant", "qwen3-tiny"):
         shutil.copytree(fixtures_dir / name, models / name)
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
-           "XDG_STATE_HOME": str(tmp_path / "state"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+           "XDG_STATE_HOME": str(tmp_path / "state"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # tests/conftest.py: children run without torch
     listing = subprocess.run([sys.executable, "-m", "provider", "models", "list"], capture_output=True, text=True,
                              env=env, timeout=120, check=True)
     rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}

@@ -34,7 +34,7 @@ def report():  # on the test's word (a file named ask-NAME), what this process h
             name = ask.name[4:]
             if name not in done:
                 done.add(name)
-                loaded = sorted(m for m, v in sys.modules.items() if v is not None)  # None: hidden, not loaded
+                loaded = sorted(m for m, v in list(sys.modules.items()) if v is not None)  # None: hidden, not loaded
                 (out / f"{name}.json").write_text(json.dumps({
                     "collecting": gc.isenabled(), "frozen": gc.get_freeze_count(), "modules": loaded}))
         time.sleep(0.01)
@@ -144,14 +144,14 @@ NOT_IN_GENERATE = NOT_AT_START + ("aiohttp", "tools")
 
 WATCHED_GENERATE = """
 import gc, json, os, sys
-from provider import cli
+from provider.commands import cli
 
 out = sys.argv.pop(1)
 
 def leave(code):  # the command's end: what the process holds, written before os._exit
     with open(out, "w") as f:
         json.dump({"code": code, "collecting": gc.isenabled(), "frozen": gc.get_freeze_count(),
-                   "modules": sorted(m for m, v in sys.modules.items() if v is not None)}, f)
+                   "modules": sorted(m for m, v in list(sys.modules.items()) if v is not None)}, f)
     sys.stdout.flush()
     os._exit(code)
 
@@ -166,10 +166,10 @@ def _env(tmp_path) -> dict:
 
 
 def test_generate_parses_and_looks_for_a_daemon_before_importing_the_node(tmp_path):
-    code = ("import json, sys\nfrom provider import cli, generate\n"
+    code = ("import json, sys\nfrom provider.commands import cli, generate\n"
             "args = cli.build_parser().parse_args(['generate', 'Hi', '--max-tokens', '1'])\n"
             "generate._job(args)\nassert generate._find_daemon(args) is None\n"
-            "print(json.dumps(sorted(m for m, v in sys.modules.items() if v is not None)))")
+            "print(json.dumps(sorted(m for m, v in list(sys.modules.items()) if v is not None)))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(tmp_path))
     assert r.returncode == 0, r.stderr
     assert _held(json.loads(r.stdout), NOT_BEFORE_THE_NODE) == []

@@ -228,14 +228,14 @@ def _group_check(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from . import model_commands as commands
+    from . import model_commands
 
     try:
         settings = Settings.load(config_file=args.config)
     except SettingsError as e:
         print(f"provider: configuration error: {e}", file=sys.stderr)
         return 2
-    return commands.run(args, settings)
+    return model_commands.run(args, settings)
 
 
 def _start(args: argparse.Namespace) -> int:

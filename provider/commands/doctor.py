@@ -9,7 +9,7 @@ import socket
 from urllib.parse import urlparse
 
 from ..memory.budget import decide_budget, system_facts
-from . import model_commands as commands
+from . import model_commands
 from ..models import store
 from ..settings import SettingsError
 
@@ -68,7 +68,7 @@ def check(settings_loader) -> dict:
     from ..models.default import primary_models
 
     found = store.discover(settings, primary_models(settings))
-    report["models"] = [commands.describe(settings, m, budget.usable) for m in found]
+    report["models"] = [model_commands.describe(settings, m, budget.usable) for m in found]
     fitting = sum(bool(r.get("fits")) for r in report["models"])
     if not found:
         problems.append("no models found; `provider models pull ORG/NAME` or set `model`")

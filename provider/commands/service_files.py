@@ -20,7 +20,7 @@ from xml.sax.saxutils import escape
 
 from .. import paths, startup
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # Passed through when set: where models are cached and how to reach the package index / Hub.
 ENV_ALLOWLIST = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY",
                  "NO_PROXY", "PROVIDER_MODELS_DIR")

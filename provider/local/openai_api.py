@@ -1,5 +1,5 @@
 """OpenAI request bodies -> Jobs (one per choice), and job failures -> OpenAI errors. Pure: no I/O, no MLX.
-The response bodies are in openai_responses."""
+The response bodies are in chat_output."""
 
 from __future__ import annotations
 

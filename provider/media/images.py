@@ -1,4 +1,4 @@
-"""Images into pixels, off the engine thread: decoded frames (media_decode.py, bounded) turned into what the
+"""Images into pixels, off the engine thread: decoded frames (decode.py, bounded) turned into what the
 checkpoint's vision tower reads with the checkpoint's own processor (mlx-vlm's Gemma 4 image processor). What a
 job's media become (float32, images scaled up or down to fill their budget, as the processor does) is counted from
 the headers against MAX_MEDIA_BYTES before any is decoded.
