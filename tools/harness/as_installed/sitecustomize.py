@@ -9,3 +9,11 @@ sys.modules is one `import` refuses and `importlib.util.find_spec` reports absen
 import sys
 
 sys.modules.setdefault("torch", None)
+
+if _log := __import__("os").environ.get("TESTS_PROCESS_LOG"):
+    # What the suite starts, to see where its time goes: TESTS_PROCESS_LOG=FILE appends one line a Python process
+    # (its start time, pid and command line).
+    import os
+    import time
+    with open(_log, "a") as f:
+        f.write(f"{time.time():.3f} {os.getpid()} {' '.join(sys.orig_argv[1:])[:300]}\n")
