@@ -4,8 +4,8 @@ Only the owner of the state directory can connect, so no token is sent.
 
 `call` is one request and its JSON answer; `stream_generate` is a `provider generate` job, read event by event
 (`POST /provider/v1/generate`, provider/local/cli_jobs.py). aiohttp is imported by the calls, not with the module:
-when no daemon runs `provider generate` never talks HTTP (aiohttp and the
-TLS contexts it builds on import are ~0.1-0.2 s of a one-shot start, issue 57)."""
+when no daemon runs, `provider generate` never talks HTTP (aiohttp and the TLS contexts it builds on import are
+~0.1-0.2 s of a one-shot start, issue 57)."""
 
 from __future__ import annotations
 
