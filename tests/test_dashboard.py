@@ -295,8 +295,9 @@ def test_a_chat_answer_streams_into_the_page(page, node):
     seen = page.js("return window.__seen")
     growing = sorted({n for n, ended in seen if n > 0 and not ended})
     assert len(growing) >= 2, f"the answer did not come in pieces: {seen}"  # streamed, not all at the end
-    answer = page.js("return document.querySelector('.msg.assistant:last-of-type span').textContent")
-    assert len(answer) >= growing[-1] > 0
+    # Counted in JavaScript as the lengths seen were (UTF-16 units: Python counts an emoji once, JavaScript twice).
+    answer = page.js("return document.querySelector('.msg.assistant:last-of-type span').textContent.length")
+    assert answer >= growing[-1] > 0
     assert httpx.get(node.url + "/health").json()["counters"]["jobs_completed"] == before + 1
     assert not [e for e in page.console_errors() if "Content Security Policy" in e]
 
