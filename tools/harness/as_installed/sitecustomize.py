@@ -6,14 +6,14 @@ node process importing mlx-lm and mlx-vlm then pays about 11 s of CPU instead of
 sys.modules is one `import` refuses and `importlib.util.find_spec` reports absent, which is how transformers asks.
 """
 
+import os
 import sys
+import time
 
 sys.modules.setdefault("torch", None)
 
-if _log := __import__("os").environ.get("TESTS_PROCESS_LOG"):
+if _log := os.environ.get("TESTS_PROCESS_LOG"):
     # What the suite starts, to see where its time goes: TESTS_PROCESS_LOG=FILE appends one line a Python process
     # (its start time, pid and command line).
-    import os
-    import time
     with open(_log, "a") as f:
         f.write(f"{time.time():.3f} {os.getpid()} {' '.join(sys.orig_argv[1:])[:300]}\n")
