@@ -92,6 +92,17 @@ def test_busy_models_are_never_evicted(fixtures_dir, monkeypatch):
 
 
 def test_load_that_cannot_fit_is_typed_and_node_serves_one_that_fits(fixtures_dir):
+    # In a fresh process: in a shared one, MLX memory another test left behind counts against this node's budget as
+    # unaccounted, and the small room given beside qwen3-tiny was not enough for its job (seen once in CI).
+    message, finished = run_isolated(_one_refused_one_served, str(fixtures_dir))
+    print("\n" + message)
+    assert f"needs {footprints(fixtures_dir)['gemma4-tiny'] / 2**20:.1f} MiB" in message
+    assert finished
+
+
+def _one_refused_one_served(fixtures: str) -> list:
+    """The refusal's message for gemma4-tiny, and whether qwen3-tiny's job then finished."""
+    fixtures_dir = Path(fixtures)
     f = footprints(fixtures_dir)
     # Room for qwen3-tiny and its job's KV (the footprint's reserve), not for the copy a prefix cache takes of a
     # finished row (booked beside it): this node keeps no prefixes.
@@ -100,14 +111,12 @@ def test_load_that_cannot_fit_is_typed_and_node_serves_one_that_fits(fixtures_di
 
     async def main():
         _, _, err, _ = await collect(node, Job("g", "gemma4-tiny", greedy(3), prompt="hi"))
-        assert isinstance(err, Error) and err.cause == Cause.INSUFFICIENT_MEMORY
-        print("\n" + err.message)
-        assert f"needs {f['gemma4-tiny'] / 2**20:.1f} MiB" in err.message
+        assert isinstance(err, Error) and err.cause == Cause.INSUFFICIENT_MEMORY, err
         _, _, ok, _ = await collect(node, Job("q", "qwen3-tiny", greedy(3), prompt="hi"))
-        assert isinstance(ok, Done)
         await node.stop()
+        return [err.message, isinstance(ok, Done)]
 
-    run(main())
+    return run(main())
 
 
 def test_ten_concurrent_jobs_for_an_unloaded_model_cause_one_load(fixtures_dir):
