@@ -39,7 +39,6 @@ MIN_NONCE_BYTES = 16  # a shorter challenge could be replayed or precomputed: th
 # The heartbeat interval a Welcome may set, as the node's own setting allows: each heartbeat builds a whole
 # status on the event loop, so 1 ms would be a thousand of them a second.
 HEARTBEAT_RANGE_S = (0.1, 300.0)
-OUTBOX_STALL_S = 10.0  # an outbox over its byte limit this long ends the session (CoordinatorNotReading)
 HANDSHAKE_FRAMES = ("challenge", "welcome", "reject")  # out of order once the session is up
 
 CONNECT_METHOD = "/provider.v1.Coordinator/Connect"
@@ -154,7 +153,7 @@ class CoordinatorSession:
             call = connect()
             interval = await self._handshake(call)
             welcomed_at = time.monotonic()
-            outbox = Outbox(self.settings.coordinator_outbox_bytes, OUTBOX_STALL_S)
+            outbox = Outbox(self.settings.coordinator_outbox_bytes, self.settings.coordinator_outbox_stall_s)
             tasks = [asyncio.create_task(self._writer(call, outbox), name="writer"),
                      asyncio.create_task(self._reader(call, outbox), name="reader"),
                      asyncio.create_task(self._heartbeats(outbox, interval), name="heartbeat"),

@@ -144,8 +144,9 @@ class Settings:
     metrics_public: bool = False  # serve GET /metrics without the bearer token (for a scraper on a private network)
     max_body_bytes: int = field(default=20 * 2**20, metadata=_range(1024, 256 * 2**20))  # room for inline images
     # Frames waiting for a coordinator that does not read: past this, the node stops reading its frames, and
-    # after 10 s over it ends the session (docs/protocol.md).
+    # after coordinator_outbox_stall_s over it ends the session (docs/protocol.md).
     coordinator_outbox_bytes: int = field(default=32 * 2**20, metadata=_range(64 * 1024, 2**30))
+    coordinator_outbox_stall_s: float = field(default=10.0, metadata=_range(1.0, 600.0))
 
     # Coordinator session.
     coordinator: str = ""

@@ -359,7 +359,7 @@ def sampled_as_plain(target, load_head, prompt=None, params=None, drafter=HeadDr
 
 def draws_through_the_shared_rule(target, load_head, prompt=None, params=None, drafter=HeadDrafter, k: int = 4):
     """What a family adds to speculative sampling, checked where the distribution battery (sampled_as_plain) runs
-    once per engine drafter class (test_mtp_families: HeadDrafter; test_dflash and test_dflash2: DFlashDrafter;
+    once per engine drafter class (test_mtp_families: HeadDrafter; test_dflash: DFlashDrafter;
     test_eagle3; test_spec_sampling: draft models; test_constrained_engine: under a grammar). Lossless sampling
     needs only that each draft is drawn from the q it reports and judged by the shared accept rule; a family's head
     decides the logits, not the draw (its target's rollback: its greedy tests). So: the family drafts through one

@@ -5,8 +5,9 @@ by its logit plus an edge of the token before it (issue 42), served as the dflas
 The fixture (fixture factory: `qwen3-dflash2-tiny`) is fixtures' tiny Qwen3 target and a DFlash2 drafter beside it
 (fixtures.dflash's layers plus convolutions of kernel 3, a selector of rank 16 over the top 32, an input scale, output
 multiplier and softcap), distilled for seconds. Greedy output must equal plain decoding; sampled output must be
-distributed as plain sampling: each draft is drawn from the softmax of its candidates' scores given the draft before
-it, and that distribution is its q."""
+distributed as plain sampling: each draft is drawn through the shared accept rule's draw from the softmax of its
+candidates' scores given the draft before it, and that distribution is its q (the distribution battery runs once per
+engine drafter class: DFlashDrafter's in test_dflash)."""
 
 import mlx.core as mx
 import pytest
@@ -19,7 +20,7 @@ from provider.drafters.dflash.dflash2_head import DFlash2Head, load_dflash2
 from tools.fixtures.dflash import drafter_dir
 from tools.fixtures.mtp import train_prompts
 from provider.drafters.dflash.kind import KIND as DFLASH
-from tests import drafter_checks
+from tests import drafter_checks, mtp_checks
 from tests.drafter_checks import broken
 
 NAME = "qwen3-dflash2-tiny"
@@ -85,10 +86,11 @@ def test_greedy_equals_plain_decoding_alone_and_eight_together(target):
     drafter_checks.greedy_as_plain(target, NAME, drafter_dir(target))
 
 
-def test_sampled_rounds_are_distributed_as_plain_sampling(target):
-    """test_spec_sampling's distribution test with the drafter: each draft drawn from its candidates' scores given the
-    draft before it, its q that distribution; its biased control (every draft accepted) caught."""
-    drafter_checks.sampled_as_plain(target, load_head, DFlashDrafter)
+def test_sampled_rounds_draw_through_the_shared_rule(target):
+    """Sampled rounds are distributed as plain sampling: each draft is what the shared rule drew from the q it reports
+    (mtp_checks.draws_through_the_shared_rule; the battery for DFlashDrafter runs in test_dflash), and that q is the
+    selector's distribution given the draft before it (the next test)."""
+    mtp_checks.draws_through_the_shared_rule(target, load_head, drafter=DFlashDrafter)
 
 
 def test_each_drafts_q_is_the_selectors_distribution_given_the_draft_before_it(target):
