@@ -1,8 +1,9 @@
-"""The node's Ed25519 identity and the signed registration envelope."""
+"""The node's Ed25519 identity, the signed registration envelope, and a coordinator's check of it."""
 
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -16,6 +17,7 @@ from .pb import provider_pb2 as pb
 SIGNING_DOMAIN = b"provider.v1.registration\0"
 KEY_FILE = "identity.ed25519.pem"
 EPOCH_FILE = "session_epoch"
+MAX_SKEW_MS = 60_000  # a registration's clock may be this far from the coordinator's
 
 
 class IdentityError(Exception):
@@ -68,6 +70,30 @@ def verify_hello(hello: pb.Hello) -> pb.Registration:
     if reg.node_id != node_id_for(reg.public_key):
         raise ValueError("node_id does not match public_key")
     Ed25519PublicKey.from_public_bytes(reg.public_key).verify(hello.signature, SIGNING_DOMAIN + hello.registration)
+    return reg
+
+
+def admit_hello(frame: pb.ProviderFrame, nonce: bytes, issued: set[bytes], epochs: dict[str, int]
+                ) -> pb.Registration | str:
+    """A coordinator's check of a node's first frame: its registration, or why it is refused. The nonce must be
+    one `issued` and not yet used (it is used up here), the clock within MAX_SKEW_MS, and the session epoch newer
+    than the node's last one in `epochs` (recorded here)."""
+    if frame.WhichOneof("frame") != "hello":
+        return "expected hello"
+    try:
+        reg = verify_hello(frame.hello)
+    except InvalidSignature:
+        return "bad signature"
+    except Exception as e:  # unparseable registration, wrong key size, node id not derived from the key
+        return f"bad registration: {e}"
+    if reg.nonce != nonce or nonce not in issued:
+        return "stale or foreign nonce"
+    issued.discard(nonce)
+    if abs(reg.timestamp_ms - time.time() * 1000) > MAX_SKEW_MS:
+        return "timestamp outside the allowed clock skew"
+    if reg.session_epoch <= epochs.get(reg.node_id, 0):
+        return "session epoch is not newer than the current one"
+    epochs[reg.node_id] = reg.session_epoch
     return reg
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from .identity import InvalidSignature, verify_hello
+from .identity import InvalidSignature, admit_hello
 from .outcomes import InvalidResult, proof_digest, token_digest, verify_result
 from .pb import provider_pb2 as pb
 from .sealing import JobKeys, SealingError, SenderKeys, seal_job
@@ -31,7 +31,6 @@ from .network_terms import network_terms
 from .routing import Router
 from .spot_checks import DEFAULT_VERIFY_FRACTION, SpotChecks, proof_of
 
-MAX_SKEW_MS = 60_000
 VERSION = "reference-coordinator/1"
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),  # docs/protocol.md: 64 MiB frames each way (grpc's default: 4)
@@ -234,7 +233,7 @@ class ReferenceCoordinator:
         if first is grpc.aio.EOF:
             return
         self.hellos += first.WhichOneof("frame") == "hello"
-        reason = self._check_hello(first, nonce)
+        reason = admit_hello(first, nonce, self._issued_nonces, self.epochs)
         if not isinstance(reason, str) and self.next_reject is not None:
             reject, self.next_reject = self.next_reject, None
             self.rejections.append(reject.reason)
@@ -273,25 +272,6 @@ class ReferenceCoordinator:
                     t.cancel()
             if self.sessions.get(reg.node_id) is session:
                 del self.sessions[reg.node_id]
-
-    def _check_hello(self, frame: pb.ProviderFrame, nonce: bytes) -> pb.Registration | str:
-        if frame.WhichOneof("frame") != "hello":
-            return "expected hello"
-        try:
-            reg = verify_hello(frame.hello)
-        except InvalidSignature:
-            return "bad signature"
-        except Exception as e:  # unparseable registration, wrong key size, node id not derived from the key
-            return f"bad registration: {e}"
-        if reg.nonce != nonce or nonce not in self._issued_nonces:
-            return "stale or foreign nonce"
-        self._issued_nonces.discard(nonce)
-        if abs(reg.timestamp_ms - time.time() * 1000) > MAX_SKEW_MS:
-            return "timestamp outside the allowed clock skew"
-        if reg.session_epoch <= self.epochs.get(reg.node_id, 0):
-            return "session epoch is not newer than the current one"
-        self.epochs[reg.node_id] = reg.session_epoch
-        return reg
 
     async def _read(self, context, session: NodeSession) -> None:
         while True:
