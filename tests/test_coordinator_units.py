@@ -117,3 +117,16 @@ def test_generated_code_matches_the_proto():
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "scripts" / "gen_proto.py"), "--check"], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_outcome_store_answers_repeats_of_its_last_max_finished_jobs():
+    """The store keeps the last MAX_FINISHED outcomes (10,000) to answer a repeated JobRequest; the one before them
+    counts as new. (test_sealing_replay floods a smaller bound through a node: the same eviction, fewer frames.)"""
+    from coordinator_client.outcomes import MAX_FINISHED, Outcomes
+
+    assert MAX_FINISHED == 10_000  # docs/protocol.md's figure
+    store = Outcomes()
+    for i in range(MAX_FINISHED + 1):
+        store.record(f"j{i}", pb.ProviderFrame(job_error=pb.JobError(job_id=f"j{i}", message="x")))
+    assert not store.ran("j0") and store.ran("j1") and store.ran(f"j{MAX_FINISHED}")
+    assert store.finished("j1").job_error.job_id == "j1"
