@@ -346,12 +346,12 @@ class Node:
     def draining(self) -> bool:
         return self.engine.draining
 
-    async def stop(self, grace_s: float = 10.0) -> None:
+    async def stop(self, grace_s: float = 10.0, finish_measuring: bool = False) -> None:
         await asyncio.to_thread(self.engine.stop, grace_s)
         if self.prefix_disk is not None:
             await asyncio.to_thread(self.prefix_disk.close)  # the entries queued for writing are written
         self.prompts.close()
-        self.models.close()
+        self.models.close(finish_measuring)  # a speculation profile under way: see SpecProfiles.close
         log.info("node_stopped")
 
     @staticmethod

@@ -185,6 +185,10 @@ class Acceptance:
         self.jobs += 1
 
 
+class MeasurementStopped(Exception):
+    """A pair's measurement ended early because its node is stopping: nothing is kept, the next load measures."""
+
+
 class SpecProfile:
     """A loaded pair's measured costs and the acceptance seen per sampling scheme; auto's k comes from it.
     Engine thread only (readers get `as_dict` snapshots)."""

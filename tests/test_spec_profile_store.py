@@ -228,6 +228,46 @@ def test_no_job_waits_for_a_measurement(fixtures_dir):
     assert after.telemetry.speculation.as_dict()["reason"] in ("ok", "not_profitable")
 
 
+def test_a_node_stopped_while_it_measures_ends_the_measurement_and_keeps_nothing(fixtures_dir):
+    """A daemon's stop (Ctrl-C seconds after its start) does not wait for the measurement: the real one, held at its
+    start until the node stops, ends at its first step with a log line, no file and no profile; a stop that asks to
+    finish it (a one-shot `provider generate`) keeps it."""
+    logs.configure("info", "json")  # the stop's line is an info one
+    started = threading.Event()
+
+    class HeldUntilTheNodeStops(profile.Profiler):
+        def __call__(self, lm):
+            started.set()
+            self._stopping.wait(120)
+            return super().__call__(lm)
+
+    async def stopped_while_measuring():
+        node = _node(fixtures_dir, [])
+        node.models.profiler = HeldUntilTheNodeStops()
+        await node.preload("g")
+        await until(started.is_set, "the measurement never started")
+        with capture_logs() as logged:
+            await asyncio.wait_for(node.stop(), 60)
+        return node, logged
+
+    node, logged = run(stopped_while_measuring())
+    assert [e["model"] for e in logged if e["event"] == "speculation_profile_stopped"] == ["g"]
+    assert not any(e["event"] in ("speculation_profile_measured", "speculation_profile_failed") for e in logged)
+    assert _files() == [] and node.models._profiles.measured == 0
+
+    calls = []
+    node = _node(fixtures_dir, calls, gate := threading.Event())
+
+    async def finished_at_stop():
+        await node.preload("g")
+        await until(lambda: calls == ["g"], "the measurement never started")
+        gate.set()  # it goes on while the node stops
+        await node.stop(finish_measuring=True)
+
+    run(finished_at_stop())
+    assert len(_files()) == 1 and node.models._profiles.measured == 1
+
+
 GATED_START = """
 import sys, time
 from pathlib import Path

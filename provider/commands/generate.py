@@ -201,7 +201,7 @@ async def _generate(args: argparse.Namespace, job: Job, collector_on: Callable[[
                 elif isinstance(ev, (Done, Error)):
                     end = ev
     finally:
-        await node.stop(grace_s=0)
+        await node.stop(grace_s=0, finish_measuring=not interrupted)  # kept for the next run, unless Ctrl-C
     if isinstance(end, Error):
         return out.error(end.cause.value, end.message)
     out.done(model_id, end.finish_reason.value, end.usage.as_dict(), end.telemetry.as_dict())

@@ -1,7 +1,7 @@
-"""What speculation costs on this machine, measured once per loaded pair on the loader thread.
+"""What speculation costs on this machine, measured once per pair and machine on a thread of its own while the pair
+serves (models.spec_profiles keeps it; a node that stops meanwhile ends it at its next step).
 
-Before the pair serves, it times the node's own decode steps on a built-in prompt, wall-clock, every
-overhead included:
+It times the node's own decode steps on a built-in prompt, wall-clock, every overhead included:
 - a plain decode step of one row;
 - a speculative round of one row with each k = 1 .. k_max;
 - with ROWS rows decoding together: a plain step, and a round at k = 1 and k = k_max (a line between),
@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import threading
 import time
+from typing import Callable
 
 import mlx.core as mx
 
 from ..jobs import SamplingParams
 from ..models.loader import LoadedModel
-from ..speculation import GREEDY, SPECULATIVE_SAMPLING, SpecCosts, SpecProfile
+from ..speculation import GREEDY, SPECULATIVE_SAMPLING, MeasurementStopped, SpecCosts, SpecProfile
 from .acceptance import SampledChoice, greedy_tokens
 from .proposers import drafter_for
 from .kv_quant import caches_for
@@ -85,13 +87,15 @@ def _round_step(lm: LoadedModel, prompt: list[int], rows: int, k: int, stats: Sp
     return lambda: spec.round(batch)
 
 
-def _take_turns(kinds: list, reps: int) -> list[float]:
+def _take_turns(kinds: list, reps: int, stopping: Callable[[], bool] = lambda: False) -> list[float]:
     """Each kind's step time, taking turns: `reps` rotations, one step of each kind per rotation, after one
     untimed (new kernel shapes), each rotation starting one further along. A kind's time is the median over
     rotations of its ratio to the first kind's step in the same rotation, times the first kind's median:
     steps a second apart see the same machine, so the ratios hold while the machine drifts."""
     times = [[] for _ in kinds]
     for rep in range(reps + 1):
+        if stopping():
+            raise MeasurementStopped
         for j in range(len(kinds)):
             i = (j + rep) % len(kinds)
             t0 = time.perf_counter()
@@ -113,21 +117,25 @@ def _sampled_acceptance(lm: LoadedModel, prompt: list[int]) -> float:
     return stats.accepted / stats.judged if stats.judged else 0.0
 
 
-def measure(lm: LoadedModel, k_max: int = K_MAX) -> SpecProfile:
-    """The pair's costs and first acceptance rates (greedy, and sampled at temperature 1)."""
+def measure(lm: LoadedModel, k_max: int = K_MAX, stopping: Callable[[], bool] = lambda: False) -> SpecProfile:
+    """The pair's costs and first acceptance rates (greedy, and sampled at temperature 1). Raises
+    MeasurementStopped, between two steps, once `stopping()`."""
     prompt = _prompt(lm)
     ks = range(1, k_max + 1)
     one_row = [SpecTelemetry(lm.drafter_mode, k=k) for k in ks]
     plain_step = _plain_step(lm, prompt, 1)
-    plain, *rounds = _take_turns([plain_step, *(_round_step(lm, prompt, 1, k, s) for k, s in zip(ks, one_row))], REPS)
+    kinds = [plain_step, *(_round_step(lm, prompt, 1, k, s) for k, s in zip(ks, one_row))]
+    plain, *rounds = _take_turns(kinds, REPS, stopping)
     # The batch's kinds against the same one-row step, in fewer rotations: auto's batch decisions are far
     # from break-even on either kind of hardware.
     many = [plain_step, _plain_step(lm, prompt, ROWS),
             *(_round_step(lm, prompt, ROWS, k, SpecTelemetry(lm.drafter_mode, k=k)) for k in (1, k_max))]
-    plain_again, plain_rows, *ends = _take_turns(many, ROWS_REPS)
+    plain_again, plain_rows, *ends = _take_turns(many, ROWS_REPS, stopping)
     plain_rows, *ends = (t * plain / plain_again for t in (plain_rows, *ends))  # on the first measurement's scale
     slope = (ends[1] - ends[0]) / max(1, k_max - 1)
     rounds_rows = tuple(ends[0] + slope * (k - 1) for k in ks)
+    if stopping():
+        raise MeasurementStopped
     judged = sum(s.judged for s in one_row)
     rate = {GREEDY: sum(s.accepted for s in one_row) / judged if judged else 0.0,
             SPECULATIVE_SAMPLING: _sampled_acceptance(lm, prompt)}
@@ -140,5 +148,12 @@ class Profiler:
 
     settings = SETTINGS
 
+    def __init__(self):
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Its node is stopping: a measurement under way ends at its next step (MeasurementStopped)."""
+        self._stopping.set()
+
     def __call__(self, lm: LoadedModel) -> SpecProfile:
-        return measure(lm)
+        return measure(lm, stopping=self._stopping.is_set)

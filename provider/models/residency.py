@@ -145,9 +145,9 @@ class Residency:
         at = time.time() + max(0.0, e.last_used + keep - now) if keep is not None and idle else None
         return {"keep_alive_s": keep, "unload_at": None if at is None else round(at, 3)}
 
-    def close(self) -> None:
+    def close(self, finish_measuring: bool = False) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
-        self._profiles.close()
+        self._profiles.close(self.profiler, finish_measuring)
 
     # --- engine thread ------------------------------------------------------------
 

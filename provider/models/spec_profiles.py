@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import logs
+from ..speculation import MeasurementStopped
 from . import profile_store
 from .loader import LoadedModel
 
@@ -54,8 +55,12 @@ class SpecProfiles:
             held, origin = self._origins.get(model_id, (None, None))
         return origin if held is lm and lm is not None else None
 
-    def close(self) -> None:
-        # A measurement under way finishes and is kept (a one-shot `generate` pays it at exit once per machine).
+    def close(self, profiler: Callable | None, finish_measuring: bool) -> None:
+        """Wait for a measurement under way: to its end when `finish_measuring` (a one-shot `generate` keeps it,
+        paying for it at exit once per machine), else to its profiler's next step (a daemon stops at once, a
+        Ctrl-C seconds after its start included; nothing is kept and the next load measures)."""
+        if not finish_measuring and hasattr(profiler, "stop"):
+            profiler.stop()
         self._pool.shutdown(wait=True)
 
     def _set(self, model_id: str, lm: LoadedModel, origin: Origin) -> None:
@@ -84,6 +89,8 @@ class SpecProfiles:
             origin = kept.origin.as_dict()
             log.info("speculation_profile_measured", model=model_id, seconds=round(time.time() - measured_at, 3),
                      file=file)
+        except MeasurementStopped:
+            log.info("speculation_profile_stopped", model=model_id, seconds=round(time.time() - measured_at, 3))
         except Exception:  # without a profile, auto uses the configured k
             log.exception("speculation_profile_failed", model=model_id)
         finally:
