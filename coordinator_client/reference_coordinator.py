@@ -97,7 +97,8 @@ class ReferenceCoordinator:
     async def start(self) -> int:
         # One that never reads keeps HTTP/2's initial window: grpc's BDP probe would otherwise grow it to megabytes
         # read into grpc's buffers (nobody's memory a test can see) before the node's outbox fills.
-        self._server = grpc.aio.server(options=SERVER_OPTIONS + ([] if self.read_frames else [("grpc.http2.bdp_probe", 0)]))
+        unread = [] if self.read_frames else [("grpc.http2.bdp_probe", 0)]
+        self._server = grpc.aio.server(options=SERVER_OPTIONS + unread)
         handler = grpc.stream_stream_rpc_method_handler(
             self._connect, request_deserializer=pb.ProviderFrame.FromString, response_serializer=_serialize)
         self._server.add_generic_rpc_handlers(

@@ -35,7 +35,8 @@ def test_a_coordinator_that_never_reads_gets_a_typed_end_and_a_bounded_node(fixt
     coord = ReferenceCoordinator(heartbeat_interval_ms=100, read_frames=False)
     call(coord.start())
     srv = LocalServer(fixtures_dir / "llama-tiny", tmp_path, "--coordinator", coord.url,
-                      env={"PROVIDER_COORDINATOR_OUTBOX_BYTES": str(64 << 10), "PROVIDER_COORDINATOR_OUTBOX_STALL_S": "2"})
+                      env={"PROVIDER_COORDINATOR_OUTBOX_BYTES": str(64 << 10),
+                           "PROVIDER_COORDINATOR_OUTBOX_STALL_S": "2"})
     try:
         session = call(coord.wait_for_node(60))
         _warm(srv)  # what serving itself costs (MLX's buffers, compiled steps) is not the flood's
