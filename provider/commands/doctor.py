@@ -136,7 +136,7 @@ def speculation_costs(settings, budget) -> dict:
     except Exception as e:
         return {"model": model_id, "profile": None, "lines": [f"{model_id}: could not load it to measure: {e}"]}
     finally:
-        models.close()
+        models.close(finish_measuring=True)  # the auto measurement under way is what it prints, and kept
     if lm.drafter is None:
         return {"model": model_id, "profile": None,
                 "lines": [f"{model_id}: no drafter ({lm.drafter_reason}); plain decoding"]}

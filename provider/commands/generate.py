@@ -190,7 +190,9 @@ async def _generate(args: argparse.Namespace, job: Job, collector_on: Callable[[
     loop = asyncio.get_running_loop()
     loop.call_later(GC_OFF_AT_MOST_S, collector_on, False)  # a download or a slow load: on again meanwhile
     interrupted = []
-    loop.add_signal_handler(signal.SIGINT, lambda: (interrupted.append(True), node.cancel(job.id)))
+    # Ctrl-C ends the job, and a speculation measurement the exit would otherwise wait for
+    loop.add_signal_handler(signal.SIGINT, lambda: (interrupted.append(True), node.cancel(job.id),
+                                                    node.models.profiler.stop()))
     out, end = Printer(args.json, "this process"), None
     try:
         async with node.run(job) as stream:

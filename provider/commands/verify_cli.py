@@ -80,7 +80,7 @@ async def _verify(settings, job) -> int:
             async for ev in stream:
                 end = ev
     finally:
-        await node.stop(grace_s=0)
+        await node.stop(grace_s=0, finish_measuring=True)  # one-shot: kept, as generate keeps it
     if isinstance(end, Error):
         return _fail(f"{end.cause.value}: {end.message}", CAUSE_EXIT.get(end.cause, EX_SOFTWARE))
     if not isinstance(end, Done) or end.verdict is None:

@@ -94,9 +94,9 @@ def _take_turns(kinds: list, reps: int, stopping: Callable[[], bool] = lambda: F
     steps a second apart see the same machine, so the ratios hold while the machine drifts."""
     times = [[] for _ in kinds]
     for rep in range(reps + 1):
-        if stopping():
-            raise MeasurementStopped
         for j in range(len(kinds)):
+            if stopping():
+                raise MeasurementStopped
             i = (j + rep) % len(kinds)
             t0 = time.perf_counter()
             kinds[i]()
