@@ -351,7 +351,7 @@ class Node:
         if self.prefix_disk is not None:
             await asyncio.to_thread(self.prefix_disk.close)  # the entries queued for writing are written
         self.prompts.close()
-        self.models.close(finish_measuring)  # a speculation profile under way: see SpecProfiles.close
+        await asyncio.to_thread(self.models.close, finish_measuring)  # off the loop: a Ctrl-C may end the wait
         log.info("node_stopped")
 
     @staticmethod

@@ -341,7 +341,8 @@ def _check_bounds(f: dataclasses.Field, value: Any, source: str) -> None:
     if "choices" in meta and value not in meta["choices"]:
         raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed: {', '.join(map(str, meta['choices']))}")
     lo, hi = meta.get("lo"), meta.get("hi")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    out_of_range = (lo is not None and not value >= lo) or (hi is not None and not value <= hi)  # NaN is neither
+    if out_of_range:
         raise SettingsError(f"{f.name} (from {source}) is {value!r}; allowed range is {lo} to {hi}")
     why = meta["check"](value) if "check" in meta else None
     if why:

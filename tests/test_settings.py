@@ -35,6 +35,10 @@ def test_config_file_from_xdg_dir(tmp_path, monkeypatch):
         ({"env": {"PROVIDER_PORT": "70000"}}, r"port \(from PROVIDER_PORT\) is 70000; allowed range is 0 to 65535"),
         ({"env": {"PROVIDER_PORT": "eighty"}}, r"port \(from PROVIDER_PORT\): expected int"),
         ({"cli": {"memory_fraction": 1.5}}, r"memory_fraction \(from --memory-fraction\) is 1.5; allowed range"),
+        # NaN compares false both ways: it was taken (a NaN stall time ended a session at once)
+        ({"env": {"PROVIDER_COORDINATOR_OUTBOX_STALL_S": "nan"}},
+         r"coordinator_outbox_stall_s \(from PROVIDER_COORDINATOR_OUTBOX_STALL_S\) is nan; allowed range"),
+        ({"cli": {"memory_fraction": float("nan")}}, r"memory_fraction \(from --memory-fraction\) is nan; allowed"),
         ({"env": {"PROVIDER_LOG_LEVEL": "loud"}}, r"log_level .* allowed: debug, info, warning, error"),
         ({"env": {"PROVIDER_AUTH": "maybe"}}, r"auth \(from PROVIDER_AUTH\): expected bool"),
         ({"cli": {"default_max_tokens": 99999}}, r"default_max_tokens \(99999\) must not exceed max_tokens_limit"),

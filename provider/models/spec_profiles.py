@@ -61,7 +61,7 @@ class SpecProfiles:
         Ctrl-C seconds after its start included; nothing is kept and the next load measures)."""
         if not finish_measuring and hasattr(profiler, "stop"):
             profiler.stop()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=not finish_measuring)  # queued ones never start
 
     def _set(self, model_id: str, lm: LoadedModel, origin: Origin) -> None:
         with self._lock:
