@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from provider import logs
-from tools.fixtures import factory
+from tools.harness import blas
+
+BLAS = blas.use_openblas()  # before anything imports MLX: it binds its BLAS when it loads
+
+from provider import logs  # noqa: E402
+from tools.fixtures import factory  # noqa: E402
 
 
 def _run_root(tmp_path_factory) -> Path:
@@ -31,6 +35,8 @@ def _fixture_key() -> str:
     import mlx.core as mx
     import mlx_lm
 
+    # Not the BLAS (tools/harness/blas.py): another one's float32 sums differ in their last bits, and a head distilled
+    # under either is as good a fixture (every test compares the node with mlx-lm on the same bytes).
     h = hashlib.sha256(f"mlx {mx.__version__} mlx-lm {mlx_lm.__version__}".encode())
     for pattern in FIXTURE_SOURCES:
         for f in sorted(REPO.glob(pattern)):

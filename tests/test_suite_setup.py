@@ -1,0 +1,38 @@
+"""What the suite sets up for every process it runs (tests/conftest.py, tools/harness/as_installed): a child
+without torch, as a user's install is, and MLX's float32 matmuls on OpenBLAS where the machine has it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import BLAS, REPO
+
+CHILD = textwrap.dedent("""
+    import importlib.util, json, sys
+    import mlx.core
+    maps = open("/proc/self/maps").read() if sys.platform.startswith("linux") else ""
+    print(json.dumps({"torch": importlib.util.find_spec("torch") is not None, "openblas": "libopenblas" in maps}))
+""")
+
+
+def test_a_child_has_no_torch_and_the_same_blas_as_its_worker():
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True, cwd=REPO)
+    child = json.loads(out.stdout)
+    assert child["torch"] is False
+    assert child["openblas"] == BLAS.startswith("openblas")
+
+
+def test_the_worker_runs_mlx_on_openblas_where_ci_installs_it():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("OpenBLAS is loaded on Linux only (macOS has Accelerate)")
+    if BLAS == "reference" and not os.environ.get("CI"):
+        pytest.skip("no OpenBLAS on this machine (.ci/run installs Debian's libopenblas0-pthread)")
+    import mlx.core as mx
+
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+    with open("/proc/self/maps") as f:
+        assert "libopenblas" in f.read(), "OpenBLAS is not loaded: something imported MLX before tests/conftest.py"
