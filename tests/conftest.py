@@ -103,6 +103,16 @@ def fixtures_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_f32(tmp_path_factory) -> tuple[Path, Path]:
+    """(target, assistant): the bundled demo pair in float32 (tools/fixtures/demo_f32.py), built once per run."""
+    from tools.fixtures.demo_f32 import write_demo_f32
+
+    root = _run_root(tmp_path_factory) / "demo-f32"
+    _built_once(root, lambda: write_demo_f32(root))
+    return root / "gemma4-demo", root / "gemma4-demo-assistant"
+
+
+@pytest.fixture(scope="session")
 def head_fixture(tmp_path_factory):
     """head_fixture(name): a target with its own MTP head (fixtures.mtp.HEAD_FIXTURES), built when first asked."""
     from tools.fixtures.mtp import build_head_fixture

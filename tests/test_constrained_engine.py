@@ -1,6 +1,6 @@
 """Constrained decoding inside the engine: rows under different grammars share a batch exactly, speculation
 under a grammar is lossless (greedy token for token, sampled in distribution), and the grammar's work shows
-in telemetry. In-process nodes on the bundled demo pair and the fixture pair."""
+in telemetry. In-process nodes on the bundled demo pair (in float32) and the fixture pair."""
 
 import asyncio
 import json
@@ -16,7 +16,6 @@ from provider.engine.proposers import DraftModelDrafter
 from provider.engine.grammar import GrammarError, RowGrammar
 from provider.engine.grammar_compile import Compiler
 from provider.jobs import Done, Job, SamplingParams
-from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.types import Cause
 from tests.helpers import collect, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples, speculative_samples
@@ -54,10 +53,11 @@ def _job(job_id: str, rules: OutputRules | None, max_tokens: int = 160, **kw) ->
                rules=rules or OutputRules(), **kw)
 
 
-def test_a_batch_of_eight_half_constrained_equals_each_solo_run():
+def test_a_batch_of_eight_half_constrained_equals_each_solo_run(demo_f32):
     """Four rows under three schemas and a forced call, four free rows, in one batch: each row's tokens are
-    those of its run alone, every constrained one validates, and the grammar's cost is reported."""
-    node = make_node({MODEL: DEMO_TARGET}, max_concurrent_jobs=8, speculation="off")
+    those of its run alone, every constrained one validates, and the grammar's cost is reported (the demo model
+    in float32: conftest's demo_f32)."""
+    node = make_node({MODEL: demo_f32[0]}, max_concurrent_jobs=8, speculation="off")
     rules = [_schema_rules(s) for s in SCHEMAS] + [_forced_call()] + [None] * 4
 
     async def main():
@@ -84,10 +84,11 @@ def test_a_batch_of_eight_half_constrained_equals_each_solo_run():
     run(main())
 
 
-def test_constrained_greedy_speculation_is_token_identical_to_constrained_plain_decoding():
-    """The bundled pair with speculation on: schemas and a forced call give the same tokens as plain decoding,
-    with drafts proposed under the grammar (accepted often) and rounds really run."""
-    node = make_node({MODEL: DEMO_TARGET}, manager_kw={"drafters": {MODEL: DEMO_ASSISTANT}}, max_concurrent_jobs=4)
+def test_constrained_greedy_speculation_is_token_identical_to_constrained_plain_decoding(demo_f32):
+    """The bundled pair (in float32) with speculation on: schemas and a forced call give the same tokens as plain
+    decoding, with drafts proposed under the grammar (accepted often) and rounds really run."""
+    target, assistant = demo_f32
+    node = make_node({MODEL: target}, manager_kw={"drafters": {MODEL: assistant}}, max_concurrent_jobs=4)
 
     async def main():
         for i, rules in enumerate([*(_schema_rules(s) for s in SCHEMAS), _forced_call()]):

@@ -17,7 +17,6 @@ from provider.telemetry import SpecTelemetry
 from provider.models.gemma4_target import Target
 from provider.types import SpecReason
 from provider.jobs import Done, Job, Tokens
-from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.drafters.gemma4_assistant import load_assistant
 from tests.helpers import collect, greedy, make_node, run
 
@@ -25,9 +24,10 @@ TEXT = "The cache keeps the keys. Once upon a time, a model read its prompt and 
 
 
 @pytest.fixture(scope="module")
-def demo():
-    model, tok = load(str(DEMO_TARGET))
-    return model, tok, load_assistant(DEMO_ASSISTANT)
+def demo(demo_f32):
+    """The bundled pair in float32 (conftest's demo_f32): model, tokenizer, assistant, and the pair's paths."""
+    model, tok = load(str(demo_f32[0]))
+    return model, tok, load_assistant(demo_f32[1]), demo_f32
 
 
 def plain_greedy(model, prompt, n):
@@ -41,7 +41,7 @@ def demo_prompts(tok) -> list[list[int]]:
 
 
 def test_rows_of_one_round_accept_differently_join_and_leave_and_stay_exact(demo):
-    model, tok, assistant = demo
+    model, tok, assistant, _ = demo
     prompts, n = demo_prompts(tok), 32
     truth = [plain_greedy(model, p, n) for p in prompts]
     spec = Speculator(model, MTPDrafter(assistant, Target(model)))
@@ -70,11 +70,12 @@ def test_rows_of_one_round_accept_differently_join_and_leave_and_stay_exact(demo
 
 
 def test_eight_greedy_jobs_speculate_together_equal_their_solo_runs_and_one_is_cancelled(demo):
-    _, tok, _ = demo
+    _, tok, _, _ = demo
     prompts = [tok.decode(p) for p in demo_prompts(tok)]
     n, victim = 32, 4
-    node = make_node({"demo": DEMO_TARGET}, max_concurrent_jobs=8, speculation="on",
-                     manager_kw={"drafters": {"demo": DEMO_ASSISTANT}})
+    target, assistant = demo[3]
+    node = make_node({"demo": target}, max_concurrent_jobs=8, speculation="on",
+                     manager_kw={"drafters": {"demo": assistant}})
 
     async def cancelled_after_its_second_chunk(job: Job):
         ids = []
@@ -118,7 +119,8 @@ def test_auto_moves_its_speculating_row_to_the_plain_batch_when_a_second_job_mak
     machine, whose noise would make the decision flaky): one row pays to speculate, two do not."""
     costs = sp.SpecCosts(0.010, (0.012, 0.016, 0.020, 0.024), rows=4, plain_rows_s=0.040,
                          round_rows_s=(0.120, 0.160, 0.200, 0.240))
-    node = make_node({"demo": DEMO_TARGET}, max_concurrent_jobs=4, manager_kw={"drafters": {"demo": DEMO_ASSISTANT}})
+    target, assistant = demo[3]
+    node = make_node({"demo": target}, max_concurrent_jobs=4, manager_kw={"drafters": {"demo": assistant}})
     node.models.profiler = lambda lm: sp.SpecProfile(costs, {sp.GREEDY: 0.9, sp.SPECULATIVE_SAMPLING: 0.9})
     first, second = "Once upon a time, a cache", "The model read its prompt and"
 

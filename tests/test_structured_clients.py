@@ -51,8 +51,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}
 
 
 @pytest.fixture(scope="module")
-def bundled(tmp_path_factory):
-    srv = LocalServer(None, tmp_path_factory.mktemp("node"))
+def bundled(tmp_path_factory, demo_f32):
+    """The bundled pair served as `provider start --local` serves it, its weights in float32 (conftest's demo_f32:
+    the clients read the same text, MLX's CPU backend writes it several times faster)."""
+    target, assistant = demo_f32
+    srv = LocalServer(target, tmp_path_factory.mktemp("node"), "--drafter", str(assistant))
     yield srv
     assert srv.stop() == 0
 
