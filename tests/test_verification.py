@@ -100,8 +100,8 @@ def test_honest_outcomes_pass_alone_and_in_a_mixed_batch_with_prefix_hits_and_sm
 
 
 @pytest.mark.parametrize("pair", ["mtp", "draft"])
-def test_speculating_nodes_pass_and_seeded_speculation_gives_plain_sampling_tokens(fixtures_dir, pair):
-    target, drafter = ((DEMO_TARGET, DEMO_ASSISTANT) if pair == "mtp"
+def test_speculating_nodes_pass_and_seeded_speculation_gives_plain_sampling_tokens(fixtures_dir, demo_f32, pair):
+    target, drafter = (demo_f32 if pair == "mtp"  # the bundled pair in float32 (conftest's demo_f32)
                        else (fixtures_dir / "llama-tiny", fixtures_dir / "llama-tiny-draft"))
     spec = make_node({"m": target}, commitments="on", speculation="on", speculation_k=3,
                      manager_kw={"drafters": {"m": drafter}})
