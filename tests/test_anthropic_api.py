@@ -31,8 +31,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = LocalServer(None, tmp_path_factory.mktemp("node"))
+def server(tmp_path_factory, demo_f32):
+    """The bundled pair served as `provider start --local` serves it, in float32 (conftest's demo_f32)."""
+    srv = LocalServer(demo_f32[0], tmp_path_factory.mktemp("node"), "--drafter", str(demo_f32[1]))
     yield srv
     assert srv.stop() == 0
 
