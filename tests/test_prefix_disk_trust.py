@@ -23,7 +23,6 @@ from provider.engine import kv_file
 from provider.engine.prefix_blocks import BLOCK, scope_of
 from provider.engine.prefix_disk import DiskTier
 from provider.jobs import Done, Job
-from provider.models.default import DEMO_TARGET
 from tests.helpers import LocalServer, collect, greedy, make_node, run
 from tests.test_prefix_disk import llama, prefill, prompt  # noqa: F401 (llama: a fixture)
 from tests.test_prefix_disk_node import PROMPT, node_on
@@ -101,14 +100,14 @@ def entry_file(disk_dir):
 
 @pytest.mark.parametrize("bits, kinds", [(8, {"quantized_row", "rotating"}), (4, {"quantized_row",
                                                                                "quantized_rotating"})])
-def test_every_cache_kind_the_node_writes_passes_the_models_checks(tmp_path, bits, kinds):
-    """Quantized rows, sliding windows in full precision and quantized (the demo model at kv_bits 8 and 4; past
-    its 128-token window): the node's own entries agree with the layout it takes from the model, and read back
-    the same."""
+def test_every_cache_kind_the_node_writes_passes_the_models_checks(tmp_path, demo_f32, bits, kinds):
+    """Quantized rows, sliding windows in full precision and quantized (the demo model, in float32, at kv_bits 8
+    and 4; past its 128-token window): the node's own entries agree with the layout it takes from the model, and
+    read back the same."""
     name = "demo"
 
     async def once_quantized(job_id):
-        node = make_node({name: DEMO_TARGET}, manager_kw={"kv_bits": bits}, max_concurrent_jobs=2,
+        node = make_node({name: demo_f32[0]}, manager_kw={"kv_bits": bits}, max_concurrent_jobs=2,
                          prefix_disk_dir=str(tmp_path), prefix_disk_gb=1.0)
         assert node.prefix_disk.scanned.wait(30)
         try:

@@ -15,7 +15,6 @@ from coordinator_client.pb import provider_pb2 as pb
 from provider.jobs import Claim as JobClaim
 from provider.jobs import Done, Job, Proof, SamplingParams
 from tools.fixtures import cheats as cheat_fixtures
-from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.types import JobError
 from provider.proofs.commitment import CommitmentBuilder, decode
 from provider.verification.verifier import Claim, ClaimReader, Verdict
@@ -72,14 +71,14 @@ def forged(node, prompt, ids, sampling, proof: Proof) -> Proof:
 
 
 @pytest.mark.parametrize("spec", ["plain", "mtp"])
-def test_honest_outputs_that_end_on_an_end_token_carry_it_and_pass(fixtures_dir, spec):
+def test_honest_outputs_that_end_on_an_end_token_carry_it_and_pass(fixtures_dir, demo_f32, spec):
     """Greedy and seeded, ending at position 0 and later, plain rows and speculative rounds (where the end token
     is accepted inside a round: its row must come right after the last emitted one). Plain rows end on the
     model's EOS made likely by logit bias; speculating rows (logit bias keeps a job from speculating) on a stop
     id, one of the job's end ids, taken from where an unstopped run of the same job went."""
-    model = fixtures_dir / "gemma4-tiny" if spec == "plain" else DEMO_TARGET
+    model = fixtures_dir / "gemma4-tiny" if spec == "plain" else demo_f32[0]  # the demo pair in float32
     node = make_node({"m": model}, commitments="on", speculation="off" if spec == "plain" else "on",
-                     speculation_k=3, manager_kw={"drafters": {"m": DEMO_ASSISTANT}} if spec == "mtp" else None)
+                     speculation_k=3, manager_kw={"drafters": {"m": demo_f32[1]}} if spec == "mtp" else None)
     eos = eos_of(node)
     free = [(p, SamplingParams(max_tokens=24, temperature=0.0 if seed is None else 0.8, seed=seed))
             for p in PROMPTS for seed in (None, 1)]
