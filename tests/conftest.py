@@ -125,11 +125,13 @@ def head_fixture(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _children_as_installed():
-    """Every process a test starts runs without torch, as a user's install does (tools/harness/as_installed).
-    Set where tests run (a worker, or the one process without xdist), never in the xdist controller: the
-    workers keep torch for the parity test."""
+def _children_as_installed(tmp_path_factory):
+    """Every process a test starts runs without torch, as a user's install does (tools/harness/as_installed), and
+    shares this run's copy of transformers' import table (tools/harness/transformers_table.py). Set where tests run
+    (a worker, or the one process without xdist), never in the xdist controller: the workers keep torch for the
+    parity test."""
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(AS_INSTALLED), os.environ.get("PYTHONPATH")]))
+    os.environ["TESTS_TRANSFORMERS_TABLE"] = str(_run_root(tmp_path_factory) / "transformers-table")
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ import json
 import jsonschema
 
 from coordinator_client.pb import provider_pb2 as pb
-from provider.models.default import DEMO_TARGET
 from tests.helpers import run
 from tools.harness.nodes import harness, job
 
@@ -24,9 +23,9 @@ def _call_job(job_id: str, **kw) -> pb.JobRequest:
                          **kw)
 
 
-def test_tool_calls_and_json_over_the_session_plain_and_sealed(tmp_path):
-    async def main():
-        async with harness({"demo": DEMO_TARGET}, tmp_path) as (coord, node, session):
+def test_tool_calls_and_json_over_the_session_plain_and_sealed(tmp_path, demo_f32):
+    async def main():  # the demo model in float32 (conftest's demo_f32)
+        async with harness({"demo": demo_f32[0]}, tmp_path) as (coord, node, session):
             s = await coord.wait_for_node()
             coord.dispatch(s, _call_job("named", tool_choice="get_weather"))
             coord.dispatch_sealed(s, _call_job("sealed", tool_choice="required"))

@@ -405,15 +405,15 @@ def test_logits_processors_run_plain_with_a_reason_and_are_honoured(fixtures_dir
     run(main())
 
 
-def test_the_trained_demo_pair_alone_is_lossless_across_its_window():
-    """One row at a time (its own caches, no merge); tests/test_spec_batch.py has the pair in batches."""
+def test_the_trained_demo_pair_alone_is_lossless_across_its_window(demo_f32):
+    """One row at a time (its own caches, no merge); tests/test_spec_batch.py has the pair in batches. The pair in
+    float32 (conftest's demo_f32)."""
     from provider.engine.proposers import MTPDrafter
     from provider.models.gemma4_target import Target
-    from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
     from provider.drafters.gemma4_assistant import load_assistant
 
-    model, tok = load(str(DEMO_TARGET))
-    drafter = MTPDrafter(load_assistant(DEMO_ASSISTANT), Target(model))
+    model, tok = load(str(demo_f32[0]))
+    drafter = MTPDrafter(load_assistant(demo_f32[1]), Target(model))
     ids = tok.encode(TEXT * 3)
     total = accepted = drafted = 0
     for i, n in enumerate([3, 124, 127, 129, 131, 160]):

@@ -36,3 +36,21 @@ def test_the_worker_runs_mlx_on_openblas_where_ci_installs_it():
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
     with open("/proc/self/maps") as f:
         assert "libopenblas" in f.read(), "OpenBLAS is not loaded: something imported MLX before tests/conftest.py"
+
+
+def test_children_share_transformers_import_table_as_transformers_builds_it():
+    """A child reads the run's copy of the table (tools/harness/transformers_table.py), and the copy is the table
+    transformers builds in this process, which walks its files itself."""
+    import pickle
+    from pathlib import Path
+
+    from transformers.utils import import_utils
+
+    table_dir = Path(os.environ["TESTS_TRANSFORMERS_TABLE"])
+    child = "import transformers.utils.import_utils as u, transformers; print(transformers.AutoTokenizer.__name__)"
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "AutoTokenizer"
+    tables = [pickle.loads(f.read_bytes()) for f in table_dir.glob("*.pickle")]
+    assert tables, "no child kept a table"
+    for path, table in tables:  # of transformers/models (by its folder and its __init__.py) and what else it read
+        assert table == import_utils.create_import_structure_from_path(path), path

@@ -5,8 +5,9 @@ The test venv holds torch for the parity test alone, and transformers imports it
 node process importing mlx-lm and mlx-vlm then pays about 11 s of CPU instead of 3. A module set to None in
 sys.modules is one `import` refuses and `importlib.util.find_spec` reports absent, which is how transformers asks.
 
-It also puts OpenBLAS under MLX, as the workers have it (tools/harness/blas.py): a speed-up of the suite, not what a
-user's install has; a node's output is compared with mlx-lm's under the same BLAS either way.
+Two speed-ups of the suite, not what a user's install has: OpenBLAS under MLX, as the workers have it
+(tools/harness/blas.py; a node's output is compared with mlx-lm's under the same BLAS either way), and
+transformers' lazy import table read from the run's copy instead of walked anew (tools/harness/transformers_table.py).
 """
 
 import os
@@ -16,19 +17,19 @@ import time
 sys.modules.setdefault("torch", None)
 
 
-def _use_openblas() -> None:
-    """MLX's float32 matmuls on OpenBLAS, as in the workers (tools/harness/blas.py; loaded by path: the repository
-    is not on every child's sys.path)."""
+def _harness(name: str):
+    """tools/harness/<name>.py, loaded by path: the repository is not on every child's sys.path."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("_tests_blas", Path(__file__).resolve().parents[1] / "blas.py")
+    spec = importlib.util.spec_from_file_location(f"_tests_{name}", Path(__file__).resolve().parents[1] / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.use_openblas()
+    return module
 
 
-_use_openblas()
+_harness("blas").use_openblas()  # MLX's float32 matmuls on OpenBLAS, as in the workers
+_harness("transformers_table").install()  # transformers' import table built once per run
 
 if _log := os.environ.get("TESTS_PROCESS_LOG"):
     # What the suite starts, to see where its time goes: TESTS_PROCESS_LOG=FILE appends one line a Python process
