@@ -32,7 +32,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_f32):
-    """The bundled pair served as `provider start --local` serves it, in float32 (conftest's demo_f32)."""
+    """`provider start --local` on the bundled pair in float32 (conftest's demo_f32), named with --model and
+    --drafter (so without the chat variant the default adds beside it)."""
     srv = LocalServer(demo_f32[0], tmp_path_factory.mktemp("node"), "--drafter", str(demo_f32[1]))
     yield srv
     assert srv.stop() == 0

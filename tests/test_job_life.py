@@ -16,6 +16,7 @@ from provider.engine.output import JobOutput
 from provider.engine.plain_batch import PlainBatch
 from provider.engine.spec_rounds import Speculator
 from provider.jobs import Accepted, Done, Error, Job
+from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.models.residency import Residency
 from provider.types import Cause, FinishReason
 from tests.helpers import collect, drain, first_token, greedy, make_node, run, until
@@ -75,9 +76,8 @@ def test_a_model_evicted_between_ready_and_start_costs_a_reload_not_the_engine(f
     run(main())
 
 
-def test_a_failed_speculative_round_still_ends_the_rows_it_had_finished(monkeypatch, demo_f32):
-    target, assistant = demo_f32  # the demo pair in float32
-    node = make_node({"demo": target}, speculation="on", manager_kw={"drafters": {"demo": assistant}})
+def test_a_failed_speculative_round_still_ends_the_rows_it_had_finished(monkeypatch):
+    node = make_node({"demo": DEMO_TARGET}, speculation="on", manager_kw={"drafters": {"demo": DEMO_ASSISTANT}})
     began = threading.Event()
     real_begin, real_round = Speculator.begin, Speculator.round
 

@@ -23,6 +23,7 @@ from provider.engine import kv_file
 from provider.engine.prefix_blocks import BLOCK, scope_of
 from provider.engine.prefix_disk import DiskTier
 from provider.jobs import Done, Job
+from provider.models.default import DEMO_TARGET
 from tests.helpers import LocalServer, collect, greedy, make_node, run
 from tests.test_prefix_disk import llama, prefill, prompt  # noqa: F401 (llama: a fixture)
 from tests.test_prefix_disk_node import PROMPT, node_on
@@ -98,16 +99,17 @@ def entry_file(disk_dir):
     return files[0]
 
 
-@pytest.mark.parametrize("bits, kinds", [(8, {"quantized_row", "rotating"}), (4, {"quantized_row",
-                                                                               "quantized_rotating"})])
-def test_every_cache_kind_the_node_writes_passes_the_models_checks(tmp_path, demo_f32, bits, kinds):
-    """Quantized rows, sliding windows in full precision and quantized (the demo model, in float32, at kv_bits 8
-    and 4; past its 128-token window): the node's own entries agree with the layout it takes from the model, and
-    read back the same."""
-    name = "demo"
+@pytest.mark.parametrize("bits, kinds, precision", [(8, {"quantized_row", "rotating"}, "float16"),
+                                                     (4, {"quantized_row", "quantized_rotating"}, "float32")])
+def test_every_cache_kind_the_node_writes_passes_the_models_checks(tmp_path, demo_f32, bits, kinds, precision):
+    """Quantized rows, sliding windows in full precision and quantized (the demo model at kv_bits 8, as shipped in
+    float16: 16-bit scales and windows through the files' float16 path; at 4 in float32, conftest's demo_f32; past
+    its 128-token window): the node's own entries agree with the layout it takes from the model, and read back
+    the same."""
+    name, model = "demo", DEMO_TARGET if precision == "float16" else demo_f32[0]
 
     async def once_quantized(job_id):
-        node = make_node({name: demo_f32[0]}, manager_kw={"kv_bits": bits}, max_concurrent_jobs=2,
+        node = make_node({name: model}, manager_kw={"kv_bits": bits}, max_concurrent_jobs=2,
                          prefix_disk_dir=str(tmp_path), prefix_disk_gb=1.0)
         assert node.prefix_disk.scanned.wait(30)
         try:

@@ -52,8 +52,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}
 
 @pytest.fixture(scope="module")
 def bundled(tmp_path_factory, demo_f32):
-    """The bundled pair served as `provider start --local` serves it, its weights in float32 (conftest's demo_f32:
-    the clients read the same text, MLX's CPU backend writes it several times faster)."""
+    """`provider start --local` on the bundled pair in float32 (conftest's demo_f32: the same text, written several
+    times faster), named with --model and --drafter (so without the chat variant the default adds beside it)."""
     target, assistant = demo_f32
     srv = LocalServer(target, tmp_path_factory.mktemp("node"), "--drafter", str(assistant))
     yield srv

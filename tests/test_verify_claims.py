@@ -171,10 +171,9 @@ def test_the_forger_with_the_real_weights_is_caught_on_every_lie_and_honest_outp
 
 
 @pytest.mark.parametrize("seeded", [True, False])
-def test_honest_speculating_outputs_pass_coupled_and_unseeded(demo_f32, seeded):
-    target, assistant = demo_f32  # the bundled pair in float32 (conftest's demo_f32)
-    node = make_node({"m": target}, commitments="on", speculation="on", speculation_k=3,
-                     manager_kw={"drafters": {"m": assistant}})
+def test_honest_speculating_outputs_pass_coupled_and_unseeded(seeded):
+    node = make_node({"m": DEMO_TARGET}, commitments="on", speculation="on", speculation_k=3,
+                     manager_kw={"drafters": {"m": DEMO_ASSISTANT}})
     sampling = SEEDED if seeded else UNSEEDED
 
     async def main():

@@ -12,7 +12,9 @@ a width-L chunk in closed form (decays from cumulative sums, a masked matmul), w
 L single steps (measured on the fixture: 1.5e-8 on a state of magnitude 0.2). So while a round verifies or
 rewinds, a Mamba2 mixer steps its SSM one position at a time through mlx-lm's own `_ssm` (its projections and
 conv still at full width): each step is the call plain decoding makes (on Metal, the same single-step kernel),
-so its state is the one plain decoding reaches from the same inputs, and the rewound state is the verify's own.
+so its state is the one plain decoding reaches from the same inputs, and the rewound state is the verify's own:
+bit for bit where the projections round alike at every width (MLX's reference CPU BLAS), else within their
+rounding (tests/test_mtp_nemotron.py, tests/test_mtp_qwen_moe.py).
 
 `install` records mixer inputs through a subclass of the mixer's class (its code and parameters unchanged), per
 thread, and only while a round asks: plain batches, prefills and other threads never pay for it.

@@ -3,9 +3,10 @@ every row in one batched target forward, keep each row's accepted prefix plus on
 roll each row's caches back exactly.
 
 Lossless for greedy and sampled rows alike (`acceptance`: greedy matching, or speculative sampling). Greedy:
-the target's argmax is computed exactly as mlx-lm's plain path computes it (log-softmax, then argmax), and
-on this CPU backend a row of a width-(k+1) forward equals the width-1 row bit for bit. The host reads
-values back once per round.
+the target's argmax is computed exactly as mlx-lm's plain path computes it (log-softmax, then argmax). On
+MLX's CPU build with its reference BLAS a row of a width-(k+1) forward equals the width-1 row bit for bit; a
+BLAS or GPU kernel that rounds another width otherwise (OpenBLAS, Metal) moves a logit by float rounding
+(~1e-5), which changes a greedy token only at such a near-tie. The host reads values back once per round.
 
 Each row owns plain per-sequence caches (KVCache, RotatingKVCache, or kv_quant's QuantizedKVRow and
 QuantizedRotatingKVRow for a model served with quantized KV), whose rollback is exact. A round over

@@ -10,6 +10,7 @@ transformers' code runs as ever; only that walk is memoized. Without the variabl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.abc
@@ -36,16 +37,20 @@ def _memoized(module, directory: Path) -> None:
             kept_for, result = pickle.loads(table.read_bytes())  # written by this run's own processes, below
             if kept_for == str(module_path):
                 return result
-        except (OSError, EOFError, ValueError, pickle.UnpicklingError):
+        except Exception:  # missing, half-written by a killed process, or not ours: walk as transformers does
             pass
         _building.on = True
         try:
             result = walk(module_path)
         finally:
             _building.on = False
-        partial = table.with_name(f"{table.name}.{os.getpid()}.partial")
-        partial.write_bytes(pickle.dumps((str(module_path), result)))
-        os.replace(partial, table)
+        partial = table.with_name(f"{table.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        try:  # best effort: a full disk or a removed run directory must not fail the import
+            partial.write_bytes(pickle.dumps((str(module_path), result)))
+            os.replace(partial, table)
+        except OSError:
+            with contextlib.suppress(OSError):
+                partial.unlink()
         return result
 
     module.create_import_structure_from_path = functools.lru_cache(create_import_structure_from_path)
@@ -76,5 +81,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 def install() -> None:
     where = os.environ.get("TESTS_TRANSFORMERS_TABLE")
     if where and MODULE not in sys.modules:
-        Path(where).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(where).mkdir(parents=True, exist_ok=True)
+        except OSError:  # no run directory to share: transformers walks its files, as ever
+            return
         sys.meta_path.insert(0, _AfterImport(Path(where)))
