@@ -9,13 +9,13 @@ matmuls are MLX's own and unchanged).
 What it changes in what the suite checks: under the reference BLAS a row of a width-k float32 forward equals
 the width-1 row bit for bit, so a greedy "speculation (or a batch) equals plain decoding token for token" check
 on a float32 fixture held by construction; under OpenBLAS rows of width 4 and more round otherwise (~1e-5 on a
-logit), as Metal's kernels do, and such checks hold unless an argmax is that near a tie (none is in the suite's
-fixtures on this machine, in every run since). The checks of a state bit for bit across widths are written
-for either (test_mtp_nemotron, test_mtp_qwen_moe). TESTS_BLAS=reference runs the suite as Linux users' MLX has it.
+logit), as Metal's kernels do, and such checks hold unless an argmax is that near a tie (none was, in the whole
+runs made under it on this machine). The checks that compare a state bit for bit across widths run in a process
+of their own on the reference BLAS (test_mtp_nemotron, test_mtp_qwen_moe).
 
 One thread a process: the suite runs one pytest-xdist worker a core, and their daemons beside them.
 Not found (macOS, or Linux without Debian's libopenblas0-pthread, which .ci/run installs): nothing changes.
-TESTS_BLAS=reference keeps MLX's own.
+TESTS_BLAS=reference keeps MLX's own (the suite as Linux users' MLX runs).
 """
 
 from __future__ import annotations
