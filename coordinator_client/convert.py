@@ -8,13 +8,17 @@ import json
 from provider.constraints import (MAX_SCHEMA_BYTES, MAX_TOOLS, TOOL_CHOICE_MODES, ConstraintError, OutputRules,
                                   ResponseFormat, Tool, ToolChoice)
 from provider.content import IMAGE_MEDIA, IMAGE_PART, MAX_IMAGES, ImageInput
-from provider.jobs import (GREEDY_SAMPLER, MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, REPLAYABLE_SAMPLER,
-                           MAX_COMMITMENT_BYTES, SPECULATIVE_SAMPLER, Claim, Done, Error, Job, JobError, PrefixScope,
-                           Proof, SamplingParams, ToolCall, Tokens, Usage, VerdictSummary, resolve_max_tokens)
+from provider.jobs import (
+    MAX_PROMPT_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_COMMITMENT_BYTES, Claim, Job, JobError, PrefixScope,
+    SamplingParams, resolve_max_tokens,
+)
+from provider.outputs import (
+    GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Error, Proof, ToolCall, Tokens, Usage,
+)
 from provider.types import Cause, Policy
 
 from provider.telemetry import Telemetry
-from provider.proofs.verdicts import Tolerance
+from provider.proofs.verdicts import Tolerance, VerdictSummary
 
 from .pb import provider_pb2 as pb
 from .sealed_errors import sealed_message

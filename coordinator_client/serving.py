@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 
 from provider import logs
-from provider.jobs import Accepted, Done, Error, JobError, Tokens
+from provider.jobs import JobError
+from provider.outputs import Accepted, Done, Error, Tokens
 from provider.types import Cause
 from provider.node import Node
 from provider.settings import Settings

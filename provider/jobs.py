@@ -1,21 +1,22 @@
-"""The one job path: a `Job` goes in, `Event`s come out.
+"""The one job path: a `Job` goes in, its events (provider/outputs.py) come out. This module is the request side: a
+job, its sampling and every field's bounds, checked once for both front ends, and a verify job's claim.
 
 Both front ends (the coordinator session and the local HTTP API) translate
-their requests into a Job and translate Events back; neither touches MLX.
+their requests into a Job and translate events back; neither touches MLX.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Union
+from typing import Any
 
 from .content import ImageInput, VideoInput, check_content, check_media, check_text, content_text, message_chars  # noqa: F401
 from .constraints import NO_RULES, OutputRules, check_message_tool_fields, short
 from .keep_alive import parse_keep_alive
-from .types import Cause, FinishReason, JobError, JobId, Policy
-from .telemetry import Telemetry
-from .proofs.verdicts import Tolerance, VerdictSummary, clamped
+from .outputs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Proof
+from .proofs.verdicts import Tolerance, clamped
+from .types import Cause, JobError, JobId, Policy
 
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -221,78 +222,6 @@ class Job:
         return text + (self.rules.tools_chars if self.rules.calls_tools else 0)
 
 
-@dataclass(frozen=True)
-class Accepted:
-    job_id: JobId
-    model: str
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str  # call_<hex>, unique per call
-    name: str
-    arguments: str  # a JSON object, as text (OpenAI's shape)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's log-probability under the model (before any sampling transform), and its best alternatives
-    (id, text, logprob, raw bytes), best first. `raw`: the token's exact bytes (a piece of a multi-byte
-    character is its own bytes; its `text` shows U+FFFD)."""
-
-    token: int
-    text: str
-    logprob: float | None  # None for a prompt's first token: nothing before it scores it
-    top: tuple[tuple[int, str, float, bytes], ...] = ()
-    raw: bytes = b""
-
-
-@dataclass(frozen=True)
-class Tokens:
-    job_id: JobId
-    seq: int  # 0, 1, 2, ... per job, no gaps
-    text: str  # content: the output minus any tool calls
-    token_ids: tuple[int, ...]
-    tool_calls: tuple[ToolCall, ...] = ()  # calls completed with these tokens
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the job asked (and the end token's, with no id)
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # a scored prompt's, on the job's first chunk
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0  # of prompt_tokens, those served from the prefix cache
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def as_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_prompt_tokens},
-        }
-
-
-@dataclass(frozen=True)
-class Proof:
-    """What a verifier needs beyond the request and the tokens (provider.verification): the commitment to each
-    token's hidden state (None when this model's family cannot make one), and how sampled tokens were drawn."""
-
-    commitment: bytes | None
-    sampler: str  # GREEDY, REPLAYABLE (seeded Gumbel draws, `seed`) or SPECULATIVE (not replayable)
-    seed: int | None = None
-    # The end id the model chose after the output, when it ended on one (not a stop string, not max_tokens): the
-    # commitment covers its row too, and a verifier judges it as the output's last token, so an output cut short
-    # with a made-up end is caught. None: the output did not end on an end token.
-    end_token: int | None = None
-
-
-GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER = "greedy", "replayable", "speculative"
 MAX_COMMITMENT_BYTES = 4 + (2 + 2 * 4 * 32) * (1 << 15)  # a commitment to the longest output a node makes
 
 
@@ -328,32 +257,3 @@ class Claim:
     def length(self) -> int:
         """Tokens the claim says the model generated: its output and the end token it claims."""
         return len(self.output) + (self.proof.end_token is not None)
-
-
-@dataclass(frozen=True)
-class Done:
-    job_id: JobId
-    finish_reason: FinishReason
-    usage: Usage
-    telemetry: Telemetry
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token, when it was scored
-    stop_sequence: str | None = None  # the stop string that ended it (Anthropic's stop_reason names it)
-    proof: Proof | None = None  # a committing node's (Settings.committing)
-    verdict: VerdictSummary | None = None  # a verify job's
-
-
-@dataclass(frozen=True)
-class Error:
-    job_id: JobId
-    cause: Cause
-    message: str
-    param: str | None = None  # the request field at fault, when one is
-
-    @classmethod
-    def of(cls, job_id: JobId, e: JobError) -> "Error":
-        return cls(job_id, e.cause, e.message, e.param)
-
-
-Event = Union[Accepted, Tokens, Done, Error]
-Sink = Callable[[Event], None]  # where the engine delivers a job's events (on its thread; must not block)
-TERMINAL = (Done, Error)

@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from . import __version__
-from .jobs import Done
+from .outputs import Done
 from .status import NodeStatus
 
 NS = "provider:"

@@ -1,8 +1,8 @@
 """The node: the one engine and its models, with an asyncio face for the front ends.
 
 `Node.run(job)` is the single job path the local HTTP API and the coordinator
-session both use: submit a Job, iterate its Events until a terminal one.
-Closing the stream early (client gone, coordinator lost) cancels the job.
+session both use: submit a Job, iterate its events until a terminal one (a
+JobStream, provider/job_stream.py); closing the stream early cancels the job.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import functools
 import os
 import platform
 import threading
-import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from . import logs
 from .engine import profile
@@ -24,7 +23,8 @@ from .engine.prefix_disk import DiskTier
 from .engine.scheduler import Engine
 from .group.lockstep import LeaderRunning
 from .group.member import EXIT_GROUP_LOST, Membership, Watchdog
-from .jobs import TERMINAL, Event, Job, JobError, Tokens, check_vocabulary
+from .jobs import Job, JobError, check_vocabulary
+from .job_stream import JobStream
 from .keep_alive import parse_keep_alive
 from .types import Cause, ModelId
 from .machine import decide_node_budget, longest_prefill_read, node_step_tokens
@@ -40,66 +40,6 @@ from .metrics import Metrics
 from .status import GroupStatus, ModelStatus, NodeStatus, Platform
 
 log = logs.get("node")
-
-
-class JobStream:
-    """Async iterator over one job's events; `aclose()` cancels the job if it is still running."""
-
-    def __init__(self, engine: Engine, job: Job, prepare: Callable[[Job], concurrent.futures.Future]):
-        self.job = job
-        self._engine = engine
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._finished = False
-        loop = asyncio.get_running_loop()
-        engine.submit(job, lambda ev: loop.call_soon_threadsafe(self._queue.put_nowait, ev), prepare)
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self
-
-    async def __anext__(self) -> Event:
-        if self._finished:
-            raise StopAsyncIteration
-        ev = await self._queue.get()
-        if isinstance(ev, TERMINAL):
-            self._finished = True
-        return ev
-
-    def drain_ready(self) -> list[Event]:
-        """Events already delivered, without waiting."""
-        out: list[Event] = []
-        while not self._finished and not self._queue.empty():
-            ev = self._queue.get_nowait()
-            out.append(ev)
-            if isinstance(ev, TERMINAL):
-                self._finished = True
-        return out
-
-    async def coalesce(self, first: Tokens, *, behind: Callable[[], bool] = lambda: False,
-                       window_s: float = 0.0) -> tuple[list[Tokens], Event | None]:
-        """`first` merged with the token events already waiting and, while `behind()` says the consumer's
-        writer has not caught up, those arriving within `window_s`; and the non-token event that ended the
-        batch, if one did. A consumer that keeps up sends every token as it comes."""
-        batch = [first]
-        deadline = time.monotonic() + window_s
-        while True:
-            for ev in self.drain_ready():
-                if not isinstance(ev, Tokens):
-                    return batch, ev
-                batch.append(ev)
-            if not behind() or time.monotonic() >= deadline:
-                return batch, None
-            await asyncio.sleep(0.001)
-
-    async def aclose(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._engine.cancel(self.job.id)
-
-    async def __aenter__(self) -> "JobStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
 
 def _failed_future(e: Exception) -> concurrent.futures.Future:

@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from provider.engine.plain_batch import PlainBatch
-from provider.jobs import Done, Error, Job, SamplingParams, Tokens
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Error, Tokens
 from provider.node import Node
 from tools.harness.daemon import LocalServer  # noqa: F401 (tests import it from here)
 from tools.harness.nodes import make_manager, make_node  # noqa: F401 (tests import them from here)

@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from provider.jobs import Done, Error, Job, SamplingParams, Tokens
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Error, Tokens
 from provider.types import Cause
 from tests import reference
 from tests.helpers import collect, greedy, make_node, run

@@ -15,7 +15,8 @@ from provider.constraints import OutputRules, ResponseFormat, Tool, ToolChoice
 from provider.engine.proposers import DraftModelDrafter
 from provider.engine.grammar import GrammarError, RowGrammar
 from provider.engine.grammar_compile import Compiler
-from provider.jobs import Done, Job, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done
 from provider.types import Cause
 from tests.helpers import collect, make_node, run
 from tools.harness.distribution import AcceptEveryDraft, compare, plain_samples, speculative_samples

@@ -263,7 +263,8 @@ def test_unacked_outcomes_are_resent_after_a_kill(fixtures_dir, tmp_path):
 
 
 def test_tokens_coalesce_only_while_the_writer_is_behind(fixtures_dir, tmp_path):
-    from provider.jobs import Job, Tokens
+    from provider.jobs import Job
+    from provider.outputs import Tokens
     from tests.helpers import collect, greedy, make_node
 
     async def main():

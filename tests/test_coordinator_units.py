@@ -12,7 +12,8 @@ from coordinator_client.backoff import Backoff
 from coordinator_client.channel import ChannelError, plan_channel
 from coordinator_client.identity import Identity, IdentityError, next_session_epoch, verify_hello
 from coordinator_client.pb import provider_pb2 as pb
-from provider.jobs import Done, JobError, Usage
+from provider.jobs import JobError
+from provider.outputs import Done, Usage
 from provider.types import Cause, FinishReason, SpecMode
 from provider.telemetry import SpecTelemetry, Telemetry
 

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from provider.jobs import Claim, Done, Job, SamplingParams
+from provider.jobs import Claim, Job, SamplingParams
+from provider.outputs import Done
 from provider.local.dashboard import ASSETS, Dashboard
 from provider.local.page_access import CODE_TTL_S, MAX_CODES, SESSION_TTL_S, PageAccess
 from provider.local.page_history import History, Reading, histogram_quantile

@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from provider.jobs import Accepted, Done, Error, Job, SamplingParams, Tokens
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Accepted, Done, Error, Tokens
 from provider.types import Cause
 from tests import reference
 from tests.helpers import collect, drain, first_token, greedy, make_node, paused_models, run, until

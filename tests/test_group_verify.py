@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from provider.group.proofs import refuse_false_commitments, why_not_committing
-from provider.jobs import Claim, Done, Job, Proof, SamplingParams
+from provider.jobs import Claim, Job, SamplingParams
+from provider.outputs import Done, Proof
 from tools.fixtures import cheats as cheat_fixtures
 from tests.helpers import collect, make_node, run
 from tools.harness.daemon import LocalServer

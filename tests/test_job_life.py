@@ -15,7 +15,8 @@ import httpx
 from provider.engine.output import JobOutput
 from provider.engine.plain_batch import PlainBatch
 from provider.engine.spec_rounds import Speculator
-from provider.jobs import Accepted, Done, Error, Job
+from provider.jobs import Job
+from provider.outputs import Accepted, Done, Error
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.models.residency import Residency
 from provider.types import Cause, FinishReason

@@ -20,7 +20,8 @@ from provider.engine.output import JobOutput
 from provider.engine.plain_batch import PlainBatch
 from provider.engine.scheduler import Engine
 from provider.engine.spec_rounds import Speculator
-from provider.jobs import TERMINAL, Job, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import TERMINAL
 from tests.helpers import make_node
 
 PROMPTS = ["The cache", "A river runs", "def trim(self, n):", "Numbers: 1 2 3 4 5 6 7 8", "batch " * 30]

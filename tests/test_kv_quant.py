@@ -15,7 +15,8 @@ from provider.engine import kv_file
 from provider.engine.kv_quant import BatchQuantizedKVCache, QuantizedKVRow, make_caches
 from provider.engine.kv_quant_rotating import BatchQuantizedRotatingKVCache, QuantizedRotatingKVRow
 from provider.engine.spec_rounds import rollback
-from provider.jobs import Done, Job, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done
 from provider.memory.batch_kv import plain_batch_bytes
 from provider.memory.estimate import KVQuant, kv_shape
 from tools.fixtures import factory

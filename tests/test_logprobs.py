@@ -14,7 +14,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from provider.jobs import Done, Job, SamplingParams, Tokens
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Tokens
 from tests.helpers import collect, make_node, run
 
 PROMPTS = ["The cache batch token prompt", "A model stream window", "prefix memory budget node server request"]

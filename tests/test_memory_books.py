@@ -17,7 +17,8 @@ import mlx.core as mx
 import pytest
 
 from provider.engine.prefill_plan import longest_read
-from provider.jobs import Done, Job
+from provider.jobs import Job
+from provider.outputs import Done
 from tests.helpers import collect, greedy, make_node, run, until
 from tools.harness.isolated import run_isolated
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from provider.jobs import Done, Error, Job, JobError, Tokens
+from provider.jobs import Job, JobError
+from provider.outputs import Done, Error, Tokens
 from provider.types import Cause
 from provider.models import manifest
 from provider.memory.checkpoint import read_config

@@ -198,7 +198,7 @@ def test_grammar_rows_and_logprob_jobs_with_the_head_equal_plain_decoding_togeth
     import jsonschema
 
     from provider.constraints import OutputRules, ResponseFormat
-    from provider.jobs import Tokens
+    from provider.outputs import Tokens
 
     schemas, messages = mtp_checks.JSON_SCHEMAS, mtp_checks.JSON_MESSAGES
     ps = mtp_checks.prompts(target)

@@ -12,7 +12,8 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from provider.jobs import Done, Error, Job, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Error
 from tools.fixtures import factory
 from provider.models.default import DEMO_TARGET
 from provider.types import Cause

@@ -10,7 +10,8 @@ import pytest
 
 from provider.engine.prefill_plan import (CPU_STEP_TOKENS, GPU_STEP_TOKENS, PrefillPlan, plan_prefill,
                                           prefill_tokens, step_tokens)
-from provider.jobs import Done, Job
+from provider.jobs import Job
+from provider.outputs import Done
 from tests.helpers import collect, greedy, make_node, run
 
 

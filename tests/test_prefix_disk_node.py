@@ -5,7 +5,8 @@ written (a sealed one)."""
 import pytest
 
 from provider.engine.prefix_cache import DISK_MIN_TOKENS
-from provider.jobs import Done, Job, PrefixScope
+from provider.jobs import Job, PrefixScope
+from provider.outputs import Done
 from tests.helpers import collect, greedy, run
 from tools.harness.nodes import make_node
 

@@ -22,7 +22,8 @@ from provider import paths
 from provider.engine import kv_file
 from provider.engine.prefix_blocks import BLOCK, scope_of
 from provider.engine.prefix_disk import DiskTier
-from provider.jobs import Done, Job
+from provider.jobs import Job
+from provider.outputs import Done
 from provider.models.default import DEMO_TARGET
 from tests.helpers import LocalServer, collect, greedy, make_node, run
 from tests.test_prefix_disk import llama, prefill, prompt  # noqa: F401 (llama: a fixture)

@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from provider.jobs import Done, Job, JobError
+from provider.jobs import Job, JobError
+from provider.outputs import Done
 from provider.memory.admission import FOREVER
 from provider.types import Cause
 from tests.helpers import collect, first_token, greedy, paused_models, run, until

@@ -4,7 +4,8 @@ from the prefix cache, giving the same tokens."""
 
 import pytest
 
-from provider.jobs import Done, Job, SamplingParams, Tokens
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Tokens
 from tests.helpers import collect, make_node, run
 
 PROMPT = "The provider node serves models to the network and keeps a cache of recent prompts " * 3

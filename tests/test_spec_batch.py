@@ -16,7 +16,8 @@ from provider.engine.spec_rounds import Speculator
 from provider.telemetry import SpecTelemetry
 from provider.models.gemma4_target import Target
 from provider.types import SpecReason
-from provider.jobs import Done, Job, Tokens
+from provider.jobs import Job
+from provider.outputs import Done, Tokens
 from provider.drafters.gemma4_assistant import load_assistant
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from tests.helpers import collect, greedy, make_node, run

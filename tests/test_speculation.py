@@ -14,7 +14,8 @@ from provider import speculation as sp
 from provider.engine.proposers import DraftModelDrafter
 from provider.engine.spec_rounds import speculative_tokens
 from provider.telemetry import SpecTelemetry
-from provider.jobs import Done, Error, Job, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Error
 from provider.types import Cause
 from tests.helpers import collect, greedy, make_node, run, until
 

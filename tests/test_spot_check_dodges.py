@@ -15,7 +15,7 @@ from coordinator_client.network_terms import NETWORK_MAX_TOKENS, network_terms
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.reference_coordinator import ReferenceCoordinator
 from coordinator_client.spot_checks import DEFAULT_VERIFY_FRACTION, NO_PROOF, VERIFY_DEADLINE_S, SpotChecks, siblings
-from provider.jobs import Done
+from provider.outputs import Done
 from provider.logs import CLIP_CHARS
 from tests.helpers import run, until
 from tools.harness.nodes import harness

@@ -13,7 +13,8 @@ from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.registration import heartbeat
 from provider.daemon import EXIT_ENGINE_FAILED
 from provider.engine import sampling
-from provider.jobs import Done, Error, Job, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Error
 from provider.types import Cause
 from provider.local.server import start_local_api
 from tests.faulty_node import EngineKill, RaisingModel

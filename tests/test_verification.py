@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from provider.jobs import Done, Job, Proof, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Proof
 from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.proofs.commitment import (CHUNK, HEADER, TOP_K, CommitmentBuilder, CommitmentError, decode,
@@ -268,7 +269,7 @@ def test_commitments_stay_true_while_the_profiler_runs_the_same_model_on_its_own
 def test_a_verify_job_is_booked_cancelled_and_ended_once_like_any_job(fixtures_dir, monkeypatch):
     from provider.engine.verify_reads import VerifyReads
     from provider.jobs import Claim as Claimed
-    from provider.jobs import Error
+    from provider.outputs import Error
     from tests.helpers import until
 
     node = make_node({"m": fixtures_dir / "gemma4-tiny"}, commitments="on", speculation="off")

@@ -20,7 +20,8 @@ import pytest
 from coordinator_client import convert
 from coordinator_client.pb import provider_pb2 as pb
 from coordinator_client.spot_checks import SpotChecks
-from provider.jobs import Claim, Done, Job, Proof, SamplingParams
+from provider.jobs import Claim, Job, SamplingParams
+from provider.outputs import Done, Proof
 from tools.fixtures import cheats as cheat_fixtures
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET
 from provider.proofs.verdicts import CPU, DIVERGENT_KERNELS, Tolerance, clamped, looser

@@ -13,7 +13,8 @@ from coordinator_client.convert import job_from_request, proof_from_pb, proof_to
 from coordinator_client.outcomes import proof_digest
 from coordinator_client.pb import provider_pb2 as pb
 from provider.jobs import Claim as JobClaim
-from provider.jobs import Done, Job, Proof, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Proof
 from tools.fixtures import cheats as cheat_fixtures
 from provider.types import JobError
 from provider.proofs.commitment import CommitmentBuilder, decode

@@ -16,7 +16,8 @@ from provider.engine.grammar import RowGrammar
 from provider.engine.grammar_compile import Compiler
 from provider.engine.output import end_ids
 from provider.jobs import Claim as Claimed
-from provider.jobs import Done, Error, Job, Proof, SamplingParams
+from provider.jobs import Job, SamplingParams
+from provider.outputs import Done, Error, Proof
 from provider.prompts import CompiledGrammar
 from provider.proofs.commitment import CommitmentBuilder
 from provider.verification.replay import GrammarReplay

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from provider.content import IMAGE_PART, ImageInput
-from provider.jobs import Claim, Done, Error, Job, Proof, SamplingParams
+from provider.jobs import Claim, Job, SamplingParams
+from provider.outputs import Done, Error, Proof
 from tools.fixtures import cheats as cheat_fixtures
 from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 from provider.types import Cause, SpecMode

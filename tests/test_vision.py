@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 from provider.content import IMAGE_PART, ImageInput
-from provider.jobs import Done, Error, Job
+from provider.jobs import Job
+from provider.outputs import Done, Error
 from tools.fixtures.vision import make_gemma4_vlm, make_gemma4_vlm_assistant
 from provider.types import Cause, SpecMode
 from tests.helpers import collect, greedy, make_node, run
@@ -260,7 +261,7 @@ def test_a_text_stream_keeps_decoding_while_an_image_prompt_is_read_and_a_cancel
     """The image prompt is read a piece per engine pass (each image through the tower, then 16-token chunks), so
     a stream decoding beside it gets tokens between the image job's acceptance and its first token; a job
     cancelled mid-read ends cancelled and the node goes on (counted in tokens and events, not time)."""
-    from provider.jobs import Accepted, Tokens
+    from provider.outputs import Accepted, Tokens
     from provider.types import FinishReason
 
     small, wide = image(64, 64, 1), image(200, 120, 2)

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..generate_job import job_of, summary_of
-from ..jobs import Done, Error, Job, Tokens
+from ..jobs import Job
+from ..outputs import Done, Error, Tokens
 from ..types import Cause, JobError
 
 EX_USAGE_FLAG = 2  # a bad flag value: as argparse exits

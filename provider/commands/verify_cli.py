@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from .generate import CAUSE_EXIT, EX_DATAERR, EX_NOINPUT, EX_SOFTWARE, EX_USAGE_FLAG
-from ..jobs import Done, Error
+from ..outputs import Done, Error
 from ..types import JobError
 
 EXIT_FAILED = 1

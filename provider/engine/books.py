@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import logs
-from ..jobs import Done, Error, Event, Sink
+from ..outputs import Done, Error, Event, Sink
 from ..models.residency import Residency
 from ..status import EngineStats
 from ..types import FinishReason

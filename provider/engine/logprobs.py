@@ -18,7 +18,7 @@ from functools import lru_cache
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
 
-from ..jobs import TokenLogprob
+from ..outputs import TokenLogprob
 from .prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
 
 SCORE_BYTES_PER_LOGIT = 16  # a scored position's logits, their float32 log-softmax and top-k indices

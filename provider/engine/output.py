@@ -12,8 +12,10 @@ import time
 
 import mlx.core as mx
 
-from ..jobs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Event, Job, Proof, \
-    TokenLogprob, Tokens, Usage
+from ..jobs import Job
+from ..outputs import (
+    GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Event, Proof, TokenLogprob, Tokens, Usage,
+)
 from ..telemetry import SpecTelemetry, Telemetry
 from ..types import FinishReason, SpecMode
 from ..models.tool_format import ToolFormat

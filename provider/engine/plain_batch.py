@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from ..jobs import Event, Sink
+from ..outputs import Event, Sink
 from ..models.loader import LoadedModel
 from ..types import FinishReason
 from .logprobs import LogprobRequest, PromptScorer, log_softmax, pick, read, texts_for

@@ -76,7 +76,7 @@ def reading_bytes(lm, plain, spec, budget: int) -> int:
     scratch): for each prompt being read, a chunk of at most `longest_read(budget)` (up to PREFILL_ROWS in one
     plain forward, one at a time speculating), and what its hook holds beside: a scored chunk's logits
     (SCORE_SCRATCH_BYTES), a media prompt's arrays and embeddings, the vision tower's scratch for the
-    largest item left to encode. `plain` and `spec` are running.Layout's."""
+    largest item left to encode. `plain` and `spec` are batch_layout.Layout's."""
     if lm.act_shape is None:
         return 0
     chunk = longest_read(budget)

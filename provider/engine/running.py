@@ -9,23 +9,22 @@ raises fails that job; a failure inside a forward shared by a batch fails that b
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
 
 from .. import logs
-from ..jobs import Error, Event, Job, JobError, Sink
+from ..jobs import Job, JobError
+from ..outputs import Error, Event, Sink
 from ..types import Cause, FinishReason, SpecReason
-from ..memory.batch_kv import plain_batch_bytes, spec_batch_bytes
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..status import QueueStatus
 from ..models.tool_format import ToolFormat
 from ..media.plan import MediaPlan
-from ..memory.estimate import media_read_bytes, vision_scratch_bytes
 from ..prompts import CompiledGrammar
 from ..proofs.commitment import CommitmentBuilder
 from .grammar import GrammarProcessor, RowGrammar
+from .batch_layout import Layout, held_bytes, layout_of, with_one_more
 from .plain_batch import PlainBatch
-from .prompt_reader import PREFILL_ROWS, reading_bytes
+from .prompt_reader import PREFILL_ROWS
 from .output import JobOutput
 from . import sampling
 from .prefix_cache import DISK, PrefixCache
@@ -36,20 +35,6 @@ from .vision_prefill import MediaRead, MediaReads
 from .collective import collective_failure
 
 Delivery = tuple[list[Event], Sink]
-
-
-@dataclass
-class Layout:
-    """One batch's rows as memory sees them: each row's final length, and the prompts still being read."""
-
-    finals: list[int] = field(default_factory=list)
-    reading: list[int] = field(default_factory=list)
-    scoring: bool = False  # a prompt is being scored: its logits' scratch (prompt_reader.SCORE_SCRATCH_BYTES) is held
-    copying: int = 0  # bytes of the copy of its caches its next step makes, rows having joined or left (PlainBatch)
-    media: int = 0  # what prompts with media hold beside their KV until read: prepared arrays, embeddings
-    vision: int = 0  # the vision tower's scratch, for the largest image left to encode (one encode at a time)
-
-
 log = logs.get("engine")
 
 
@@ -88,25 +73,16 @@ class Running:
 
     def booked_bytes(self, model_id: str) -> int:
         """What the model's batches will hold: KV when every row they run now reaches its final length, and the
-        scratch of reading the prompts still being read."""
+        scratch of reading the prompts still being read (engine.batch_layout)."""
         rows = self._batches.get(model_id) or self._speculating.get(model_id) or next(
             iter(self._media.rows(model_id) + self._verifying.rows(model_id)), None)
-        return self._bytes(rows.lm, *self._layout(model_id)) if rows is not None else 0
+        return self._held(rows.lm, *self._layout(model_id)) if rows is not None else 0
 
     def booking_with(self, lm: LoadedModel, prompt: int, final: int, scored: bool = False,
                      media: MediaPlan | None = None) -> int:
-        """The same with one more job (`prompt` tokens, `final` at the end; `scored`: its prompt logprobs wanted;
-        `media`: its images) wherever it will decode: plain, plain with the speculating rows demoted, or speculating
-        (the largest: decided after admission). A job with media is read first (media held, the tower's scratch)."""
-        plain, spec = self._layout(lm.id)
-        held, scratch = (0, 0) if media is None else job_media_bytes(lm, prompt, media)
-        joined = Layout(plain.finals + [final], plain.reading + [prompt], plain.scoring or scored, plain.copying,
-                        plain.media + held, max(plain.vision, scratch))
-        layouts = [(joined, spec), (Layout(joined.finals + spec.finals, joined.reading + spec.reading,
-                                           joined.scoring, plain.copying, joined.media, joined.vision), Layout())]
-        if lm.drafter is not None:
-            layouts.append((plain, Layout(spec.finals + [final], spec.reading + [prompt])))
-        return max(self._bytes(lm, p, s) for p, s in layouts)
+        """The same with one more job, wherever it will decode (batch_layout.with_one_more)."""
+        return max(self._held(lm, p, s) for p, s in with_one_more(lm, *self._layout(lm.id), prompt, final, scored,
+                                                                  media))
 
     def models(self) -> set[str]:
         return set(self._batches) | set(self._speculating) | {r.lm.id for r in self._media.rows()} \
@@ -117,28 +93,15 @@ class Running:
         plain, spec = self._batches.get(model_id), self._speculating.get(model_id)
         # Media reads and verify reads: read, not decoding (a verify read as a scored prompt to the claim's end).
         plain_rows = (plain.rows() if plain else []) + self._media.rows(model_id) + self._verifying.rows(model_id)
-        layout = _layout(plain_rows, lambda r: r.output.t_first is None)
+        layout = layout_of(plain_rows, lambda r: r.output.t_first is None)
         layout.copying = plain.copying if plain else 0
         reads = self._media.rows(model_id) + self._verifying.rows(model_id)  # a claim's images are read alike
         layout.media = sum(r.held_bytes for r in reads)
         layout.vision = max((r.scratch_bytes for r in reads), default=0)
-        return layout, _layout(spec.rows() if spec else [], lambda r: r.spec.reading)
+        return layout, layout_of(spec.rows() if spec else [], lambda r: r.spec.reading)
 
-    def _bytes(self, lm: LoadedModel, plain: Layout, spec: Layout) -> int:
-        if lm.kv_shape is None:
-            return 0
-        # A plain batch that copies its caches (a row joined or left) holds the copy beside them for a step.
-        kv = plain_batch_bytes(plain.finals, lm.kv_shape) + plain.copying \
-            + spec_batch_bytes(spec.finals, lm.kv_shape, lm.draft_kv_shape)
-        finals = plain.finals + spec.finals
-        return kv + self._keeping_bytes(lm, finals) + reading_bytes(lm, plain, spec, self._step_tokens)
-
-    def _keeping_bytes(self, lm: LoadedModel, finals: list[int]) -> int:
-        """A row that ends is kept for reuse: the prefix cache copies its KV (prefix_cache.owned) while its batch
-        holds it, until the step ends. The largest row's copy is booked (~80 MiB: a 10k-token KV-heavy turn)."""
-        if self._prefix_cache_bytes <= 0 or not finals:
-            return 0
-        return min(lm.kv_shape.bytes_for(max(finals)), self._prefix_cache_bytes)
+    def _held(self, lm: LoadedModel, plain: Layout, spec: Layout) -> int:
+        return held_bytes(lm, plain, spec, step_tokens=self._step_tokens, prefix_cache_bytes=self._prefix_cache_bytes)
 
     # --- starting -----------------------------------------------------------------
 
@@ -331,19 +294,6 @@ class Running:
     def keep_prefix_caches_of(self, resident: set[str]) -> None:
         for model_id in [m for m in self.prefixes if m not in resident]:
             del self.prefixes[model_id]  # its KV is of no use without the model
-
-
-def _layout(rows: list, reading) -> Layout:
-    return Layout([r.output.prompt_tokens + r.output.max_tokens for r in rows],
-                  [r.output.prompt_tokens for r in rows if reading(r)],
-                  any(getattr(r, "scorer", None) is not None for r in rows))
-
-
-def job_media_bytes(lm: LoadedModel, prompt: int, media: MediaPlan) -> tuple[int, int]:
-    """What a job's media hold while its prompt is read (their prepared arrays, the prompt's embeddings), and the
-    tower's scratch for the largest of them: what its MediaRead will say (held_bytes, scratch_bytes) at its start."""
-    return (media.nbytes + media_read_bytes(lm.config, prompt),
-            max((vision_scratch_bytes(lm.config, n) * at_once for n, at_once in media.encodes()), default=0))
 
 
 def _failed(job_id: str, e: BaseException) -> Error:

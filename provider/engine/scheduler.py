@@ -21,7 +21,8 @@ import time
 from typing import Callable
 
 from .. import logs
-from ..jobs import Accepted, Done, Error, Event, Job, JobError, Sink, Usage
+from ..jobs import Job, JobError
+from ..outputs import Accepted, Done, Error, Event, Sink, Usage
 from ..types import Cause, FinishReason
 from ..memory.admission import ADMIT, WAIT
 from ..models.loader import LoadedModel
@@ -29,6 +30,7 @@ from ..models.residency import Residency
 from ..prompts import Prepared
 from ..status import EngineStats
 from ..telemetry import NOT_STARTED
+from .batch_bookings import BatchBookings
 from .books import Books, deliver
 from .inbox import WAKE, Call, Cancel, Stop
 from .job_plan import job_plan
@@ -54,10 +56,7 @@ class Engine:
         self._waiting = WaitingJobs()
         self.stats = EngineStats()
         self._books = Books(models, self.stats)  # every job from its queueing to its one terminal event
-        # Bookings of each model's batches (_rebook): the models booked, the last step's and the floor they keep.
-        self._booked_models: set[str] = set()
-        self._last_step: dict[str, int] = {}
-        self._floor: dict[str, int] = {}
+        self._bookings = BatchBookings(lambda model_id, booked: self.models.book(model_id, booked))  # _rebook
         self._running = running(stats=self.stats, step_tokens=step_tokens, max_rows=max_concurrent,
                                 prefix_cache_bytes=prefix_cache_bytes, prefix_disk=prefix_disk)
         self._next_idle_check, self._evictions_seen = 0.0, 0
@@ -333,18 +332,8 @@ class Engine:
                 deliver(sink, ev)
 
     def _rebook(self, step: bool = False) -> None:
-        """Book in the residency what each model's batches will hold, from the rows they run now. A booking
-        grows at once and shrinks a step late: MLX evaluates a step after the engine has moved on (async), and
-        a row leaving a batch copies the rows that stay, so memory goes a step after the rows do. A model with
-        no rows left holds nothing (its last step was read back)."""
-        now = {model_id: self._running.booked_bytes(model_id) for model_id in self._running.models()}
-        if step:  # the floor until the next step: this step's rows and the previous step's
-            self._floor = {m: max(b, self._last_step.get(m, 0)) for m, b in now.items()}
-            self._last_step = now
-        for model_id in set(self._booked_models) | set(now):
-            booked = now.get(model_id, 0)
-            self.models.book(model_id, max(booked, self._floor.get(model_id, 0)) if booked else 0)
-        self._booked_models = set(now)
+        """Book in the residency what each model's batches will hold, from the rows they run now (batch_bookings)."""
+        self._bookings.update({m: self._running.booked_bytes(m) for m in self._running.models()}, step)
 
     def _update_counts(self) -> None:
         self.stats.active = len(self._running)

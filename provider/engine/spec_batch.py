@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jobs import Event, Sink
+from ..outputs import Event, Sink
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from .acceptance import SampledChoice, choice_for

@@ -12,7 +12,7 @@ import json
 import secrets
 
 from .. import logs
-from ..jobs import ToolCall
+from ..outputs import ToolCall
 from ..models.tool_format import ToolFormat
 
 log = logs.get("engine")

@@ -2,7 +2,7 @@
 per pass (the reader the engine is given: provider.verification.verifier.read_claim, built on the one prompt
 reader), oldest first, and ends with its verdict. The engine sits below verification: the node that builds it
 hands it the verifier's reader, and an engine given none refuses verify jobs. Memory sees one as a plain row
-reading a scored prompt (running.Layout: its KV to the claim's end, the scoring scratch a chunk's logits take).
+reading a scored prompt (batch_layout.Layout: its KV to the claim's end, the scoring scratch a chunk's logits take).
 
 A claim whose request has images or video reads its prompt as the job that made it did: by the engine's own
 vision prefill (vision_prefill.MediaRead: the same media, prepared again from the request within the same
@@ -17,7 +17,8 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..jobs import Event, JobError, Sink
+from ..jobs import JobError
+from ..outputs import Event, Sink
 from ..media.plan import MediaPlan
 from ..memory.budget import system_facts
 from ..proofs.verdicts import ChunkVerdict, VerdictSummary, for_backend, looser

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..jobs import Job, Sink
+from ..jobs import Job
+from ..outputs import Sink
 
 MAX_PASSED_OVER = 8
 

@@ -21,7 +21,8 @@ from typing import Callable
 from .. import logs
 from ..engine.running import Delivery, Running
 from ..engine.sampling import job_seed
-from ..jobs import Done, Error, Job, JobError, Tokens
+from ..jobs import Job, JobError
+from ..outputs import Done, Error, Tokens
 from ..models.loader import LoadedModel
 from ..speculation import SpecPlan
 from ..types import Cause

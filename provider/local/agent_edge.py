@@ -18,7 +18,8 @@ from aiohttp import web
 
 from .. import logs
 from ..constraints import ANNOTATIONS, ENFORCED, MAX_DESCRIPTION_CHARS, MAX_TOOLS, NAME, Tool, subschemas
-from ..jobs import Done, Error, Event, Job, JobError, Tokens, Usage
+from ..jobs import Job, JobError
+from ..outputs import Done, Error, Event, Tokens, Usage
 from ..node import Node
 from . import openai_api as api
 from .choices import merged, open_choices

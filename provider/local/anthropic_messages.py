@@ -17,7 +17,8 @@ from typing import Any
 
 from ..constraints import MAX_ARGUMENTS_CHARS, OutputRules, ToolChoice
 from ..content import IMAGE_PART, ImageInput
-from ..jobs import Done, Job, JobError, SamplingParams, ToolCall
+from ..jobs import Job, JobError, SamplingParams
+from ..outputs import Done, ToolCall
 from ..types import FinishReason
 from . import openai_api as api
 from .agent_edge import EdgeNotes, agent_tool, bounded_tools, check_max_tokens, check_tools_sent

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..jobs import Done, Error
+from ..outputs import Done, Error
 from ..node import Node
 from . import anthropic_messages as am
 from . import openai_api as api

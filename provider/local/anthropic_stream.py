@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..jobs import Done, ToolCall
+from ..outputs import Done, ToolCall
 from . import anthropic_messages as am
 from .agent_edge import EdgeNotes
 

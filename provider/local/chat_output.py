@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..jobs import Done, TokenLogprob, ToolCall, Usage
+from ..outputs import Done, TokenLogprob, ToolCall, Usage
 from ..status import NodeStatus
 from ..types import FinishReason
 

@@ -13,8 +13,9 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..jobs import Accepted, Error, Event, TERMINAL, Tokens
-from ..node import JobStream, Node
+from ..outputs import Accepted, Error, Event, TERMINAL, Tokens
+from ..job_stream import JobStream
+from ..node import Node
 from ..types import Cause
 from . import openai_api as api
 

@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from ..generate_job import job_of
-from ..jobs import Done, Error, Tokens
+from ..outputs import Done, Error, Tokens
 from ..node import Node
 from ..types import Cause, JobError
 from . import openai_api as api

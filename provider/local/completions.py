@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from ..jobs import Done, Error, TokenLogprob, Usage
+from ..outputs import Done, Error, TokenLogprob, Usage
 from ..node import Node
 from . import openai_api as api
 from . import chat_output as out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..jobs import Done, ToolCall
+from ..outputs import Done, ToolCall
 from ..types import FinishReason
 from .agent_edge import EdgeNotes
 

@@ -12,7 +12,7 @@ import dataclasses
 
 from aiohttp import web
 
-from ..jobs import Done, Error
+from ..outputs import Done, Error
 from ..node import Node
 from . import openai_api as api
 from . import responses_output as out

@@ -2,9 +2,10 @@
 
 Loads run on one loader thread, so the engine keeps decoding other models meanwhile; every job that wants
 a model still loading waits on the same future (one load). A target and its drafter are planned together
-from file-only estimates (`memory.admission.plan_load`, then `speculation.plan_drafter` for the headroom
-left), then loaded by `loader.load_pair`; the measured size replaces the estimate. The engine thread is the
-only caller of `request`/`acquire`/`release`/`unload_idle`; any thread may read `statuses`/`memory_status`.
+from what their files say (`models.load_needs`; `memory.admission.plan_load`, then `speculation.plan_drafter`
+for the headroom left), then loaded by `loader.load_pair`; the measured size replaces the estimate. The
+engine thread is the only caller of `request`/`acquire`/`release`/`unload_idle`; any thread may read
+`statuses`/`memory_status`.
 """
 
 from __future__ import annotations
@@ -13,28 +14,24 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from .. import logs
-from ..drafters import registry
 from ..jobs import JobError
 from ..types import Cause, Policy, SpecReason
 from ..memory.admission import ADMIT, JobAdmission, idle_to_unload, plan_job, plan_load
 from ..memory.batch_kv import plain_batch_bytes
-from ..memory.estimate import KVQuant, KVShape
+from ..memory.estimate import KVShape
 from ..memory.budget import Budget
 from ..speculation import SpeculationConfig, plan_drafter, plan_group_drafter
 from ..status import MemoryStatus, ModelStatus
-from . import capability, loader, manifest
+from . import loader, manifest
 from .catalog import Catalog
-from ..memory.checkpoint import HeaderError, read_config
-from .footprint import estimate_footprint
+from .load_needs import load_needs
 from .loader import LoadedModel
 from .resident_model import ResidentModel, free_mlx_cache, mlx_active
 from ..drafters.mtp.split_lm_head import held_bytes
 from .spec_profiles import SpecProfiles
-from .store import StoredModel
 
 log = logs.get("models")
 
@@ -273,19 +270,10 @@ class Residency:
     def _load_admitted(self, model_id: str) -> LoadedModel:
         stored = self.catalog.stored(model_id)
         path, config = self.catalog.checkpoint(model_id)
-        if stored.sha256:
-            manifest.verify_pin(model_id, path, stored.sha256)
-        if stored.drafter_sha256 and stored.drafter:
-            manifest.verify_pin(f"{model_id}'s drafter", Path(stored.drafter).expanduser(), stored.drafter_sha256)
-        try:
-            kv_quant = self.kv_quant(stored)
-            fp = estimate_footprint(path, config, kv_tokens=self._kv_tokens, prefill_step=self._prefill_step,
-                                    ranks=self._ranks, kv_quant=kv_quant)
-        except (HeaderError, OSError) as e:
-            raise JobError(Cause.MODEL_LOAD_FAILED, f"cannot read the weights of {model_id}: {e}") from None
-        kind, drafter_path, drafter_need, caps = self._drafter_need(stored, path, config)
-        whole_head = kind.group_bytes(drafter_path, config, self._ranks) if kind and self._ranks > 1 else 0
-        drafter_need += whole_head
+        needs = load_needs(stored, path, config, kv_tokens=self._kv_tokens,
+                           prefill_step=self._prefill_step, ranks=self._ranks, k=self.speculation.k,
+                           kv_bits=self._kv_bits, kv_group_size=self._kv_group_size)
+        fp, kind, drafter_path, drafter_need = needs.footprint, needs.kind, needs.drafter_path, needs.drafter_bytes
         with self._lock:
             entry = self._entries[model_id]
             others = [e.resident(self._idle_timeout) for mid, e in self._entries.items() if mid != model_id]
@@ -301,7 +289,7 @@ class Residency:
             entry.footprint = fp
             # After the target, and after what running jobs and the prefix caches hold: a drafter must fit now.
             headroom = self.budget.usable - sum(e.bytes for e in self._entries.values()) - in_flight
-            drafting = plan_drafter(caps, self.speculation.policy, drafter_need, headroom)
+            drafting = plan_drafter(needs.caps, self.speculation.policy, drafter_need, headroom)
             if self.group is not None:  # on rank 0 alone: a kind that reads only what rank 0 holds whole
                 drafting = plan_group_drafter(drafting, self.speculation.policy, bool(kind and kind.group_drafts))
             if drafting.mode is not None:
@@ -313,14 +301,14 @@ class Residency:
         lm, active_delta = loader.load_pair(model_id, path, drafter_path if drafting.mode else None, drafting,
                                             self.group, self.group_split)
         lm.kv_shape, lm.act_shape, lm.act_reserve = fp.kv_shape, fp.act_shape, fp.activations
-        lm.kv_quant, lm.identity = kv_quant, manifest.quick_identity(path)
+        lm.kv_quant, lm.identity = needs.kv_quant, manifest.quick_identity(path)
         if lm.drafter is not None and self.profiler is not None and self.speculation.policy is Policy.AUTO:
             self._profiles.at_load(model_id, lm, path, drafter_path, self.profiler)  # kept, or measured meanwhile
         # Never account for less than the parameters hold (concurrent frees can hide part of the delta).
         measured = max(active_delta, loader.parameter_bytes(lm))
         with self._lock:
             entry.measured_weights, entry.active_delta = measured, active_delta
-            held = held_bytes(lm.drafter_lm_head) - whole_head  # a group's whole LM head as read, not as guessed
+            held = held_bytes(lm.drafter_lm_head) - needs.whole_head  # a group's whole LM head as read, not guessed
             entry.drafter_bytes = 0 if lm.drafter is None else entry.drafter_bytes + held
             entry.lm = lm
             entry.last_used = time.monotonic()
@@ -328,27 +316,6 @@ class Residency:
                  drafter=lm.drafter_mode, speculation_reason=lm.drafter_reason, measured_weight_bytes=measured,
                  active_delta_bytes=active_delta, reserved_bytes=entry.bytes, evicted=list(plan.evict))
         return lm
-
-    def kv_quant(self, stored: StoredModel) -> KVQuant | None:
-        """The KV cache precision a model is served with: its own [models.<id>] keys, else the node's."""
-        bits, group = stored.kv_precision(self._kv_bits, self._kv_group_size)
-        return KVQuant(bits, group) if bits else None
-
-    def _drafter_need(self, stored: StoredModel, path: Path, config: dict):
-        """The kind of the target's drafter (None: none pairs), its path, its bytes as its kind books them, and the
-        target's capabilities: config files and headers only, so a drafter that does not pair never has its weights
-        read."""
-        drafter_path = Path(stored.drafter).expanduser() if stored.drafter else None
-        caps = capability.with_drafter(capability.detect(path, config), path, drafter_path, config)
-        if drafter_path is None and caps.mtp_capable:
-            drafter_path = path  # its own MTP head, inside its checkpoint
-        if not (caps.mtp_capable or caps.draft_compatible):
-            if drafter_path is not None:
-                log.warning("drafter_not_paired", model=stored.id, drafter=str(drafter_path), why=caps.drafter_reason)
-            return None, drafter_path, 0, caps
-        kind = registry.named(caps.speculates_with)
-        need = kind.footprint(drafter_path, read_config(drafter_path), self.speculation.k, self._prefill_step)
-        return kind, drafter_path, need, caps
 
     def _unload_locked(self, model_id: str, why: str) -> None:
         e = self._entries.pop(model_id, None)

@@ -1,5 +1,5 @@
 """Each output token against the distribution the verifier computes for its position: what the node says it
-drew with (jobs.Proof.sampler) decides the check.
+drew with (outputs.Proof.sampler) decides the check.
 
 - greedy: the token is the argmax, or within `tie` nats of it (a near-tie the two forwards may break apart);
 - replayable: the token is the argmax of the seeded Gumbel draw at its position (engine.sampling.perturbed),
@@ -31,7 +31,8 @@ import numpy as np
 
 from ..engine.grammar import RowGrammar, masked
 from ..engine.sampling import logits_processors_for, perturbed
-from ..jobs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, SamplingParams
+from ..jobs import SamplingParams
+from ..outputs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER
 from ..types import Cause
 
 

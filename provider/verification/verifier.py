@@ -24,7 +24,8 @@ from ..engine.logprobs import SCORE_BYTES_PER_LOGIT
 from ..engine.output import end_ids
 from ..engine.prompt_reader import SCORE_SCRATCH_BYTES, PromptReader
 from ..engine.stops import StopMatcher
-from ..jobs import SPECULATIVE_SAMPLER, Proof, SamplingParams
+from ..jobs import SamplingParams
+from ..outputs import SPECULATIVE_SAMPLER, Proof
 from ..proofs.verdicts import Tolerance
 from .claim_rules import Failure, TokenCheck, length_failure, token_check
 from ..proofs.commitment import CHUNK, ChunkMatch, CommitmentError, decode, match_chunk

@@ -71,7 +71,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from provider.engine.output import end_ids  # noqa: E402
 from provider.engine.sampling import sampler_for  # noqa: E402
-from provider.jobs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, Proof, SamplingParams  # noqa: E402
+from provider.jobs import SamplingParams
+from provider.outputs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, Proof  # noqa: E402
 from tools.fixtures import cheats as cheat_fixtures, factory  # noqa: E402
 from provider.models.loader import LoadedModel, load, warm_up  # noqa: E402
 from provider.proofs.commitment import CHUNK, ChunkMatch, CommitmentBuilder, decode, match_chunk  # noqa: E402
