@@ -60,11 +60,11 @@ def _graph():
 
 # The floors of the packages under the node, from the top (docs/architecture.md): a package imports only those on
 # the floors below its own. `drafters`, the registry of drafter kinds and their model code, sits below `models`,
-# whose capability, loader, footprint and residency ask it, and above `memory` (which reads checkpoints). `proofs`
-# (the hidden-state tap, the commitment) sits lowest: models and drafters install taps, the engine commits, the
-# verifier reads them back. `media` (decoding, processors, a job's media plan) only reads the vocabulary, so it sits
-# just above `proofs`. The command line (provider.commands) is above them all and nothing imports it
-# (test_nothing_below_the_command_line_imports_it).
+# whose capability, loader, footprint, load needs and residency ask it, and above `memory` (which reads
+# checkpoints). `proofs` (the hidden-state tap, the commitment) sits lowest: models and drafters install taps, the
+# engine commits, the verifier reads them back. `media` (decoding, processors, a job's media plan) only reads the
+# vocabulary, so it sits just above `proofs`. The command line (provider.commands) is above them all and nothing
+# imports it (test_nothing_below_the_command_line_imports_it).
 FLOORS = ("provider.group", "provider.verification", "provider.engine", "provider.models", "provider.drafters",
           "provider.memory", "provider.media", "provider.proofs")
 

@@ -38,7 +38,7 @@ class JobOutput:
         self.seed = None if job.sampling.greedy else job_seed(job.sampling)
         self.commitment = None  # a committing job's proofs.commitment.CommitmentBuilder
         self.replayable = True  # false once it drew by speculative sampling, whose draws nobody replays
-        self.verdict = None  # a verify job's jobs.VerdictSummary, once its claim is read
+        self.verdict = None  # a verify job's proofs.verdicts.VerdictSummary, once its claim is read
         self.grammar = None  # a constrained job's RowGrammar, wherever the job decodes
         self._calls = (ToolCallSplitter(tool_format, [t.as_openai() for t in job.rules.tools])
                        if job.rules.calls_tools and tool_format is not None else None)

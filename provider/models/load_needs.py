@@ -42,7 +42,8 @@ def kv_precision(stored: StoredModel, node_bits: int, node_group_size: int) -> K
 def load_needs(stored: StoredModel, path: Path, config: dict, *, kv_tokens: int, prefill_step: int, ranks: int,
                k: int, kv_bits: int, kv_group_size: int) -> LoadNeeds:
     """The needs of the model `stored` (its checkpoint at `path`, `config`), for a node of `ranks` ranks drafting
-    `k` tokens a round. Raises JobError (model_load_failed) for a pin that does not hold or unreadable weights."""
+    `k` tokens a round. Raises JobError: weights_mismatch for a pin that does not hold (manifest.verify_pin),
+    model_load_failed for weights it cannot read."""
     model_id = stored.id
     if stored.sha256:
         manifest.verify_pin(model_id, path, stored.sha256)

@@ -37,7 +37,7 @@ from mlx_lm import load  # noqa: E402
 
 from provider.engine import kv_quant  # noqa: E402
 from provider.engine.kv_quant import make_caches  # noqa: E402
-from provider.jobs import Job, SamplingParams
+from provider.jobs import Job, SamplingParams  # noqa: E402
 from provider.outputs import Done  # noqa: E402
 from provider.memory.estimate import KVQuant, quant_group, sliding_head_dim  # noqa: E402
 from tools.fixtures import factory  # noqa: E402

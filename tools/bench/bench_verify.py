@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from provider.jobs import Job, SamplingParams
+from provider.jobs import Job, SamplingParams  # noqa: E402
 from provider.outputs import Done  # noqa: E402
 from tools.fixtures import factory  # noqa: E402
 from provider.models.default import default_pair  # noqa: E402

@@ -71,7 +71,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from provider.engine.output import end_ids  # noqa: E402
 from provider.engine.sampling import sampler_for  # noqa: E402
-from provider.jobs import SamplingParams
+from provider.jobs import SamplingParams  # noqa: E402
 from provider.outputs import GREEDY_SAMPLER, REPLAYABLE_SAMPLER, Proof  # noqa: E402
 from tools.fixtures import cheats as cheat_fixtures, factory  # noqa: E402
 from provider.models.loader import LoadedModel, load, warm_up  # noqa: E402

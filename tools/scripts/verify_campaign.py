@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from provider.constraints import OutputRules, ResponseFormat  # noqa: E402
 from provider.engine.kv_quant import caches_for  # noqa: E402
 from provider.engine.output import end_ids  # noqa: E402
-from provider.jobs import Job, SamplingParams
+from provider.jobs import Job, SamplingParams  # noqa: E402
 from provider.outputs import REPLAYABLE_SAMPLER, SPECULATIVE_SAMPLER, Done, Proof  # noqa: E402
 from tools.fixtures import cheats as cheat_fixtures, factory as fixtures  # noqa: E402
 from provider.models.default import DEMO_ASSISTANT, DEMO_TARGET  # noqa: E402
