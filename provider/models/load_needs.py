@@ -43,7 +43,8 @@ def load_needs(stored: StoredModel, path: Path, config: dict, *, kv_tokens: int,
                k: int, kv_bits: int, kv_group_size: int) -> LoadNeeds:
     """The needs of the model `stored` (its checkpoint at `path`, `config`), for a node of `ranks` ranks drafting
     `k` tokens a round. Raises JobError: weights_mismatch for a pin that does not hold (manifest.verify_pin),
-    model_load_failed for weights it cannot read."""
+    model_load_failed for target weights it cannot read; a drafter's unreadable header raises as its kind reads it
+    (HeaderError), which Residency._load turns into model_load_failed."""
     model_id = stored.id
     if stored.sha256:
         manifest.verify_pin(model_id, path, stored.sha256)
